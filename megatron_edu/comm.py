@@ -1,0 +1,327 @@
+"""Every collective the package uses, in one place that can count them.
+
+Two layers:
+
+* **Plain collectives** (``all_reduce``, ``all_gather``, ``reduce_scatter``, ``broadcast``,
+  ``send``/``recv``, ``batch_p2p``): thin wrappers over ``torch.distributed`` that take a
+  ``CommGroup`` and note each call with any active ``record()``.
+* **The papers' autograd operators** (1909.08053 §3, Figure 3): ``f`` is the identity in the
+  forward pass and an all-reduce in the backward pass; ``g`` is its conjugate, an all-reduce
+  forward and the identity backward. ``gather``/``scatter`` along the last dimension, and
+  ``all_gather_seq``/``reduce_scatter_seq`` along the sequence dimension, are the same kind of
+  conjugate pairs.
+
+A group of size 1 makes every operation the identity, with nothing recorded — so a parallel
+layer at size 1 *is* the serial layer, and it communicates nothing.
+
+Bytes are counted as the size of the full buffer the collective works on (the convention of
+nccl-tests): an all-reduce of a [b, s, h] fp32 tensor is 4·b·s·h bytes, an all-gather counts its
+output, a reduce-scatter its input. ``CommEvent.wire_bytes`` is what one rank actually puts on the
+wire with a ring algorithm: 2(t−1)/t of that for an all-reduce, (t−1)/t for the others.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "CommGroup", "CommEvent", "CommLog", "record", "world",
+    "all_reduce", "all_reduce_", "all_gather", "reduce_scatter", "broadcast",
+    "send", "recv", "batch_p2p",
+    "f", "g", "gather", "scatter", "all_gather_seq", "reduce_scatter_seq",
+]
+
+
+# --- groups --------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class CommGroup:
+    """A named set of global ranks and its process group (None when it has one member)."""
+
+    name: str
+    ranks: tuple[int, ...]
+    pg: dist.ProcessGroup | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def rank(self) -> int:
+        """This process's index inside the group."""
+        return self.ranks.index(dist.get_rank())
+
+
+def world() -> CommGroup:
+    """All ranks (the default process group)."""
+    n = dist.get_world_size()
+    return CommGroup("world", tuple(range(n)), dist.group.WORLD if n > 1 else None)
+
+
+# --- the recorder --------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class CommEvent:
+    op: str          # all_reduce | all_gather | reduce_scatter | broadcast | send | recv
+    group: str       # tp | pp | dp | embedding | mp | world | p2p
+    group_size: int
+    bytes: int       # full buffer size (see the module docstring)
+    label: str = ""  # who called: "f backward", "g forward", "dp grads", ...
+
+    @property
+    def wire_bytes(self) -> float:
+        """Bytes one rank sends with a ring algorithm (send/recv: the message itself)."""
+        t = self.group_size
+        if self.op == "all_reduce":
+            return 2 * (t - 1) / t * self.bytes
+        if self.op in ("all_gather", "reduce_scatter", "broadcast"):
+            return (t - 1) / t * self.bytes
+        return float(self.bytes)
+
+
+@dataclass
+class CommLog:
+    """The calls made while a ``record()`` block was active, on this rank."""
+
+    events: list[CommEvent] = field(default_factory=list)
+
+    def select(self, op: str | None = None, group: str | None = None,
+               label: str | None = None) -> list[CommEvent]:
+        return [e for e in self.events
+                if (op is None or e.op == op) and (group is None or e.group == group)
+                and (label is None or e.label == label)]
+
+    def count(self, op: str | None = None, group: str | None = None,
+              label: str | None = None) -> int:
+        return len(self.select(op, group, label))
+
+    def total_bytes(self, op: str | None = None, group: str | None = None,
+                    label: str | None = None) -> int:
+        return sum(e.bytes for e in self.select(op, group, label))
+
+    def summary(self) -> dict[tuple[str, str, str], tuple[int, int]]:
+        """(op, group, label) -> (calls, bytes), in order of first appearance."""
+        calls: Counter = Counter()
+        nbytes: Counter = Counter()
+        for e in self.events:
+            calls[e.op, e.group, e.label] += 1
+            nbytes[e.op, e.group, e.label] += e.bytes
+        return {k: (calls[k], nbytes[k]) for k in calls}
+
+    def table(self) -> str:
+        rows = [f"{'op':<15}{'group':<11}{'label':<22}{'calls':>6}{'bytes':>12}"]
+        for (op, group, label), (n, b) in self.summary().items():
+            rows.append(f"{op:<15}{group:<11}{label:<22}{n:>6}{b:>12,}")
+        return "\n".join(rows)
+
+
+# A plain module list, not a context variable: autograd may run backward on its own threads
+# (one per device), and their collectives must be counted too.
+_active_logs: list[CommLog] = []
+
+
+@contextmanager
+def record() -> Iterator[CommLog]:
+    """Record every collective this rank makes inside the block."""
+    log = CommLog()
+    _active_logs.append(log)
+    try:
+        yield log
+    finally:
+        _active_logs.remove(log)
+
+
+def _note(op: str, group: CommGroup | str, size: int, nbytes: int, label: str) -> None:
+    name = group.name if isinstance(group, CommGroup) else group
+    for log in _active_logs:
+        log.events.append(CommEvent(op, name, size, nbytes, label or op))
+
+
+def _nbytes(x: torch.Tensor) -> int:
+    return x.numel() * x.element_size()
+
+
+# --- plain collectives ---------------------------------------------------------------------------
+
+def all_reduce_(x: torch.Tensor, group: CommGroup, label: str = "",
+                async_op: bool = False) -> dist.Work | None:
+    """Sum ``x`` in place over the group (optionally asynchronous: returns the work handle)."""
+    if group.size == 1:
+        return None
+    _note("all_reduce", group, group.size, _nbytes(x), label)
+    return dist.all_reduce(x, group=group.pg, async_op=async_op)
+
+
+def all_reduce(x: torch.Tensor, group: CommGroup, label: str = "") -> torch.Tensor:
+    """A new tensor: the sum of ``x`` over the group."""
+    if group.size == 1:
+        return x
+    y = x.contiguous().clone()
+    all_reduce_(y, group, label)
+    return y
+
+
+def all_gather(x: torch.Tensor, group: CommGroup, dim: int = -1,
+               label: str = "") -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim``, in group order."""
+    if group.size == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(group.size)]
+    _note("all_gather", group, group.size, _nbytes(x) * group.size, label)
+    dist.all_gather(parts, x.contiguous(), group=group.pg)
+    return torch.cat(parts, dim=dim)
+
+
+def reduce_scatter(x: torch.Tensor, group: CommGroup, dim: int = -1,
+                   label: str = "") -> torch.Tensor:
+    """Sum ``x`` over the group and keep this rank's 1/size slice along ``dim``."""
+    if group.size == 1:
+        return x
+    parts = [p.contiguous() for p in _split(x, group.size, dim)]
+    out = torch.empty_like(parts[0])
+    _note("reduce_scatter", group, group.size, _nbytes(x), label)
+    dist.reduce_scatter(out, parts, group=group.pg)
+    return out
+
+
+def broadcast(x: torch.Tensor, src: int, group: CommGroup, label: str = "") -> torch.Tensor:
+    """Every rank gets global rank ``src``'s ``x`` (in place; returned for convenience)."""
+    if group.size > 1:
+        _note("broadcast", group, group.size, _nbytes(x), label)
+        dist.broadcast(x, src=src, group=group.pg)
+    return x
+
+
+def send(x: torch.Tensor, dst: int, label: str = "") -> None:
+    _note("send", "p2p", 2, _nbytes(x), label)
+    dist.send(x.contiguous(), dst)
+
+
+def recv(x: torch.Tensor, src: int, label: str = "") -> torch.Tensor:
+    """Receive into the buffer ``x`` (its shape and dtype say what to expect)."""
+    _note("recv", "p2p", 2, _nbytes(x), label)
+    dist.recv(x, src)
+    return x
+
+
+def batch_p2p(sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.Tensor, int]],
+              label: str = "") -> None:
+    """Post all sends and receives at once, then wait: no ordering deadlock between neighbours.
+
+    ``sends`` are (tensor, destination rank), ``recvs`` are (buffer, source rank).
+    """
+    ops = []
+    for x, dst in sends:
+        _note("send", "p2p", 2, _nbytes(x), label)
+        ops.append(dist.P2POp(dist.isend, x.contiguous(), dst))
+    for x, src in recvs:
+        _note("recv", "p2p", 2, _nbytes(x), label)
+        ops.append(dist.P2POp(dist.irecv, x, src))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+
+def _split(x: torch.Tensor, n: int, dim: int) -> tuple[torch.Tensor, ...]:
+    if x.shape[dim] % n:
+        raise ValueError(f"cannot split dimension {dim} of size {x.shape[dim]} into {n} "
+                         "equal parts")
+    return x.chunk(n, dim=dim)
+
+
+# --- the papers' autograd operators --------------------------------------------------------------
+
+class _F(torch.autograd.Function):
+    """f (1909.08053 §3, Fig. 3a): identity forward, all-reduce of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce(grad, ctx.group, "f backward"), None
+
+
+class _G(torch.autograd.Function):
+    """g (1909.08053 §3, Fig. 3b): all-reduce forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return all_reduce(x, group, "g forward")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _AllGather(torch.autograd.Function):
+    """All-gather along ``dim`` forward; backward keeps this rank's slice of the gradient
+    (``reduce=False``, the inputs were copies) or reduce-scatters it (``reduce=True``, every rank
+    used the whole gathered tensor and contributed to its gradient: sequence parallelism)."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim, reduce, label):
+        ctx.group, ctx.dim, ctx.reduce, ctx.label = group, dim, reduce, label
+        return all_gather(x, group, dim, f"{label} forward")
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.reduce:
+            grad = reduce_scatter(grad, ctx.group, ctx.dim, f"{ctx.label} backward")
+        else:
+            grad = _split(grad, ctx.group.size, ctx.dim)[ctx.group.rank].contiguous()
+        return grad, None, None, None, None
+
+
+class _Split(torch.autograd.Function):
+    """Keep this rank's slice along ``dim`` forward (or reduce-scatter with ``reduce=True``);
+    backward all-gathers the gradient. The conjugate of ``_AllGather``."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim, reduce, label):
+        ctx.group, ctx.dim, ctx.label = group, dim, label
+        if reduce:
+            return reduce_scatter(x, group, dim, f"{label} forward")
+        return _split(x, group.size, dim)[group.rank].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather(grad, ctx.group, ctx.dim, f"{ctx.label} backward"), None, None, None, None
+
+
+def f(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
+    """Copy to the tensor-parallel region: identity forward, all-reduce backward."""
+    return x if group.size == 1 else _F.apply(x, group)
+
+
+def g(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
+    """Reduce from the tensor-parallel region: all-reduce forward, identity backward."""
+    return x if group.size == 1 else _G.apply(x, group)
+
+
+def gather(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
+    """Gather the last dimension from the tensor-parallel region (backward: keep own slice)."""
+    return x if group.size == 1 else _AllGather.apply(x, group, -1, False, "gather")
+
+
+def scatter(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
+    """Scatter the last dimension into the tensor-parallel region (backward: all-gather)."""
+    return x if group.size == 1 else _Split.apply(x, group, -1, False, "scatter")
+
+
+def all_gather_seq(x: torch.Tensor, group: CommGroup, dim: int = 1) -> torch.Tensor:
+    """Sequence parallelism's g: all-gather the sequence forward, reduce-scatter backward."""
+    return x if group.size == 1 else _AllGather.apply(x, group, dim, True, "all_gather_seq")
+
+
+def reduce_scatter_seq(x: torch.Tensor, group: CommGroup, dim: int = 1) -> torch.Tensor:
+    """Sequence parallelism's g-bar: reduce-scatter the sequence forward, all-gather backward."""
+    return x if group.size == 1 else _Split.apply(x, group, dim, True, "reduce_scatter_seq")

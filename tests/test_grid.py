@@ -1,0 +1,86 @@
+"""The process grid: Megatron's rank order (tp fastest, then dp, then pp) and its groups."""
+
+import pytest
+import torch.distributed as dist
+
+from megatron_edu.grid import GridLayout, ParallelGrid, all_layouts, validate_layout
+from megatron_edu.launch import RankError, run
+
+
+def test_rank_order_is_tp_fastest_then_dp_then_pp():
+    layout = GridLayout(tp=2, pp=4, dp=2)
+    assert layout.coords(0) == (0, 0, 0)
+    assert layout.coords(1) == (1, 0, 0)   # next tp rank
+    assert layout.coords(2) == (0, 0, 1)   # next dp replica
+    assert layout.coords(4) == (0, 1, 0)   # next pipeline stage
+    assert all(layout.rank_of(*layout.coords(r)) == r for r in range(16))
+
+
+def test_groups_of_16_ranks_as_tp2_pp4_dp2():
+    layout = GridLayout(tp=2, pp=4, dp=2)
+    assert layout.tp_groups() == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13],
+                                  [14, 15]]
+    assert layout.dp_groups() == [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14],
+                                  [13, 15]]
+    assert layout.pp_groups() == [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]]
+    assert layout.embedding_groups() == [[0, 12], [1, 13], [2, 14], [3, 15]]
+
+
+@pytest.mark.parametrize("layout", all_layouts(8), ids=str)
+def test_every_rank_is_in_exactly_one_group_of_each_kind(layout):
+    for groups in (layout.tp_groups(), layout.dp_groups(), layout.pp_groups()):
+        assert sorted(r for g in groups for r in g) == list(range(8))
+
+
+def test_all_layouts_of_8_are_the_ten_factorisations():
+    assert len(all_layouts(8)) == 10
+
+
+@pytest.mark.parametrize(("tp", "pp", "dp", "world", "message"), [
+    (2, 2, 2, 4, r"tp·pp·dp = 2·2·2 = 8 ranks, but the world has 4"),
+    (0, 1, 1, 1, "tp must be a positive integer, got 0"),
+    (1, 1.5, 1, 1, "pp must be a positive integer"),
+])
+def test_bad_layouts_name_the_numbers(tp, pp, dp, world, message):
+    with pytest.raises(ValueError, match=message):
+        validate_layout(tp, pp, dp, world)
+
+
+def _grid_facts(tp, pp, dp):
+    grid = ParallelGrid(tp=tp, pp=pp, dp=dp)
+    return (grid.tp_rank, grid.pp_rank, grid.dp_rank, grid.tp_group.ranks, grid.pp_group.ranks,
+            grid.dp_group.ranks, grid.embedding_group.ranks, grid.prev_rank, grid.next_rank)
+
+
+@pytest.mark.parametrize(("tp", "pp", "dp"), [(2, 2, 1), (1, 2, 2), (2, 1, 2), (4, 1, 1)])
+def test_each_rank_sees_its_coordinates_and_groups(tp, pp, dp):
+    layout = GridLayout(tp, pp, dp)
+    for rank, facts in enumerate(run(_grid_facts, 4, tp, pp, dp)):
+        t, p, d = layout.coords(rank)
+        assert facts[:3] == (t, p, d)
+        assert rank in facts[3] and rank in facts[4] and rank in facts[5]
+        assert facts[7:] == (layout.rank_of(t, (p - 1) % pp, d), layout.rank_of(t, (p + 1) % pp, d))
+
+
+def _sum_over_each_group(tp, pp, dp):
+    import torch
+
+    from megatron_edu import comm
+    grid = ParallelGrid(tp=tp, pp=pp, dp=dp)
+    one = torch.ones(1)
+    return [comm.all_reduce(one, group).item()
+            for group in (grid.tp_group, grid.pp_group, grid.dp_group, grid.mp_group)]
+
+
+def test_groups_really_communicate_among_their_members():
+    assert run(_sum_over_each_group, 8, 2, 2, 2) == [[2.0, 2.0, 2.0, 4.0]] * 8
+
+
+def _mismatched_grid():
+    ParallelGrid(tp=2, pp=2, dp=2)
+    dist.barrier()  # never reached: the grid raises before any collective
+
+
+def test_a_mismatched_grid_raises_before_any_collective():
+    with pytest.raises(RankError, match=r"tp·pp·dp = 2·2·2 = 8 ranks, but the world has 2"):
+        run(_mismatched_grid, 2, timeout=30)
