@@ -1,0 +1,33 @@
+# megatron-edu: `make test` and `make lab` work on a fresh clone (they create .venv first).
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+# torch 2.13.0: a CPU build where one is provided locally, the CUDA build from PyPI elsewhere.
+# On a GPU cluster pick your own: make install TORCH_SPEC="torch==2.13.0 --index-url ..."
+TORCH_SPEC ?= torch==2.13.0
+PIP    := $(PY) -m pip install --quiet --disable-pip-version-check
+
+.PHONY: install test lint lab bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) $(TORCH_SPEC)
+	$(PIP) -e ".[notebooks,test]"
+	$(PY) -m ipykernel install --sys-prefix --name megatron-edu --display-name "megatron-edu" >/dev/null
+	touch $@
+
+lint: install
+	$(PY) -m ruff check megatron_edu tests bench
+
+# Unit tests and every notebook (nbval compares the committed outputs), in one pytest run.
+test: lint
+	$(PY) -m pytest --nbval --nbval-current-env --nbval-sanitize-with notebooks/sanitize.cfg \
+		tests notebooks
+
+lab: install
+	$(PY) -m jupyter lab notebooks
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,147 @@
+"""A byte-level-fallback BPE tokenizer (sentencepiece), trained once per corpus and cached.
+
+1909.08053 §4.1 uses GPT-2's byte-pair encoding (Sennrich et al. 2016, arXiv 1508.07909; Radford
+et al. 2019) with a 50,257-token vocabulary, padded so it splits evenly across tensor-parallel
+ranks (§3). Here the same idea is trained on whatever corpus is at hand, in about a second:
+sentencepiece's BPE (Kudo & Richardson 2018, arXiv 1808.06226) with
+
+- byte fallback: a character outside the vocabulary is spelled as its UTF-8 bytes, so every
+  string round-trips exactly (`decode(encode(s)) == s`) and there is no <unk> in practice;
+- identity normalisation, kept whitespace and no dummy prefix: what is encoded is what decodes;
+- fixed special ids (unk 0, bos 1, eos 2, pad 3), and the end-of-document token `eos_id` that the
+  dataset puts between documents (Megatron's "eod");
+- deterministic training (every line of the corpus in order, no sampling), so training twice
+  gives the same model byte for byte, and quiet logging (nothing on stderr in a notebook).
+
+Trained models are cached under `cache_dir/tokenizers/`, keyed by the corpus' sha256, the vocabulary
+size and the model type.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import sentencepiece as spm
+
+from megatron_edu.data.corpus import documents_sha256, resolve_cache_dir, write_atomically
+
+UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 3
+MODEL_TYPES = ("bpe", "unigram")
+TOKENIZER_FORMAT = 1  # bump when the training options below change, so stale caches are not reused
+
+
+class Tokenizer:
+    """Text <-> token ids with a trained sentencepiece model (use `load` or `train_tokenizer`)."""
+
+    def __init__(self, processor: spm.SentencePieceProcessor, path: Path) -> None:
+        self._processor = processor
+        self.path = path
+
+    @classmethod
+    def load(cls, path: str | Path) -> Tokenizer:
+        """Load a sentencepiece `.model` file, with a clear error if it is missing or corrupt."""
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"tokenizer model not found: {path}")
+        try:
+            processor = spm.SentencePieceProcessor(model_file=str(path))
+        except RuntimeError as error:
+            raise ValueError(f"{path} is not a valid sentencepiece .model file ({error})") from None
+        return cls(processor, path)
+
+    def encode(self, text: str) -> list[int]:
+        return self._processor.encode(text)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """`encode` of many texts at once (sentencepiece runs the batch in C++)."""
+        return self._processor.encode(list(texts))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._processor.decode([int(i) for i in ids])  # accepts tensors and arrays too
+
+    @property
+    def vocab_size(self) -> int:
+        return self._processor.get_piece_size()
+
+    @property
+    def eos_id(self) -> int:
+        return self._processor.eos_id()
+
+    @property
+    def bos_id(self) -> int:
+        return self._processor.bos_id()
+
+    @property
+    def pad_id(self) -> int:
+        return self._processor.pad_id()
+
+    def __reduce__(self) -> tuple:
+        return (Tokenizer.load, (self.path,))  # ranks started by spawn reload the cached file
+
+    def __repr__(self) -> str:
+        return f"Tokenizer(vocab_size={self.vocab_size}, path={str(self.path)!r})"
+
+
+def train_tokenizer(
+    text: str | Sequence[str],
+    vocab_size: int,
+    cache_dir: str | Path | None = None,
+    model_type: str = "bpe",
+    max_lines: int = 200_000,
+) -> Tokenizer:
+    """Train (or load from the cache) a tokenizer on `text`: one string or a list of documents.
+
+    At most `max_lines` non-empty lines are used, evenly spaced through the corpus, which
+    keeps training to seconds on large corpora such as WikiText-103.
+    """
+    if model_type not in MODEL_TYPES:
+        raise ValueError(f"model_type must be one of {MODEL_TYPES}, got {model_type!r}")
+    documents = [text] if isinstance(text, str) else text
+    key = documents_sha256(documents)[:16]
+    name = f"{model_type}-{vocab_size}-{key}-v{TOKENIZER_FORMAT}.model"
+    path = resolve_cache_dir(cache_dir) / "tokenizers" / name
+    if not path.exists():
+        model = _train_sentencepiece(_training_lines(documents, max_lines), vocab_size, model_type)
+        write_atomically(path, lambda tmp: tmp.write_bytes(model))
+    return Tokenizer.load(path)
+
+
+def _training_lines(documents: Sequence[str], max_lines: int) -> list[str]:
+    """Non-empty lines of the corpus (sentencepiece trains on lines), every k-th if too many."""
+    lines = [line for document in documents for line in document.splitlines() if line.strip()]
+    return lines[:: math.ceil(len(lines) / max_lines)] if len(lines) > max_lines else lines
+
+
+def _train_sentencepiece(lines: list[str], vocab_size: int, model_type: str) -> bytes:
+    """The serialized sentencepiece model trained on `lines`, deterministically and quietly."""
+    model = io.BytesIO()
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(lines),
+            model_writer=model,
+            vocab_size=vocab_size,
+            model_type=model_type,
+            byte_fallback=True,
+            normalization_rule_name="identity",
+            remove_extra_whitespaces=False,
+            add_dummy_prefix=False,
+            allow_whitespace_only_pieces=True,  # indentation runs become single tokens
+            unk_id=UNK_ID,
+            bos_id=BOS_ID,
+            eos_id=EOS_ID,
+            pad_id=PAD_ID,
+            input_sentence_size=0,  # use every line given, in order: no random sampling
+            shuffle_input_sentence=False,
+            max_sentence_length=1 << 16,
+            num_threads=1,
+            minloglevel=2,  # errors only: sentencepiece logs to stderr, which notebooks show
+        )
+    except RuntimeError as error:  # e.g. a vocabulary larger than the corpus can fill
+        raise ValueError(
+            f"could not train a {vocab_size}-token {model_type} tokenizer on {len(lines)} lines "
+            f"of text: {error}"
+        ) from None
+    return model.getvalue()

@@ -1,0 +1,39 @@
+"""pyproject.toml and environment.yml install the same packages."""
+
+import re
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _name(requirement: str) -> str:
+    return re.split(r"[<>=!~\[; ]", requirement.strip(), maxsplit=1)[0].lower()
+
+
+def _pyproject_names() -> set[str]:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    names = {_name(r) for r in project["dependencies"]}
+    for extra in project["optional-dependencies"].values():
+        names |= {_name(r) for r in extra}
+    return names
+
+
+def _environment_pip_names() -> set[str]:
+    lines = (ROOT / "environment.yml").read_text().splitlines()
+    start = lines.index("  - pip:")
+    entries = [line.strip()[2:] for line in lines[start + 1:] if line.startswith("      - ")]
+    return {_name(e) for e in entries if not e.startswith("-e")}
+
+
+def test_environment_yml_lists_the_same_packages_as_pyproject():
+    assert _environment_pip_names() == _pyproject_names()
+
+
+def test_environment_yml_installs_the_package_itself():
+    assert "      - -e ." in (ROOT / "environment.yml").read_text().splitlines()
+
+
+def test_ci_runs_the_readme_test_command():
+    assert "make test" in (ROOT / ".ci/run").read_text()
+    assert "make test" in (ROOT / "README.md").read_text()
