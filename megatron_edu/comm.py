@@ -33,7 +33,7 @@ import torch.distributed as dist
 __all__ = [
     "CommGroup", "CommEvent", "CommLog", "record", "world",
     "all_reduce", "all_reduce_", "all_gather", "reduce_scatter", "broadcast",
-    "send", "recv", "batch_p2p",
+    "send", "isend", "recv", "batch_p2p",
     "f", "g", "gather", "scatter", "all_gather_seq", "reduce_scatter_seq",
 ]
 
@@ -201,6 +201,13 @@ def broadcast(x: torch.Tensor, src: int, group: CommGroup, label: str = "") -> t
 def send(x: torch.Tensor, dst: int, label: str = "") -> None:
     _note("send", "p2p", 2, _nbytes(x), label)
     dist.send(x.contiguous(), dst)
+
+
+def isend(x: torch.Tensor, dst: int, label: str = "") -> tuple[dist.Work, torch.Tensor]:
+    """Start sending ``x``; keep the returned (work, tensor) until ``work.wait()``."""
+    x = x.contiguous()
+    _note("send", "p2p", 2, _nbytes(x), label)
+    return dist.isend(x, dst), x
 
 
 def recv(x: torch.Tensor, src: int, label: str = "") -> torch.Tensor:

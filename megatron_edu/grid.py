@@ -103,13 +103,13 @@ class ParallelGrid(GridLayout):
         self.mp_group = self._new_group("mp", self._model_parallel_groups())
 
     def _new_group(self, name: str, groups: list[list[int]]) -> CommGroup:
-        """Create every group of this kind (a collective call on all ranks); keep ours."""
-        mine = None
+        """Create every group of this kind (a collective call on all ranks); keep ours. A rank
+        in none of them (a middle stage has no embedding) gets a group of itself: a no-op."""
+        mine = CommGroup(name, (self.rank,), None)
         for ranks in groups:
             pg = dist.new_group(ranks) if len(ranks) > 1 else None
             if self.rank in ranks:
                 mine = CommGroup(name, tuple(ranks), pg)
-        assert mine is not None
         return mine
 
     def _model_parallel_groups(self) -> list[list[int]]:

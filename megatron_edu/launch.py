@@ -184,12 +184,13 @@ def _drain(queue, outcomes: dict[int, _Outcome], wait: float) -> None:
 
 
 def _failures(procs, outcomes: dict[int, _Outcome], logs) -> list[str]:
-    """Ranks that died without a result, then ranks that raised."""
+    """Ranks that died without a result, then ranks that raised, in the order they reported
+    (the first to raise is usually the cause; its peers then fail with "connection closed")."""
     died = [f"rank {r} exited with code {p.exitcode} without a result (killed, out of memory, "
             f"or os._exit?)" + _tail_logs(logs, [r])
             for r, p in enumerate(procs) if r not in outcomes and p.exitcode is not None]
     raised = [f"rank {r} raised:\n{o.payload.decode()}" + _tail_logs(logs, [r])
-              for r, o in sorted(outcomes.items()) if not o.ok]
+              for r, o in outcomes.items() if not o.ok]
     return died + raised
 
 
