@@ -1,8 +1,11 @@
 """pyproject.toml and environment.yml install the same packages."""
 
 import re
-import tomllib
 from pathlib import Path
+
+import pytest
+
+tomllib = pytest.importorskip("tomllib")  # Python >= 3.11; the package itself needs 3.10
 
 ROOT = Path(__file__).resolve().parents[1]
 
