@@ -1,0 +1,278 @@
+"""GPT-2 built from tensor-parallel layers (1909.08053 §3, Figures 2–3), sliceable into pipeline
+stages (2104.04473 §2.2).
+
+The architecture is GPT-2's (Radford et al. 2019): learned positions, pre-LN blocks, causal
+self-attention, a GeLU MLP of 4h (tanh GeLU, "gelu_new", so Hugging Face weights load exactly),
+a final layer norm, and an output layer tied to the input embedding. With ``grid=None`` (or tp=1)
+every layer below is the plain PyTorch layer: this file is then an ordinary GPT, like nanoGPT's.
+
+Under tensor parallelism with t ranks (Figure 3):
+
+* attention is split by heads: the qkv projection is column-parallel (each rank computes q, k
+  and v of its num_heads/t heads), attention runs on those heads only, the output projection is
+  row-parallel;
+* the MLP is split column (fc) then row (proj);
+* so each block communicates exactly 2 all-reduces forward (``g`` after attention and after the
+  MLP) and 2 backward (``f`` before them) — §3, "Figure 4";
+* the embedding table is split by vocabulary and the output layer reuses it: logits stay split
+  [b, s, V/t] and go straight into the vocab-parallel cross entropy.
+
+Layout of the fused qkv weight: stored [3h, h] (nn.Linear's [out, in]) with the output rows
+grouped *per head* — head 0's q, k, v rows, then head 1's, … (Megatron's [np, 3, hn] layout).
+A column split into t equal blocks then gives each rank whole heads with their own q, k and v,
+at every t; and because the layout does not depend on t, the whole tensor is the same at tp = 1,
+2, 4 (layout-independent initialisation and checkpoints). Hugging Face's c_attn is [h, 3h] as
+q | k | v blocks; ``model/hf.py`` permutes it.
+
+Pipeline stages: ``GPT(config, grid, layers=range(4, 8), first=False, last=True)`` holds blocks 4–7,
+the final layer norm and the output layer. Blocks live in an ``nn.ModuleDict`` keyed by their
+global index, so a stage's parameter names are exactly the serial model's (``blocks.5.attn.qkv.
+weight``), and each is initialised from the same seed by name. A last stage that is not also
+the first holds its own copy of ``embedding.word.weight`` for the output layer; its gradient must
+be all-reduced with the first stage's over ``grid.embedding_group`` (2104.04473's tied
+embeddings across stages; done by the pipeline engine, not here).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_edu import comm
+from megatron_edu.comm import CommGroup
+from megatron_edu.grid import ParallelGrid
+from megatron_edu.model.config import GPTConfig
+from megatron_edu.tensor_parallel.cross_entropy import (
+    mask_padded_vocab,
+    vocab_parallel_cross_entropy,
+)
+from megatron_edu.tensor_parallel.init import (
+    gather_full,
+    init_parameters,
+    mark,
+    normal,
+    ones,
+    shard,
+    zeros,
+)
+from megatron_edu.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    serial_group,
+)
+from megatron_edu.tensor_parallel.random import (
+    REPLICATED,
+    TENSOR_PARALLEL,
+    Dropout,
+    RNGTracker,
+    checkpoint,
+)
+
+__all__ = ["GPT", "stage_layers", "WORD_EMBEDDING"]
+
+WORD_EMBEDDING = "embedding.word.weight"  # the same name on the first and the last stage
+IGNORE_INDEX = -100                       # labels equal to this add nothing to the loss
+
+
+def stage_layers(num_layers: int, pp: int, pp_rank: int, num_chunks: int = 1,
+                 chunk: int = 0) -> range:
+    """The global indices of the blocks of model chunk ``chunk`` on pipeline rank ``pp_rank``.
+
+    Interleaved schedule (2104.04473 §2.2.2): chunk c on rank r is virtual stage c·pp + r, and
+    each of the pp·num_chunks virtual stages is a contiguous run of num_layers/(pp·num_chunks)
+    blocks. With num_chunks = 1, rank r simply holds the r-th contiguous block of layers.
+    """
+    if not 0 <= pp_rank < pp:
+        raise ValueError(f"pp_rank = {pp_rank} is outside 0..{pp - 1} (pp = {pp})")
+    if not 0 <= chunk < num_chunks:
+        raise ValueError(f"chunk = {chunk} is outside 0..{num_chunks - 1} "
+                         f"(num_chunks = {num_chunks})")
+    if num_layers % (pp * num_chunks):
+        raise ValueError(f"num_layers = {num_layers} is not divisible by pp·num_chunks = "
+                         f"{pp}·{num_chunks} = {pp * num_chunks}")
+    per_stage = num_layers // (pp * num_chunks)
+    stage = chunk * pp + pp_rank
+    return range(stage * per_stage, (stage + 1) * per_stage)
+
+
+def _layer_norm(config: GPTConfig) -> nn.LayerNorm:
+    ln = nn.LayerNorm(config.hidden, eps=config.layernorm_eps)
+    mark(ln.weight, None, ones)   # replicated on every tp rank
+    mark(ln.bias, None, zeros)
+    return ln
+
+
+class Embedding(nn.Module):
+    """Word embedding (split by vocabulary) + learned positions (replicated), then dropout."""
+
+    def __init__(self, config: GPTConfig, group: CommGroup, rng: RNGTracker, *,
+                 positions: bool = True) -> None:
+        super().__init__()
+        self.word = VocabParallelEmbedding(config.vocab_size, config.hidden, group,
+                                           padded_vocab=config.padded_vocab(group.size),
+                                           init_std=config.init_std)
+        if positions:  # a last stage's copy of the embedding needs the word table only
+            self.position = nn.Embedding(config.seq_len, config.hidden)
+            mark(self.position.weight, None, normal(config.init_std))
+        self.dropout = Dropout(config.dropout, rng, REPLICATED)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        seq = torch.arange(ids.shape[1], device=ids.device)
+        return self.dropout(self.word(ids) + self.position(seq))   # [b, s, h] on every rank
+
+
+class Attention(nn.Module):
+    """Causal self-attention split by heads: each tp rank computes h/t of the heads (§3)."""
+
+    def __init__(self, config: GPTConfig, group: CommGroup, rng: RNGTracker) -> None:
+        super().__init__()
+        self.local_heads = config.num_heads // group.size
+        self.head_dim = config.head_dim
+        self.dropout_p, self.rng = config.dropout, rng
+        residual_std = config.init_std / math.sqrt(2 * config.num_layers)  # GPT-2 §2.3
+        self.qkv = ColumnParallelLinear(config.hidden, 3 * config.hidden, group,
+                                        init_std=config.init_std)
+        self.proj = RowParallelLinear(config.hidden, config.hidden, group, init_std=residual_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        qkv = self.qkv(x)                                        # [b, s, 3h/t], f inside
+        qkv = qkv.view(b, s, self.local_heads, 3, self.head_dim)  # per head: q | k | v
+        q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)          # each [b, heads/t, s, d]
+        p = self.dropout_p if self.training else 0.0
+        with self.rng.fork(TENSOR_PARALLEL, x.device):          # a different mask per tp rank
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        y = y.transpose(1, 2).reshape(b, s, -1)                  # [b, s, h/t]
+        return self.proj(y)                                      # [b, s, h], g inside
+
+
+class MLP(nn.Module):
+    """GeLU(X·A)·B with A split by columns and B by rows (§3, eq. 3 and Figure 3a)."""
+
+    def __init__(self, config: GPTConfig, group: CommGroup) -> None:
+        super().__init__()
+        residual_std = config.init_std / math.sqrt(2 * config.num_layers)
+        self.fc = ColumnParallelLinear(config.hidden, config.ffn_hidden, group,
+                                       init_std=config.init_std)
+        self.proj = RowParallelLinear(config.ffn_hidden, config.hidden, group,
+                                      init_std=residual_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.gelu(self.fc(x), approximate="tanh")   # [b, s, ffn/t], f inside; GPT-2's gelu_new
+        return self.proj(y)                          # [b, s, h], g inside
+
+
+class Block(nn.Module):
+    """A pre-LN transformer block: x + attn(ln(x)), then x + mlp(ln(x)) (Figure 2)."""
+
+    def __init__(self, config: GPTConfig, group: CommGroup, rng: RNGTracker) -> None:
+        super().__init__()
+        self.ln1 = _layer_norm(config)
+        self.attn = Attention(config, group, rng)
+        self.ln2 = _layer_norm(config)
+        self.mlp = MLP(config, group)
+        self.dropout = Dropout(config.dropout, rng, REPLICATED)  # same mask on every tp rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.ln1(x)))   # [b, s, h] on every tp rank
+        return x + self.dropout(self.mlp(self.ln2(x)))
+
+
+class GPT(nn.Module):
+    """GPT-2, whole (the defaults) or one pipeline stage of it; tensor-parallel over ``grid``.
+
+    ``grid`` None → serial. ``layers``: global indices of the blocks held (default all).
+    ``first``: holds the embeddings and takes input ids [b, s]; otherwise hidden states [b, s, h].
+    ``last``: holds the final layer norm and the output layer (tied to the word embedding).
+    Parameters are initialised from ``config.seed`` by name, the same at any tp and pp.
+    """
+
+    def __init__(self, config: GPTConfig, grid: ParallelGrid | None = None, *,
+                 layers: range | None = None, first: bool = True, last: bool = True) -> None:
+        super().__init__()
+        self.tp_group = grid.tp_group if grid is not None else serial_group()
+        config.validate(self.tp_group.size)
+        self.config, self.first, self.last = config, first, last
+        self.layers = range(config.num_layers) if layers is None else layers
+        if not all(0 <= i < config.num_layers for i in self.layers):
+            raise ValueError(f"layers {self.layers} are not all in 0..{config.num_layers - 1}")
+        tp_rank = self.tp_group.rank if self.tp_group.size > 1 else 0
+        self.rng = RNGTracker(config.seed, tp_rank, grid.pp_rank if grid is not None else 0)
+        if first or last:
+            self.embedding = Embedding(config, self.tp_group, self.rng, positions=first)
+        self.blocks = nn.ModuleDict({str(i): Block(config, self.tp_group, self.rng)
+                                     for i in self.layers})
+        if last:
+            self.ln_f = _layer_norm(config)
+        init_parameters(self, config.seed, self.tp_group)
+        self.to(grid.device if grid is not None else "cpu")
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """ids [b, s] (first stage) or hidden [b, s, h] → hidden [b, s, h] (not last), this rank's
+        logits [b, s, V_padded/t] (last, no labels; padded ids are −inf) or the mean loss over
+        the tokens whose label is not −100 (last, labels [b, s]; equal on every tp rank)."""
+        h = self._embed(x) if self.first else x                  # [b, s, h]
+        for block in self.blocks.values():
+            if self.config.recompute and torch.is_grad_enabled():
+                h = checkpoint(block, self.rng, h)               # 2104.04473 §3.5
+            else:
+                h = block(h)
+        if not self.last:
+            return h
+        logits = self._logits(self.ln_f(h))                      # [b, s, V_padded/t]
+        if labels is None:
+            return logits
+        losses = vocab_parallel_cross_entropy(logits, labels, self.tp_group,
+                                              ignore_index=IGNORE_INDEX)   # [b, s]
+        return losses.sum() / (labels != IGNORE_INDEX).sum()
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.dtype != torch.long or ids.dim() != 2:
+            raise ValueError(f"the first stage takes token ids [b, s] int64, got "
+                             f"{tuple(ids.shape)} {ids.dtype}")
+        if ids.shape[1] > self.config.seq_len:
+            raise ValueError(f"sequence of {ids.shape[1]} tokens is longer than "
+                             f"seq_len = {self.config.seq_len}")
+        return self.embedding(ids)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The output layer: a column-parallel linear sharing the embedding table (tied)."""
+        h = comm.f(h, self.tp_group)                         # [b, s, h]; grad all-reduced
+        logits = F.linear(h, self.embedding.word.weight)     # [b, s, V_padded/t]
+        return mask_padded_vocab(logits, self.config.vocab_size, self.tp_group)
+
+    def num_parameters(self) -> int:
+        """Parameters held by this rank (its shards; padded vocabulary included)."""
+        return sum(p.numel() for p in self.parameters())
+
+    # --- whole tensors, as the serial model holds them (checkpoints, tests, Hugging Face) ----
+
+    def full_state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:
+        """Each parameter (or its gradient) of this stage whole, the vocabulary trimmed to
+        ``vocab_size`` rows: independent of tp. A collective: every tp rank must call it."""
+        state = {}
+        for name, param in self.named_parameters():
+            tensor = param.grad if grads else param
+            if tensor is None:
+                raise ValueError(f"{name} has no gradient: run backward first")
+            full = gather_full(tensor, param.tp_dim, self.tp_group)
+            state[name] = full[: self.config.vocab_size] if name == WORD_EMBEDDING else full
+        return {name: t.detach().clone() for name, t in state.items()}
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load whole tensors (as ``full_state_dict`` returns): pad the vocabulary, keep this
+        rank's slices. Names of blocks other stages hold are ignored; a missing name raises."""
+        missing = [name for name, _ in self.named_parameters() if name not in state]
+        if missing:
+            raise ValueError(f"state has no tensor for {missing}")
+        for name, param in self.named_parameters():
+            full = state[name].to(param.device, param.dtype)
+            if name == WORD_EMBEDDING:
+                full = F.pad(full, (0, 0, 0, self.config.padded_vocab(self.tp_group.size)
+                                    - full.shape[0]))
+            param.copy_(shard(full, param.tp_dim, self.tp_group))

@@ -1,0 +1,30 @@
+"""Shared test helpers: a tiny model, a batch, and comparisons of whole (gathered) tensors."""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_edu.model import GPTConfig
+
+TOL = 1e-5  # fp32, dropout 0: parallel and serial agree to rounding
+
+
+def tiny_config(**overrides) -> GPTConfig:
+    """2 layers, hidden 32, 4 heads, vocabulary 100 (padded to 128·tp), sequences up to 16."""
+    fields = dict(vocab_size=100, seq_len=16, num_layers=2, hidden=32, num_heads=4,
+                  dropout=0.0, seed=7)
+    return GPTConfig(**{**fields, **overrides})
+
+
+def batch(config: GPTConfig, b: int = 2, s: int = 8, seed: int = 0):
+    """Token ids and next-token labels [b, s], the same on every rank."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, config.vocab_size, (b, s + 1), generator=gen)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """Largest |a − b| over tensors of the same names (the names must match exactly)."""
+    if a.keys() != b.keys():
+        raise AssertionError(f"different names: {sorted(a.keys() ^ b.keys())}")
+    return max((a[k] - b[k]).abs().max().item() for k in a)

@@ -1,0 +1,255 @@
+"""Tensor-parallel layers (1909.08053 §3) against plain PyTorch on the gathered weights.
+
+Each launch at tp ∈ {1, 2, 4} runs every layer once; the tests below read one claim each from it.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from helpers import TOL
+
+from megatron_edu import comm
+from megatron_edu.grid import ParallelGrid
+from megatron_edu.launch import run
+from megatron_edu.tensor_parallel import (
+    REPLICATED,
+    TENSOR_PARALLEL,
+    ColumnParallelLinear,
+    Dropout,
+    RNGTracker,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    gather_full,
+    init_parameters,
+    shard,
+    vocab_parallel_cross_entropy,
+)
+
+B, S, H, FFN, VOCAB, PADDED = 2, 5, 8, 16, 100, 128
+CE_VOCAB = 60  # < 128/2: at tp = 2 and 4 some ranks hold nothing but padding
+
+
+def _rand(*shape, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _leaf(t):
+    return t.clone().requires_grad_(True)
+
+
+def _grad_diff(param, ref_grad, group):
+    return (gather_full(param.grad, param.tp_dim, group) - ref_grad).abs().max().item()
+
+
+def _column(group):
+    layer = ColumnParallelLinear(H, FFN, group, gather_output=True)
+    init_parameters(layer, seed=1, group=group)
+    w, b = _leaf(gather_full(layer.weight, 0, group)), _leaf(gather_full(layer.bias, 0, group))
+    x, x_ref, r = _leaf(_rand(B, S, H, seed=2)), _leaf(_rand(B, S, H, seed=2)), _rand(FFN, seed=3)
+    with comm.record() as log:
+        y = layer(x)
+        (y * r).sum().backward()
+    y_ref = F.linear(x_ref, w, b)
+    (y_ref * r).sum().backward()
+    diffs = [(y - y_ref).abs().max().item(), (x.grad - x_ref.grad).abs().max().item(),
+             _grad_diff(layer.weight, w.grad, group), _grad_diff(layer.bias, b.grad, group)]
+    return max(diffs), log.summary()
+
+
+def _row(group):
+    layer = RowParallelLinear(FFN, H, group)
+    init_parameters(layer, seed=1, group=group)
+    with torch.no_grad():
+        layer.bias.normal_(generator=torch.Generator().manual_seed(4))  # same on every rank
+    w, b = _leaf(gather_full(layer.weight, 1, group)), _leaf(layer.bias.detach())
+    x_full, r = _leaf(_rand(B, S, FFN, seed=2)), _rand(H, seed=3)
+    x = _leaf(shard(x_full.detach(), -1, group))                   # this rank's input slice
+    with comm.record() as log:
+        y = layer(x)
+        (y * r).sum().backward()
+    y_ref = F.linear(x_full, w, b)
+    (y_ref * r).sum().backward()
+    diffs = [(y - y_ref).abs().max().item(),
+             (x.grad - shard(x_full.grad, -1, group)).abs().max().item(),
+             _grad_diff(layer.weight, w.grad, group), _grad_diff(layer.bias, b.grad, group)]
+    return max(diffs), log.summary()
+
+
+def _mlp(group):
+    """Figure 3a: column, GeLU on each slice, row."""
+    fc, proj = ColumnParallelLinear(H, FFN, group), RowParallelLinear(FFN, H, group)
+    init_parameters(fc, seed=1, group=group)
+    init_parameters(proj, seed=2, group=group)
+    x = _leaf(_rand(B, S, H, seed=2))
+    with comm.record() as log:
+        proj(F.gelu(fc(x))).sum().backward()
+    return log.summary()
+
+
+def _embedding(group):
+    layer = VocabParallelEmbedding(VOCAB, H, group, padded_vocab=PADDED)
+    init_parameters(layer, seed=1, group=group)
+    w = _leaf(gather_full(layer.weight, 0, group))
+    ids = torch.randint(0, VOCAB, (B, S), generator=torch.Generator().manual_seed(5))
+    r = _rand(H, seed=3)
+    with comm.record() as log:
+        y = layer(ids)
+        (y * r).sum().backward()
+    y_ref = F.embedding(ids, w)
+    (y_ref * r).sum().backward()
+    diff = max((y - y_ref).abs().max().item(), _grad_diff(layer.weight, w.grad, group))
+    padding_is_zero = bool((w[VOCAB:] == 0).all())
+    return diff, padding_is_zero, log.summary()
+
+
+def _cross_entropy(group, scale=1.0, padding_value=None):
+    """Per-token losses and logit gradients against F.cross_entropy on the gathered logits."""
+    full = _rand(B, S, PADDED, seed=6) * scale
+    if padding_value is not None:
+        full[..., CE_VOCAB:] = padding_value                      # padded ids must never count
+    target = torch.randint(0, CE_VOCAB, (B, S), generator=torch.Generator().manual_seed(7))
+    target[0, 0] = -100                                         # ignored, as in F.cross_entropy
+    r = _rand(B, S, seed=8)
+    local = _leaf(shard(full, -1, group))
+    with comm.record() as log:
+        loss = vocab_parallel_cross_entropy(local, target, group, vocab_size=CE_VOCAB)
+        (loss * r).sum().backward()
+    ref_logits = _leaf(full[..., :CE_VOCAB])
+    ref = F.cross_entropy(ref_logits.transpose(1, 2), target, reduction="none")
+    (ref * r).sum().backward()
+    ref_grad = F.pad(ref_logits.grad, (0, PADDED - CE_VOCAB))    # padded ids: zero gradient
+    diff = max((loss - ref).abs().max().item(),
+               (local.grad - shard(ref_grad, -1, group)).abs().max().item())
+    return diff, bool(torch.isfinite(loss).all()), log.summary()
+
+
+def _check_layers():
+    group = ParallelGrid(tp=dist.get_world_size()).tp_group
+    return {"column": _column(group), "row": _row(group), "mlp": _mlp(group),
+            "embedding": _embedding(group), "ce": _cross_entropy(group),
+            "ce_large": _cross_entropy(group, scale=1e4),
+            "ce_padding": _cross_entropy(group, padding_value=1e4)}
+
+
+@pytest.fixture(scope="module", params=[1, 2, 4], ids=lambda tp: f"tp{tp}")
+def layers(request):
+    return request.param, run(_check_layers, request.param)
+
+
+def _events(tp, *counts):
+    """The comm.record() summary expected at tp (nothing at all at tp=1)."""
+    return {} if tp == 1 else {key: (n, nbytes) for key, n, nbytes in counts}
+
+
+def test_column_parallel_linear_matches_serial_output_and_gradients(layers):
+    tp, results = layers
+    assert all(r["column"][0] < TOL for r in results)
+
+
+def test_column_parallel_communicates_f_backward_and_the_output_gather(layers):
+    tp, results = layers
+    expected = _events(tp, (("all_gather", "tp", "gather forward"), 1, 4 * B * S * FFN),
+                       (("all_reduce", "tp", "f backward"), 1, 4 * B * S * H))
+    assert all(r["column"][1] == expected for r in results)
+
+
+def test_row_parallel_linear_matches_serial_output_and_gradients(layers):
+    tp, results = layers
+    assert all(r["row"][0] < TOL for r in results)
+
+
+def test_row_parallel_communicates_one_g_forward(layers):
+    tp, results = layers
+    expected = _events(tp, (("all_reduce", "tp", "g forward"), 1, 4 * B * S * H))
+    assert all(r["row"][1] == expected for r in results)
+
+
+def test_mlp_column_then_row_is_one_all_reduce_forward_and_one_backward(layers):
+    tp, results = layers
+    expected = _events(tp, (("all_reduce", "tp", "g forward"), 1, 4 * B * S * H),
+                       (("all_reduce", "tp", "f backward"), 1, 4 * B * S * H))
+    assert all(r["mlp"] == expected for r in results)
+
+
+def test_vocab_parallel_embedding_matches_serial_lookup_and_gradient(layers):
+    tp, results = layers
+    assert all(r["embedding"][0] < TOL for r in results)
+
+
+def test_vocab_padding_rows_start_at_zero(layers):
+    tp, results = layers
+    assert all(r["embedding"][1] for r in results)
+
+
+def test_vocab_parallel_embedding_all_reduces_once_forward_only(layers):
+    tp, results = layers
+    expected = _events(tp, (("all_reduce", "tp", "g forward"), 1, 4 * B * S * H))
+    assert all(r["embedding"][2] == expected for r in results)
+
+
+def test_vocab_parallel_cross_entropy_equals_f_cross_entropy_on_gathered_logits(layers):
+    tp, results = layers
+    assert all(r["ce"][0] < TOL for r in results)
+
+
+def test_vocab_parallel_cross_entropy_is_stable_for_large_logits(layers):
+    tp, results = layers
+    assert all(r["ce_large"][1] and r["ce_large"][0] < 1e-2 for r in results)  # |z| ~ 1e4
+
+
+def test_padded_vocabulary_entries_never_count_even_when_largest(layers):
+    tp, results = layers
+    assert all(r["ce_padding"][0] < TOL for r in results)
+
+
+def test_vocab_parallel_cross_entropy_exchanges_three_numbers_per_token_forward_only(layers):
+    tp, results = layers
+    expected = _events(tp, (("all_gather", "tp", "ce max"), 1, 4 * B * S * tp),
+                       (("all_reduce", "tp", "ce target logit"), 1, 4 * B * S),
+                       (("all_reduce", "tp", "ce sum-exp"), 1, 4 * B * S))
+    assert all(r["ce"][2] == expected for r in results)
+
+
+# --- dropout streams (1909.08053 Appendix B.2) --------------------------------------------------
+
+def _masks(tracker, stream):
+    return Dropout(0.5, tracker, stream)(torch.ones(64)) != 0
+
+
+def _check_dropout():
+    group = ParallelGrid(tp=2).tp_group
+    torch.manual_seed(123)
+    expected_default = torch.rand(3)
+    torch.manual_seed(123)
+    tracker = RNGTracker(seed=5, tp_rank=group.rank)
+    replicated, split = _masks(tracker, REPLICATED), _masks(tracker, TENSOR_PARALLEL)
+    untouched = torch.equal(torch.rand(3), expected_default)
+    again = RNGTracker(seed=5, tp_rank=group.rank)
+    reproducible = (torch.equal(_masks(again, REPLICATED), replicated)
+                    and torch.equal(_masks(again, TENSOR_PARALLEL), split))
+    gathered = [comm.all_gather(m.float()[None], group, dim=0) for m in (replicated, split)]
+    return {"replicated_equal": torch.equal(gathered[0][0], gathered[0][1]),
+            "split_equal": torch.equal(gathered[1][0], gathered[1][1]),
+            "reproducible": reproducible, "default_untouched": untouched}
+
+
+@pytest.fixture(scope="module")
+def dropout():
+    return run(_check_dropout, 2)
+
+
+def test_dropout_outside_split_regions_is_the_same_on_every_tp_rank(dropout):
+    assert all(r["replicated_equal"] for r in dropout)
+
+
+def test_dropout_inside_split_regions_differs_between_tp_ranks(dropout):
+    assert not any(r["split_equal"] for r in dropout)
+
+
+def test_dropout_masks_are_reproducible_from_the_seed(dropout):
+    assert all(r["reproducible"] for r in dropout)
+
+
+def test_dropout_streams_leave_the_default_generator_untouched(dropout):
+    assert all(r["default_untouched"] for r in dropout)
