@@ -52,6 +52,9 @@ class CommGroup:
     def size(self) -> int:
         return len(self.ranks)
 
+    def __deepcopy__(self, memo: dict) -> CommGroup:
+        return self  # immutable, and a process group cannot be copied: models stay deep-copyable
+
     @property
     def rank(self) -> int:
         """This process's index inside the group."""

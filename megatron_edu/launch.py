@@ -73,7 +73,7 @@ def run(
     world_size: int,
     *args: Any,
     backend: str = "auto",
-    timeout: float = DEFAULT_TIMEOUT,
+    timeout: float | None = DEFAULT_TIMEOUT,
     threads_per_rank: int | None = None,
     capture_output: bool = True,
     **kwargs: Any,
@@ -81,13 +81,15 @@ def run(
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return their results in rank order.
 
     ``backend``: "auto" (NCCL with one GPU per rank if there are enough GPUs, else gloo), "gloo"
-    or "nccl". ``timeout`` (seconds) bounds the whole call and every collective inside it.
+    or "nccl". ``timeout`` (seconds) bounds the whole call and every collective inside it;
+    ``None`` (long training runs) leaves the call unbounded, each collective still cut off
+    after DEFAULT_TIMEOUT.
     ``threads_per_rank`` defaults to an even share of the CPU cores (at least 1).
     ``capture_output=False`` lets ranks write straight to the terminal (live progress bars).
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
-    if timeout <= 0:
+    if timeout is not None and timeout <= 0:
         raise ValueError(f"timeout must be positive, got {timeout}")
     backend = resolve_backend(backend, world_size)
     if threads_per_rank is None:
@@ -110,7 +112,7 @@ def _run_under_torchrun(fn, world_size, args, kwargs, backend, timeout) -> list[
     if not dist.is_initialized():
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout or DEFAULT_TIMEOUT))
     result = fn(*args, **kwargs)
     gathered: list[Any] = [None] * world_size
     dist.all_gather_object(gathered, result)
@@ -122,7 +124,9 @@ def _run_under_torchrun(fn, world_size, args, kwargs, backend, timeout) -> list[
 def _context() -> mp.context.BaseContext:
     if "forkserver" in mp.get_all_start_methods():
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "megatron_edu.launch"])
+        # torch._dynamo: every torch.optim optimizer imports it on construction (~2.5 s a rank)
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo",
+                                    "megatron_edu.launch"])
         return ctx
     return mp.get_context("spawn")  # Windows
 
@@ -155,7 +159,7 @@ def _launch(payload, world_size, backend, timeout, threads, capture, tmp: Path) 
 def _collect(procs, queue, timeout: float, logs) -> dict[int, _Outcome]:
     """Read outcomes as they arrive (before joining: a full pipe would block a child's exit)."""
     outcomes: dict[int, _Outcome] = {}
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + timeout if timeout is not None else float("inf")
     while len(outcomes) < len(procs):
         _drain(queue, outcomes, wait=0.1)
         if _failures(procs, outcomes, logs):
@@ -232,7 +236,7 @@ def _rank_main(rank, world_size, backend, store_path, timeout, threads, log, pay
             torch.cuda.set_device(rank % torch.cuda.device_count())
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=timeout))
+                                timeout=timedelta(seconds=timeout or DEFAULT_TIMEOUT))
         fn, args, kwargs = cloudpickle.loads(payload)
         outcome = _Outcome(True, cloudpickle.dumps(fn(*args, **kwargs)))
     except BaseException:

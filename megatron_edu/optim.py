@@ -1,0 +1,109 @@
+"""Optimizer helpers: the global gradient norm under tp × pp × dp, weight-decay groups, lr schedule.
+
+References: Pascanu et al. 2013 (gradient clipping by the global norm); Loshchilov & Hutter 2019
+(AdamW, decoupled weight decay; cosine schedule from SGDR 2017); Narayanan et al. 2021 (arXiv
+2104.04473) for how Megatron-LM computes the norm when the model is split over ranks.
+
+**The global norm** is the norm of the *whole model's* gradient, as one serial process would
+compute it. Under tensor and pipeline parallelism each rank holds a part of the model, so each
+rank sums the squares of its part and the sums are added over the model-parallel group
+(``grid.mp_group``: the tp × pp ranks of one replica). Two kinds of parameter are held twice
+and must be counted once (Megatron-LM's ``param_is_not_tensor_parallel_duplicate`` and
+``param_is_not_shared``):
+
+* replicated across tp (``param.tp_dim is None``: layer norms, row-parallel biases, positions):
+  every tp rank holds the same gradient — counted on tp rank 0 only;
+* a copy of a parameter held by another pipeline stage (``param.shared = True``: the last
+  stage's copy of the tied word embedding) — never counted; its first-stage original is.
+
+After the dp all-reduce every dp replica holds the same gradients, so no sum over dp is needed.
+Under ZeRO-1 each dp rank holds only its 1/dp shard of them: then the sums are also added over
+``grid.dp_group`` (``dp_sharded=True``). Either way the returned norm is equal on every rank.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from megatron_edu import comm
+from megatron_edu.grid import ParallelGrid
+
+__all__ = ["clip_grad_norm_", "build_param_groups", "warmup_cosine", "optimizer_state_bytes"]
+
+EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_: max_norm / (norm + 1e-6)
+
+
+def _counted_here(param: torch.Tensor, tp_rank: int) -> bool:
+    """Is this rank the one that counts ``param`` in the global norm? (see module docstring)"""
+    if getattr(param, "shared", False):
+        return False
+    return getattr(param, "tp_dim", None) is not None or tp_rank == 0
+
+
+@torch.no_grad()
+def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float,
+                    grid: ParallelGrid | None = None, dp_sharded: bool = False) -> float:
+    """Scale the gradients so that the global norm is at most ``max_norm``; return that norm.
+
+    ``grid`` None: one serial process. A collective over ``grid.mp_group`` (and ``grid.dp_group``
+    when ``dp_sharded``): every rank must call it. Parameters without a gradient are skipped.
+    """
+    params = list({id(p): p for p in params if p.grad is not None}.values())
+    tp_rank = grid.tp_rank if grid is not None else 0
+    device = grid.device if grid is not None else torch.device("cpu")
+    squares = torch.zeros((), dtype=torch.float32, device=device)
+    for p in params:
+        if _counted_here(p, tp_rank):
+            squares += p.grad.float().pow(2).sum()
+    if grid is not None:
+        squares = comm.all_reduce(squares, grid.mp_group, "grad norm")
+        if dp_sharded:
+            squares = comm.all_reduce(squares, grid.dp_group, "grad norm")
+    norm = squares.sqrt().item()
+    scale = max_norm / (norm + EPS)
+    if scale < 1.0:
+        for p in params:
+            p.grad.mul_(scale)
+    return norm
+
+
+def build_param_groups(modules: nn.Module | Iterable[nn.Module],
+                       weight_decay: float) -> list[dict]:
+    """Two AdamW groups: weight matrices and embeddings decay; biases and layer norms do not.
+
+    The rule of GPT-2 as trained by Megatron-LM and nanoGPT: a parameter with fewer than two
+    dimensions (a bias, a layer norm's gain or shift) gets no weight decay; pulling a gain
+    towards zero would shrink the activations rather than regularise. Embedding tables are
+    matrices and decay (Megatron-LM; nanoGPT the same). A parameter shared by two modules
+    (a tied embedding within one stage) appears once.
+    """
+    modules = [modules] if isinstance(modules, nn.Module) else list(modules)
+    params = {id(p): p for m in modules for p in m.parameters() if p.requires_grad}.values()
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+
+
+def warmup_cosine(step: int, warmup: int, total: int, lr: float, min_lr: float) -> float:
+    """The learning rate of optimizer step ``step`` (0-based): linear warm-up over ``warmup``
+    steps to ``lr``, then a half cosine down to ``min_lr`` at step ``total``, then ``min_lr``.
+
+    Step 0 already takes lr/warmup (a zero first step would waste a batch).
+    """
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    if step >= total:
+        return min_lr
+    progress = (step - warmup) / max(1, total - warmup)          # 0 → 1
+    return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes held by the optimizer's state tensors (Adam: exp_avg, exp_avg_sq, step)."""
+    return sum(t.numel() * t.element_size() for state in optimizer.state.values()
+               for t in state.values() if torch.is_tensor(t))

@@ -1,0 +1,416 @@
+"""Data parallelism against the serial model: averaged gradients, buckets, accumulation, ZeRO-1,
+and the global gradient norm under tp × pp (small MLPs defined here, fp32, gloo)."""
+
+import functools
+import math
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_edu import comm
+from megatron_edu.data_parallel import DataParallel, DistributedOptimizer
+from megatron_edu.grid import ParallelGrid
+from megatron_edu.launch import run
+from megatron_edu.optim import (
+    build_param_groups,
+    clip_grad_norm_,
+    optimizer_state_bytes,
+    warmup_cosine,
+)
+
+TOL = 1e-6
+STEPS = 3
+GLOBAL_BATCH = 8
+WIDTH = 16
+LAYER_MB = (WIDTH * WIDTH + WIDTH) * 4 / 2**20   # one Linear(16, 16): weight + bias, in MiB
+
+
+# --- small models and data, identical on every rank ----------------------------------------------
+
+def _mlp(widths=(WIDTH,) * 5) -> nn.Sequential:
+    """Linear layers with GELUs between them; the same weights on every rank (seeded)."""
+    torch.manual_seed(0)
+    layers = []
+    for i, (a, b) in enumerate(zip(widths, widths[1:], strict=False)):
+        layers += [nn.GELU()] if i else []
+        layers.append(nn.Linear(a, b))
+    return nn.Sequential(*layers)
+
+
+def _batch(step: int, width_in: int = WIDTH, width_out: int = WIDTH):
+    gen = torch.Generator().manual_seed(100 + step)
+    return (torch.randn(GLOBAL_BATCH, width_in, generator=gen),
+            torch.randn(GLOBAL_BATCH, width_out, generator=gen))
+
+
+def _my_slice(t: torch.Tensor, grid: ParallelGrid) -> torch.Tensor:
+    return t.chunk(grid.dp)[grid.dp_rank]
+
+
+def _flat(params) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in params])
+
+
+def _serial_training(steps=STEPS, lr=1e-2) -> torch.Tensor:
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+    for step in range(steps):
+        x, y = _batch(step)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return _flat(model.parameters())
+
+
+def _dp_training(grid, bucket_mb, overlap, steps=STEPS, lr=1e-2):
+    """Plain data parallelism, each replica on its 1/dp of the batch: the parameters after
+    ``steps`` steps and, per step, the bucket timeline and the time backward returned."""
+    model = _mlp()
+    ddp = DataParallel(model, grid.dp_group, bucket_mb=bucket_mb, overlap=overlap)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+    timelines = []
+    for step in range(steps):
+        x, y = _batch(step)
+        F.mse_loss(model(_my_slice(x, grid)), _my_slice(y, grid)).backward()
+        backward_end = time.perf_counter()
+        ddp.finish_grad_sync()
+        opt.step()
+        ddp.zero_grad()
+        timelines.append((ddp.timeline, backward_end))
+    return _flat(model.parameters()), timelines
+
+
+def _every_training(dp):
+    """One launch for every training run of sections 1, 3 and 5 (a rank's first optimizer costs
+    seconds on a busy 2-core machine: torch imports its compiler)."""
+    grid = ParallelGrid(dp=dp)
+    return {"overlapped": _dp_training(grid, LAYER_MB, overlap=True),
+            "one bucket after backward": _dp_training(grid, 1000.0, overlap=False),
+            "plain": _zero_vs_plain(grid, sharded=False),
+            "zero1": _zero_vs_plain(grid, sharded=True)}
+
+
+@functools.cache
+def _trainings(dp) -> list[dict]:
+    return run(_every_training, dp, dp)
+
+
+# --- 1. dp equals serial on the whole batch -----------------------------------------------------
+
+@pytest.mark.parametrize("dp", [1, 2, 4])
+def test_dp_training_equals_serial_training_on_the_global_batch(dp):
+    serial = _serial_training()
+    for ranks in _trainings(dp):
+        params, _ = ranks["overlapped"]
+        assert (params - serial).abs().max().item() < TOL
+
+
+# --- 2. buckets, gradient accumulation, several model chunks -------------------------------------
+
+def _chunks() -> list[nn.Module]:
+    """Two model chunks (as an interleaved pipeline holds): layers 0–1 and layers 2–3."""
+    model = _mlp()
+    return [model[:3], model[3:]]
+
+
+def _bucket_names(ddp: DataParallel, chunks) -> list[list[str]]:
+    names = {id(p): f"chunk{c}.{n}" for c, m in enumerate(chunks) for n, p in m.named_parameters()}
+    return [[names[id(p)] for p in b.params] for b in ddp.buckets]
+
+
+def _accumulated_step(dp, microbatches, bucket_mb):
+    grid = ParallelGrid(dp=dp)
+    chunks = _chunks()
+    ddp = DataParallel(chunks, grid.dp_group, bucket_mb=bucket_mb)
+    x, y = (_my_slice(t, grid) for t in _batch(0))
+    with comm.record() as log:
+        for i, (xm, ym) in enumerate(zip(x.chunk(microbatches), y.chunk(microbatches),
+                                         strict=True)):
+            with ddp.sync(i == microbatches - 1):
+                (F.mse_loss(chunks[1](chunks[0](xm)), ym) / microbatches).backward()
+        ddp.finish_grad_sync()
+    grads = _flat(p.grad for c in chunks for p in c.parameters())
+    return _bucket_names(ddp, chunks), log.count("all_reduce", "dp", "dp grads"), grads
+
+
+def _serial_grads() -> torch.Tensor:
+    model = _mlp()
+    x, y = _batch(0)
+    F.mse_loss(model(x), y).backward()
+    return _flat(p.grad for p in model.parameters())
+
+
+def test_buckets_follow_reverse_registration_order_one_layer_each():
+    names, _, _ = run(_accumulated_step, 2, 2, 2, LAYER_MB)[0]
+    assert names == [["chunk1.6.bias", "chunk1.6.weight"], ["chunk1.4.bias", "chunk1.4.weight"],
+                     ["chunk0.2.bias", "chunk0.2.weight"], ["chunk0.0.bias", "chunk0.0.weight"]]
+
+
+def test_a_bucket_never_spans_two_model_chunks():
+    names, _, _ = run(_accumulated_step, 2, 2, 2, 1000.0)[0]
+    assert [len(b) for b in names] == [4, 4]
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+def test_accumulation_all_reduces_each_bucket_once_per_step(dp):
+    for names, all_reduces, _ in run(_accumulated_step, dp, dp, 2, LAYER_MB):
+        assert all_reduces == len(names) == 4
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+def test_accumulated_gradients_equal_the_serial_global_batch_gradient(dp):
+    serial = _serial_grads()
+    for _, _, grads in run(_accumulated_step, dp, dp, 2, LAYER_MB):
+        assert (grads - serial).abs().max().item() < TOL
+
+
+def _bucket_sizes(sharded: bool) -> list[int]:
+    model = _mlp()
+    model[2].weight.shared_embedding = True       # as if tied to a copy on another stage
+    ddp = DataParallel(model, comm.CommGroup("dp", (0,)), bucket_mb=1000.0, sharded=sharded)
+    return [len(b.params) for b in ddp.buckets]
+
+
+def test_zero1_gives_a_tied_embedding_a_bucket_of_its_own():
+    assert _bucket_sizes(sharded=True) == [5, 1, 2]
+
+
+def test_plain_dp_buckets_a_tied_embedding_with_its_neighbours():
+    assert _bucket_sizes(sharded=False) == [8]
+
+
+def _early_sync():
+    grid = ParallelGrid(dp=2)
+    model = _mlp()
+    ddp = DataParallel(model, grid.dp_group, bucket_mb=LAYER_MB)
+    x, y = _batch(0)
+    F.mse_loss(model(x), y).backward()           # forgot ddp.sync(False): buckets launch
+    try:
+        F.mse_loss(model(x), y).backward()
+    except RuntimeError as error:
+        return str(error)
+    finally:
+        ddp.finish_grad_sync()
+    return "no error"
+
+
+def test_a_gradient_for_a_bucket_in_flight_is_an_error_naming_the_fix():
+    assert all("ddp.sync(False)" in message for message in run(_early_sync, 2))
+
+
+# --- 3. overlapped buckets equal one bucket after backward ---------------------------------------
+
+@pytest.mark.parametrize("dp", [2, 4])
+def test_bucketed_overlapped_training_equals_one_bucket_after_backward(dp):
+    for ranks in _trainings(dp):
+        overlapped, baseline = ranks["overlapped"][0], ranks["one bucket after backward"][0]
+        assert (overlapped - baseline).abs().max().item() < TOL
+
+
+def test_overlap_launches_every_bucket_during_backward():
+    for timeline, backward_end in _trainings(2)[0]["overlapped"][1]:
+        assert [t.launched_at < backward_end for t in timeline] == [True, True, True, True]
+
+
+def test_without_overlap_the_one_bucket_launches_after_backward():
+    for timeline, backward_end in _trainings(2)[0]["one bucket after backward"][1]:
+        assert [t.launched_at > backward_end for t in timeline] == [True]
+
+
+# --- 4. parameters without gradients -------------------------------------------------------------
+
+class _Partly(nn.Module):
+    """``sometimes`` is used on dp rank 0 only, ``never`` nowhere: their buckets sit between others
+    (backward order last, never, sometimes, first), so a rank that launched out of order would
+    pair the wrong collectives and hang."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.sometimes, self.never, self.last = (nn.Linear(4, 4) for _ in range(4))
+
+    def forward(self, x, use_sometimes: bool):
+        h = self.first(x)
+        if use_sometimes:
+            h = h + self.sometimes(h)
+        return self.last(h)
+
+
+def _partly_used_step(grid, sharded):
+    model = _Partly()
+    ddp = DataParallel(model, grid.dp_group, bucket_mb=1e-6, sharded=sharded)
+    out = model(torch.ones(2, 4) * (grid.dp_rank + 1), use_sometimes=grid.dp_rank == 0)
+    out.pow(2).mean().backward()
+    ddp.finish_grad_sync()
+    if sharded:
+        DistributedOptimizer(model.parameters(), ddp, lr=0.1).step()
+    return model
+
+
+def _unused_params():
+    grid = ParallelGrid(dp=2)
+    plain = _partly_used_step(grid, sharded=False)
+    zero1 = _partly_used_step(grid, sharded=True)
+    return plain.sometimes.weight.grad, plain.never.weight.grad, _flat(zero1.parameters())
+
+
+@functools.cache
+def _unused_runs():
+    return run(_unused_params, 2, timeout=60)
+
+
+def test_a_parameter_unused_on_some_ranks_gets_the_same_average_everywhere():
+    (rank0, _, _), (rank1, _, _) = _unused_runs()
+    assert torch.equal(rank0, rank1) and rank0.abs().sum() > 0
+
+
+def test_a_parameter_unused_on_every_rank_gets_a_zero_gradient():
+    assert [never.abs().sum().item() for _, never, _ in _unused_runs()] == [0.0, 0.0]
+
+
+def test_zero1_with_unused_parameters_keeps_the_replicas_equal():
+    (_, _, rank0), (_, _, rank1) = _unused_runs()
+    assert torch.equal(rank0, rank1)
+
+
+# --- 5. ZeRO-1 equals plain data parallelism ------------------------------------------------------
+
+ODD = (63, 65, 64, 3)   # 8,579 parameters, not divisible by dp: padding, parameters split by shards
+ODD_BUCKET_MB = 8000 / 2**20                     # two buckets: layers 2–1 and layer 0
+MAX_NORM = 0.05
+
+
+def _zero_vs_plain(grid, sharded):
+    """3 steps of AdamW with decay groups, warm-up/cosine lr and clipping; plain DP or ZeRO-1.
+    Returns the parameters, the global norm of each step, the optimizer state bytes and the
+    number of buckets."""
+    model = _mlp(ODD)
+    ddp = DataParallel(model, grid.dp_group, bucket_mb=ODD_BUCKET_MB, sharded=sharded)
+    groups = build_param_groups(model, weight_decay=0.1)
+    if sharded:
+        opt = DistributedOptimizer(groups, ddp, lr=0.0, betas=(0.9, 0.95))
+    else:
+        opt = torch.optim.AdamW(groups, lr=0.0, betas=(0.9, 0.95))
+    norms = []
+    for step in range(STEPS):
+        for group in opt.param_groups:
+            group["lr"] = warmup_cosine(step, warmup=1, total=STEPS, lr=3e-3, min_lr=3e-4)
+        x, y = _batch(step, ODD[0], ODD[-1])
+        F.mse_loss(model(_my_slice(x, grid)), _my_slice(y, grid)).backward()
+        ddp.finish_grad_sync()
+        if sharded:
+            norms.append(opt.clip_grad_norm_(MAX_NORM, grid))
+        else:
+            norms.append(clip_grad_norm_(model.parameters(), MAX_NORM, grid))
+        opt.step()
+        ddp.zero_grad()
+    return _flat(model.parameters()), norms, optimizer_state_bytes(opt), len(ddp.buckets)
+
+
+@pytest.mark.parametrize("dp", [1, 2, 4])
+def test_zero1_training_equals_plain_dp_with_decay_schedule_and_clipping(dp):
+    plain = _trainings(dp)[0]["plain"][0]
+    for ranks in _trainings(dp):
+        assert (ranks["zero1"][0] - plain).abs().max().item() < TOL
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+def test_zero1_global_norm_equals_plain_dp_and_clipping_was_active(dp):
+    plain_norms = _trainings(dp)[0]["plain"][1]
+    for ranks in _trainings(dp):
+        assert ranks["zero1"][1] == pytest.approx(plain_norms, rel=TOL)
+        assert min(ranks["zero1"][1]) > MAX_NORM
+
+
+def test_the_odd_model_fills_two_buckets():
+    assert _trainings(2)[0]["zero1"][3] == 2
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+def test_zero1_optimizer_state_per_rank_is_one_dp_th_of_plain(dp):
+    plain = _trainings(dp)[0]["plain"][2]
+    for ranks in _trainings(dp):
+        assert ranks["zero1"][2] * dp / plain == pytest.approx(1.0, abs=0.01)
+
+
+# --- 6. the global gradient norm -----------------------------------------------------------------
+
+def _clipped(dp):
+    grid = ParallelGrid(dp=dp)
+    model = _mlp()
+    ddp = DataParallel(model, grid.dp_group)
+    x, y = _batch(0)
+    F.mse_loss(model(_my_slice(x, grid)), _my_slice(y, grid)).backward()
+    ddp.finish_grad_sync()
+    norm = clip_grad_norm_(model.parameters(), 0.1, grid)
+    return norm, _flat(p.grad for p in model.parameters())
+
+
+def test_clip_grad_norm_equals_torch_on_the_serial_model():
+    model = _mlp()
+    x, y = _batch(0)
+    F.mse_loss(model(x), y).backward()
+    serial_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1).item()
+    serial_grads = _flat(p.grad for p in model.parameters())
+    for norm, grads in run(_clipped, 2, 2):
+        assert norm == pytest.approx(serial_norm, rel=TOL)
+        assert (grads - serial_grads).abs().max().item() < TOL
+
+
+def _whole_model_grads() -> dict[str, torch.Tensor]:
+    """The gradients a serial model would hold: a tied embedding, a split W and a replicated
+    layer norm per pipeline stage."""
+    gen = torch.Generator().manual_seed(3)
+    return {name: torch.randn(shape, generator=gen) for name, shape in
+            [("embedding", (8, 6)), ("w0", (4, 6)), ("ln0", (6,)), ("w1", (4, 6)), ("ln1", (6,))]}
+
+
+def _param(grad: torch.Tensor, tp_dim, **marks) -> nn.Parameter:
+    p = nn.Parameter(torch.zeros_like(grad))
+    p.grad, p.tp_dim = grad.clone(), tp_dim
+    for mark, value in marks.items():
+        setattr(p, mark, value)
+    return p
+
+
+def _tp_pp_norm():
+    """tp=2 × pp=2: split tensors are this tp rank's rows; the last stage holds a copy of the
+    embedding (``shared``) besides its own W and layer norm."""
+    grid = ParallelGrid(tp=2, pp=2)
+    full = _whole_model_grads()
+    mine = {k: v.chunk(2)[grid.tp_rank] for k, v in full.items() if k in ("embedding", "w0", "w1")}
+    stage = grid.pp_rank
+    params = [
+        _param(mine["embedding"], 0, shared=stage == 1, shared_embedding=True),
+        _param(mine[f"w{stage}"], 0),
+        _param(full[f"ln{stage}"], None),
+    ]
+    return clip_grad_norm_(params, 1e9, grid)
+
+
+def test_global_norm_counts_tp_replicas_and_the_pipeline_embedding_copy_once():
+    expected = math.sqrt(sum(g.pow(2).sum().item() for g in _whole_model_grads().values()))
+    assert run(_tp_pp_norm, 4) == pytest.approx([expected] * 4, rel=TOL)
+
+
+# --- 7. weight-decay groups and the learning-rate schedule ---------------------------------------
+
+def test_param_groups_decay_matrices_and_embeddings_but_not_biases_or_layer_norms():
+    model = nn.Sequential(nn.Embedding(10, 4), nn.LayerNorm(4), nn.Linear(4, 4))
+    decay, no_decay = build_param_groups(model, weight_decay=0.1)
+    assert [tuple(p.shape) for p in decay["params"]] == [(10, 4), (4, 4)]
+    assert [tuple(p.shape) for p in no_decay["params"]] == [(4,), (4,), (4,)]
+    assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.1, 0.0)
+
+
+def test_warmup_rises_linearly_to_lr():
+    assert [warmup_cosine(s, 4, 20, 1.0, 0.1) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+
+
+def test_cosine_is_halfway_at_mid_decay_and_min_lr_at_the_end():
+    assert warmup_cosine(12, 4, 20, 1.0, 0.1) == pytest.approx(0.55)
+    assert warmup_cosine(20, 4, 20, 1.0, 0.1) == 0.1
+    assert warmup_cosine(99, 4, 20, 1.0, 0.1) == 0.1
