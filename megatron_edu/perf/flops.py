@@ -1,0 +1,74 @@
+"""The papers' counting formulas: parameters, FLOPs per iteration, training time, utilization.
+
+References
+- Narayanan et al. 2021, arXiv 2104.04473, §5.1 and Appendix: parameter count P, FLOPs per
+  iteration F and the end-to-end training-time estimate 8·T·P / (n·X).
+- Shoeybi et al. 2019, arXiv 1909.08053, §5: FLOP/s as the measure of scaling.
+
+Notation (the paper's): l transformer layers, h hidden size, V vocabulary, s sequence length,
+B global batch (sequences), T tokens, n GPUs, X achieved FLOP/s per GPU.
+
+Peaks are plain numbers you pass in; the constants below only name the usual ones.
+"""
+
+# Dense 16-bit tensor-core peaks (FLOP/s per GPU), no sparsity.
+A100_BF16_PEAK = 312e12
+H100_SXM_BF16_PEAK = 989e12
+V100_FP16_PEAK = 125e12
+
+
+def num_parameters(layers: int, hidden: int, vocab: int, seq_len: int) -> int:
+    """P = 12·l·h²·(1 + 13/(12h) + (V+s)/(12·l·h)) = 12lh² + 13lh + Vh + sh  (2104.04473 §5.1).
+
+    Per layer 12h² weights (QKV 3h², projection h², MLP 8h²) and 13h biases and layer-norm
+    parameters; V·h word embeddings (tied with the output layer) and s·h position embeddings.
+    The final layer norm (2h) is left out, as in the paper. Exact integer arithmetic.
+    """
+    l, h = layers, hidden
+    return 12 * l * h * h + 13 * l * h + vocab * h + seq_len * h
+
+
+def training_flops(
+    batch: int, seq_len: int, layers: int, hidden: int, vocab: int, recompute: bool = True
+) -> float:
+    """FLOPs of one training iteration over `batch` sequences (2104.04473 §5.1).
+
+    With activation recomputation: F = 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)).
+    Where it comes from: a layer's forward is 24·B·s·h² (GEMMs) + 4·B·s²·h (attention scores and
+    their product with V); backward costs 2 forwards and recomputation 1 more, so 4 forwards:
+    96·B·s·l·h² + 16·B·s²·l·h. The logit layer (2·B·s·h·V forward) is never recomputed:
+    forward + 2x backward = 6·B·s·h·V, which is the V/(16·l·h) term (96·B·s·l·h²·V/(16lh)).
+
+    Without recomputation the transformer layers cost 3 forwards instead of 4:
+    72·B·s·l·h² + 12·B·s²·l·h, while the logit term stays 6·B·s·h·V; so
+    F = 72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h)).
+    """
+    b, s, l, h = batch, seq_len, layers, hidden
+    forwards = 4 if recompute else 3
+    transformer = forwards * (24 * b * s * l * h * h + 4 * b * s * s * l * h)
+    logits = 6 * b * s * h * vocab
+    return float(transformer + logits)
+
+
+def training_time_seconds(
+    tokens: float, params: float, num_gpus: int, flops_per_gpu: float, recompute: bool = True
+) -> float:
+    """End-to-end training time ≈ 8·T·P / (n·X)  (2104.04473 §5.1).
+
+    Uses F ≈ 96·B·s·l·h² per iteration and T = B·s tokens, P ≈ 12·l·h²: F ≈ 8·T·P (the s/(6h)
+    and V/(16lh) terms are small for large models). Without recomputation it is 6·T·P.
+    """
+    flops_per_token_param = 8 if recompute else 6
+    return flops_per_token_param * tokens * params / (num_gpus * flops_per_gpu)
+
+
+def model_flops_utilization(
+    flops_per_step: float, step_time_s: float, peak_flops: float, num_gpus: int = 1
+) -> float:
+    """Achieved fraction of peak: F / (t · n · peak).
+
+    What F counts decides the name: `training_flops(..., recompute=True)` counts the recomputed
+    forward, as 2104.04473's "percent of peak" does (later called hardware FLOPs utilization);
+    `recompute=False` counts only the model's own FLOPs (model FLOPs utilization, MFU).
+    """
+    return flops_per_step / (step_time_s * num_gpus * peak_flops)
