@@ -321,6 +321,38 @@ class DistributedOptimizer:
         return optimizer_state_bytes(self.optimizer)
 
     @torch.no_grad()
+    def param_states(self) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
+        """Each parameter's whole optimizer state, as an unsharded optimizer would hold it.
+
+        A collective over dp: every rank writes its pieces into zeros, the sum assembles them.
+        (Every rank holds some piece after a step: each bucket has a shard on every rank.)
+        """
+        if not self.optimizer.state:
+            return {}
+        sample = next(iter(self.optimizer.state.values()))
+        scalars = {k: v.clone() for k, v in sample.items() if v.dim() == 0}  # Adam's step
+        keys = sorted(k for k, v in sample.items() if v.dim() > 0)          # its moments
+        full = {p: {k: torch.zeros(p.numel(), dtype=p.dtype, device=p.device) for k in keys}
+                for p in self.ddp.params}
+        for piece in self.pieces:
+            param, start = piece.origin
+            for k in keys:
+                full[param][k][start:start + piece.numel()] = self.optimizer.state[piece][k]
+        return {p: {**{k: comm.all_reduce(v, self.group, "dp optimizer state").view_as(p)
+                       for k, v in full[p].items()}, **scalars}
+                for p in self.ddp.params}
+
+    @torch.no_grad()
+    def load_param_states(self, states: dict[nn.Parameter, dict[str, torch.Tensor]]) -> None:
+        """The inverse of ``param_states``: keep this rank's pieces of each whole state."""
+        for piece in self.pieces:
+            param, start = piece.origin
+            self.optimizer.state[piece] = {
+                k: (v.clone() if v.dim() == 0 else
+                    v.reshape(-1)[start:start + piece.numel()].clone())
+                for k, v in states[param].items()}
+
+    @torch.no_grad()
     def step(self) -> None:
         self.optimizer.step()                    # on this rank's shard of each bucket only
         for bucket in self.ddp.buckets:          # then every rank gets every updated shard
@@ -365,6 +397,7 @@ def _shard_pieces(ddp: DataParallel, groups: list[dict]) -> list[torch.Tensor]:
             piece.grad = bucket.grad_data[a:b]
             piece.tp_dim = getattr(p, "tp_dim", None)
             piece.shared = getattr(p, "shared", False)
+            piece.origin = (p, a - start)  # which parameter, from which flat element (checkpoints)
             groups[group_of[id(p)]]["params"].append(piece)
             pieces.append(piece)
     return pieces

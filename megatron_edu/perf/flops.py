@@ -11,6 +11,10 @@ B global batch (sequences), T tokens, n GPUs, X achieved FLOP/s per GPU.
 Peaks are plain numbers you pass in; the constants below only name the usual ones.
 """
 
+import time
+
+import torch
+
 # Dense 16-bit tensor-core peaks (FLOP/s per GPU), no sparsity.
 A100_BF16_PEAK = 312e12
 H100_SXM_BF16_PEAK = 989e12
@@ -72,3 +76,25 @@ def model_flops_utilization(
     `recompute=False` counts only the model's own FLOPs (model FLOPs utilization, MFU).
     """
     return flops_per_step / (step_time_s * num_gpus * peak_flops)
+
+
+def measure_matmul_flops(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                         size: int = 1024, seconds: float = 0.3) -> float:
+    """The FLOP/s this process reaches on square matmuls: a measured peak for MFU where no data
+    sheet applies (a laptop CPU), 2·size³ FLOPs each."""
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    for _ in range(2):                      # warm-up: allocation, kernel selection
+        a @ b
+    _synchronize(device)
+    count, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < seconds or count < 3:
+        a @ b
+        count += 1
+        _synchronize(device)
+    return 2 * size**3 * count / elapsed
+
+
+def _synchronize(device: torch.device | str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()

@@ -1,0 +1,367 @@
+"""Train a GPT with PTD-P: ``python -m megatron_edu.train`` on a laptop, ``torchrun`` on a cluster.
+
+    python -m megatron_edu.train --nproc 4 --tp 2 --pp 2 --steps 300 --out runs/tiny
+    torchrun --nproc-per-node 8 -m megatron_edu.train --tp 8 --preset gpt2-medium ...
+
+One script for both: under torchrun every process is one rank already; otherwise ``--nproc N``
+starts N local ranks (``launch.run``). Everything is checked before any rank starts (DESIGN
+principle 7): the layout against the world size, the model against tp and pp, the batch
+against dp and the microbatches, the data and the checkpoint to resume from.
+
+Each step: the global batch of B sequences is cut into dp slices, each slice into m = B/(dp·b)
+microbatches of b; the pipeline schedule runs them; gradients are averaged over dp once; the
+global norm is clipped; AdamW steps with warm-up and cosine decay (2104.04473 §5 trains so).
+Rank 0 shows a progress bar (loss, tokens/s, MFU), appends one JSON record per step and per
+validation to ``OUT/log.jsonl``, saves checkpoints to ``OUT/checkpoints/`` and finally draws
+``OUT/loss.png`` and samples some text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_edu import comm
+from megatron_edu.checkpoint import load_checkpoint, read_metadata, save_checkpoint
+from megatron_edu.data import BatchSampler, TokenDataset, prepare_data, unigram_entropy
+from megatron_edu.grid import ParallelGrid, validate_layout
+from megatron_edu.launch import RankError, run, under_torchrun
+from megatron_edu.model import GPTConfig
+from megatron_edu.model.config import PRESETS
+from megatron_edu.optim import warmup_cosine
+from megatron_edu.perf import model_flops_utilization, training_flops
+from megatron_edu.perf.flops import measure_matmul_flops
+from megatron_edu.ptdp import PTDP, PTDPOptions
+
+__all__ = ["parse_args", "validate", "main", "train"]
+
+
+# --- the command line ----------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m megatron_edu.train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    layout = p.add_argument_group("layout (2104.04473 §3)")
+    layout.add_argument("--nproc", type=int, help="local ranks to start (default tp·pp·dp; "
+                        "ignored under torchrun)")
+    layout.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    layout.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    layout.add_argument("--dp", type=int, help="data-parallel size (default: world / (tp·pp))")
+    layout.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved"], default="1f1b")
+    layout.add_argument("--chunks", type=int, default=1, help="model chunks per pipeline rank "
+                        "(interleaved schedule)")
+    layout.add_argument("--zero1", action="store_true", help="shard optimizer state over dp")
+    layout.add_argument("--no-scatter-gather", action="store_true",
+                        help="send whole activations between stages (§4.1 off)")
+    model = p.add_argument_group("model")
+    model.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    for name in ("layers", "hidden", "heads", "seq-len", "vocab-size"):
+        model.add_argument(f"--{name}", type=int, help="override the preset")
+    model.add_argument("--dropout", type=float, default=0.0)
+    model.add_argument("--recompute", action="store_true", help="activation recomputation")
+    opt = p.add_argument_group("optimisation")
+    opt.add_argument("--steps", type=int, default=300)
+    opt.add_argument("--micro-batch", type=int, default=4, help="sequences per microbatch (b)")
+    opt.add_argument("--global-batch", type=int, default=16, help="sequences per step (B)")
+    opt.add_argument("--lr", type=float, default=1e-3)
+    opt.add_argument("--min-lr", type=float, default=1e-4)
+    opt.add_argument("--warmup", type=int, default=30)
+    opt.add_argument("--weight-decay", type=float, default=0.1)
+    opt.add_argument("--clip", type=float, default=1.0)
+    opt.add_argument("--seed", type=int, default=1234)
+    opt.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto",
+                     help="auto: bf16 autocast on GPUs, fp32 on CPUs")
+    data = p.add_argument_group("data")
+    data.add_argument("--data", nargs="+", default=["default"],
+                      help="'default' (built-in corpus), 'wikitext103', or .txt files/folders")
+    data.add_argument("--cache-dir", type=Path, help="default ~/.cache/megatron_edu")
+    run_ = p.add_argument_group("run")
+    run_.add_argument("--out", type=Path, default=Path("runs/default"))
+    run_.add_argument("--eval-interval", type=int, default=50)
+    run_.add_argument("--eval-batches", type=int, default=4)
+    run_.add_argument("--save-interval", type=int, default=100)
+    run_.add_argument("--resume", nargs="?", const="auto", default=None,
+                      help="resume from OUT's latest checkpoint, or from the given one")
+    run_.add_argument("--peak-tflops", type=float, help="per-rank peak for MFU (default: "
+                      "measured matmul rate)")
+    run_.add_argument("--sample-tokens", type=int, default=60, help="text to generate at the end")
+    run_.add_argument("--no-progress", action="store_true", help="no progress bar")
+    run_.add_argument("--backend", default="auto")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def model_config(args: argparse.Namespace) -> GPTConfig:
+    overrides = {field: getattr(args, attr) for field, attr in (
+        ("num_layers", "layers"), ("hidden", "hidden"), ("num_heads", "heads"),
+        ("seq_len", "seq_len"), ("vocab_size", "vocab_size")) if getattr(args, attr)}
+    if "hidden" in overrides:
+        overrides["ffn_hidden"] = 0  # back to 4h
+    return GPTConfig.preset(args.preset, dropout=args.dropout, recompute=args.recompute,
+                            seed=args.seed, **overrides)
+
+
+@dataclass
+class Plan:
+    """What validation derives: the world, the model and the microbatch count."""
+
+    world_size: int
+    config: GPTConfig
+    num_microbatches: int
+
+
+def validate(args: argparse.Namespace, world_size: int | None = None) -> Plan:
+    """Every check that can fail, before any rank starts; a ValueError names the numbers."""
+    world = world_size or args.nproc or args.tp * args.pp * (args.dp or 1)
+    if args.dp is None:
+        if world % (args.tp * args.pp):
+            raise ValueError(f"{world} ranks do not divide into tp·pp = {args.tp}·{args.pp}")
+        args.dp = world // (args.tp * args.pp)
+    validate_layout(args.tp, args.pp, args.dp, world)
+    config = model_config(args)
+    if args.schedule != "interleaved" and args.chunks != 1:
+        raise ValueError(f"--chunks {args.chunks} needs --schedule interleaved")
+    config.validate(args.tp, args.pp, args.chunks)
+    per_replica = args.global_batch / args.dp
+    if args.global_batch % (args.dp * args.micro_batch):
+        raise ValueError(f"global batch {args.global_batch} is not divisible by dp·micro-batch "
+                         f"= {args.dp}·{args.micro_batch}: each replica runs whole microbatches")
+    m = int(per_replica) // args.micro_batch
+    if args.schedule == "interleaved" and m % args.pp:
+        raise ValueError(f"the interleaved schedule needs the microbatches per replica "
+                         f"(m = {m}) to be a multiple of pp = {args.pp}")
+    for name in ("steps", "eval_interval", "eval_batches", "save_interval"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+    if not 0 <= args.min_lr <= args.lr:
+        raise ValueError(f"need 0 <= --min-lr ({args.min_lr}) <= --lr ({args.lr})")
+    for source in args.data:
+        if source not in ("default", "wikitext103") and not Path(source).exists():
+            raise FileNotFoundError(f"--data {source}: no such file or folder")
+    if args.resume not in (None, "auto"):
+        read_metadata(args.resume)  # missing or incomplete: CheckpointError naming the file
+    elif args.resume == "auto" and (args.out / "checkpoints" / "latest").exists():
+        read_metadata(args.out)
+    return Plan(world, config, m)
+
+
+# --- one rank's training loop --------------------------------------------------------------------
+
+def train(args: argparse.Namespace, plan: Plan) -> dict[str, Any]:
+    """Run on every rank; returns a summary (the same on every rank)."""
+    grid = ParallelGrid(args.tp, args.pp, args.dp)
+    torch.manual_seed(args.seed)
+    config = plan.config
+    tokenizer, train_set, val_set = _data(args, config)
+    trainer = PTDP(config, grid, PTDPOptions(
+        schedule=args.schedule, num_chunks=args.chunks, num_microbatches=plan.num_microbatches,
+        scatter_gather=not args.no_scatter_gather, zero1=args.zero1, lr=args.lr,
+        weight_decay=args.weight_decay, clip=args.clip))
+    sampler = BatchSampler(len(train_set), args.global_batch, grid.dp_rank, grid.dp, args.seed)
+    start = _resume(args, trainer, sampler)
+    log = _Log(args.out / "log.jsonl", grid.rank == 0, start)
+    meter = _Meter(args, config, grid, plan, log, start)
+    autocast = _autocast(args, grid)
+    for step in range(start, args.steps):
+        ids, labels = train_set.batch(next(sampler))
+        lr = warmup_cosine(step, args.warmup, args.steps, args.lr, args.min_lr)
+        with autocast:
+            result = trainer.train_step(ids, labels, lr)
+        meter.step(step + 1, result.loss, result.grad_norm, lr)
+        if (step + 1) % args.eval_interval == 0 or step + 1 == args.steps:
+            with autocast:
+                meter.validation(step + 1, _validate(args, trainer, val_set, grid))
+        if (step + 1) % args.save_interval == 0 or step + 1 == args.steps:
+            save_checkpoint(args.out, step + 1, trainer,
+                            {"sampler": sampler.state_dict(), "tokenizer": str(tokenizer.path)})
+    meter.close()
+    return _finish(args, trainer, tokenizer, log, train_set)
+
+
+def _data(args, config: GPTConfig):
+    source = args.data[0] if args.data[0] in ("default", "wikitext103") else args.data
+    return prepare_data(source, config.vocab_size, config.seq_len, args.cache_dir)
+
+
+def _resume(args, trainer: PTDP, sampler: BatchSampler) -> int:
+    if args.resume is None:
+        return 0
+    path = args.out if args.resume == "auto" else Path(args.resume)
+    if args.resume == "auto" and not (path / "checkpoints" / "latest").exists():
+        return 0  # nothing saved yet: start afresh
+    meta = load_checkpoint(path, trainer)
+    sampler.load_state_dict(meta["state"]["sampler"])
+    return meta["step"]
+
+
+def _validate(args, trainer: PTDP, val_set: TokenDataset, grid: ParallelGrid) -> float:
+    """Mean loss over ``eval_batches`` fixed global batches of the validation split."""
+    local = args.global_batch // grid.dp
+    losses = []
+    for i in range(args.eval_batches):
+        first = (i * args.global_batch + grid.dp_rank * local) % max(1, len(val_set) - local)
+        ids, labels = val_set.batch(range(first, first + local))
+        losses.append(trainer.evaluate(ids, labels))
+    return sum(losses) / len(losses)
+
+
+def _autocast(args, grid: ParallelGrid):
+    device = grid.device.type
+    bf16 = args.dtype == "bf16" or (args.dtype == "auto" and device == "cuda")
+    return torch.autocast(device, dtype=torch.bfloat16, enabled=bf16)
+
+
+# --- what rank 0 shows and writes ----------------------------------------------------------------
+
+class _Log:
+    """OUT/log.jsonl, appended by rank 0; a resumed run first drops records after its step."""
+
+    def __init__(self, path: Path, active: bool, start: int) -> None:
+        self.path, self.active = path, active
+        self.records: list[dict] = []
+        if active:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if start and path.exists():
+                self.records = [r for r in map(json.loads, path.read_text().splitlines())
+                                if r["step"] <= start]
+            path.write_text("".join(json.dumps(r) + "\n" for r in self.records))
+
+    def write(self, record: dict) -> None:
+        if self.active:
+            self.records.append(record)
+            with self.path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+class _Meter:
+    """Tokens/s and MFU per step (2104.04473 §5.1 FLOPs), a tqdm bar and the log records."""
+
+    def __init__(self, args, config: GPTConfig, grid: ParallelGrid, plan: Plan, log: _Log,
+                 start: int) -> None:
+        self.log, self.tokens = log, args.global_batch * config.seq_len
+        self.flops = training_flops(args.global_batch, config.seq_len, config.num_layers,
+                                    config.hidden, config.vocab_size, recompute=config.recompute)
+        self.peak_total = _peak_flops(args, grid) * (plan.world_size if args.peak_tflops else 1)
+        self.bar = None
+        if log.active and not args.no_progress:
+            from tqdm.auto import tqdm
+            self.bar = tqdm(total=args.steps, initial=start, desc="training", unit="step",
+                            file=sys.stdout, dynamic_ncols=True)
+        self.last = time.perf_counter()
+
+    def step(self, step: int, loss: float, grad_norm: float, lr: float) -> None:
+        now = time.perf_counter()
+        seconds, self.last = now - self.last, now
+        mfu = model_flops_utilization(self.flops, seconds, self.peak_total)
+        self.log.write({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                        "tokens_per_s": self.tokens / seconds, "mfu": mfu})
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{self.tokens / seconds:,.0f}",
+                                 mfu=f"{mfu:.0%}", refresh=False)
+            self.bar.update()
+
+    def validation(self, step: int, val_loss: float) -> None:
+        self.log.write({"step": step, "val_loss": val_loss, "val_ppl": math.exp(val_loss)})
+        if self.bar is not None:
+            self.bar.write(f"step {step}: validation loss {val_loss:.3f}, "
+                           f"perplexity {math.exp(val_loss):.1f}")
+        self.last = time.perf_counter()  # validation time is not training throughput
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _peak_flops(args, grid: ParallelGrid) -> float:
+    """Per rank ``--peak-tflops``; else every rank times a matmul at the same moment and the sum
+    is the machine's: honest when ranks share cores (a laptop), exact with a GPU each."""
+    if args.peak_tflops:
+        return args.peak_tflops * 1e12
+    dtype = torch.bfloat16 if grid.device.type == "cuda" else torch.float32
+    torch.distributed.barrier()
+    mine = torch.tensor(measure_matmul_flops(grid.device, dtype), device=grid.device)
+    return comm.all_reduce(mine, comm.world(), "peak flops").item()
+
+
+def _finish(args, trainer: PTDP, tokenizer, log: _Log, train_set: TokenDataset) -> dict:
+    """Loss curve, a text sample, and a summary every rank returns."""
+    prompt = tokenizer.encode("The ")
+    sample = _sample(args, trainer, prompt)
+    records = log.records
+    summary = {
+        "out": str(args.out),
+        "final_loss": next((r["loss"] for r in reversed(records) if "loss" in r), None),
+        "final_val_loss": next((r["val_loss"] for r in reversed(records) if "val_loss" in r),
+                               None),
+        "unigram_entropy": unigram_entropy(train_set.tokens),
+        "tokens_per_s": _median([r["tokens_per_s"] for r in records if "tokens_per_s" in r]),
+        "mfu": _median([r["mfu"] for r in records if "mfu" in r]),
+        "sample": tokenizer.decode(prompt + sample),
+    }
+    if log.active:
+        import matplotlib.pyplot as plt
+
+        from megatron_edu.viz.training import draw_loss_curve
+        plt.close(draw_loss_curve(records, summary["unigram_entropy"], args.out / "loss.png"))
+    return summary
+
+
+def _sample(args, trainer: PTDP, prompt: list[int]) -> list[int]:
+    """A few tokens from the trained model (top-k sampling), on the training layout."""
+    if args.sample_tokens == 0:
+        return []
+    from megatron_edu.generate import generate
+    return generate(trainer.chunks, trainer.grid, prompt, args.sample_tokens, top_k=20,
+                    seed=args.seed)
+
+
+def _median(values: list[float]) -> float | None:
+    return sorted(values)[len(values) // 2] if values else None
+
+
+# --- entry point ---------------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        plan = validate(args, int(os.environ["WORLD_SIZE"]) if under_torchrun() else None)
+        if not under_torchrun():
+            _data(args, plan.config)  # build the corpus/tokenizer/token caches once, here
+    except (ValueError, FileNotFoundError, RuntimeError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    try:
+        summaries = run(train, plan.world_size, args, plan, backend=args.backend, timeout=None,
+                        capture_output=False)
+    except RankError as err:  # the failing rank's traceback, without the launcher's own
+        print(f"error: training failed on {err}", file=sys.stderr)
+        return 1
+    if not under_torchrun() or int(os.environ["RANK"]) == 0:
+        _report(summaries[0])
+    return 0
+
+
+def _report(s: dict[str, Any]) -> None:
+    print(f"\nfinal training loss {s['final_loss']:.3f}, validation loss "
+          f"{s['final_val_loss']:.3f} (perplexity {math.exp(s['final_val_loss']):.1f}); "
+          f"unigram entropy of the corpus {s['unigram_entropy']:.3f}")
+    print(f"throughput {s['tokens_per_s']:,.0f} tokens/s (median), MFU {s['mfu']:.0%}")
+    print(f"\nsample: {s['sample']!r}\n")
+    print(f"log         {s['out']}/log.jsonl\nloss curve  {s['out']}/loss.png\n"
+          f"checkpoints {s['out']}/checkpoints/")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,27 @@
+"""The loss curve of a training run (``OUT/log.jsonl``) against the no-learning baseline."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+
+
+def draw_loss_curve(records: list[dict], unigram_entropy: float | None = None,
+                    path: str | Path | None = None, ax=None):
+    """Training loss per step, validation loss at its steps, and the unigram entropy: the loss
+    of a model that knows only token frequencies. Saved to ``path`` when given."""
+    fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(7, 4))
+    train = [(r["step"], r["loss"]) for r in records if "loss" in r]
+    val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+    if train:
+        ax.plot(*zip(*train, strict=True), lw=1, label="training loss")
+    if val:
+        ax.plot(*zip(*val, strict=True), "o-", label="validation loss")
+    if unigram_entropy is not None:
+        ax.axhline(unigram_entropy, color="grey", ls="--", label="unigram entropy (no learning)")
+    ax.set(xlabel="optimizer step", ylabel="cross entropy (nats)", title="GPT training")
+    ax.legend()
+    if path is not None:
+        fig.savefig(path, dpi=100, bbox_inches="tight")
+    return fig

@@ -1,0 +1,127 @@
+"""The training script end to end: learning, exact resume, resharding, safe checkpoints."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from megatron_edu import checkpoint
+from megatron_edu.checkpoint import CheckpointError, read_metadata
+from megatron_edu.launch import RankError, run
+from megatron_edu.train import main, parse_args, validate
+
+TINY = ["--layers", "4", "--hidden", "64", "--heads", "4", "--seq-len", "32",
+        "--vocab-size", "512", "--global-batch", "8", "--micro-batch", "2", "--lr", "3e-3",
+        "--warmup", "2", "--eval-batches", "2", "--sample-tokens", "0", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("cache")
+
+
+def _train(out, cache, *extra):
+    argv = [*TINY, "--out", str(out), "--cache-dir", str(cache), *extra]
+    assert main(argv) == 0
+    return [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+
+
+def _losses(records):
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+def test_loss_decreases_and_everything_is_written(tmp_path, cache):
+    records = _train(tmp_path, cache, "--nproc", "2", "--tp", "2", "--steps", "12",
+                     "--eval-interval", "6", "--save-interval", "6")
+    losses = _losses(records)
+    assert sorted(losses) == list(range(1, 13))
+    assert losses[12] < losses[1] - 0.5
+    assert [r["step"] for r in records if "val_loss" in r] == [6, 12]
+    assert (tmp_path / "loss.png").exists()
+    assert read_metadata(tmp_path)["step"] == 12
+
+
+def test_resume_continues_bit_for_bit(tmp_path, cache):
+    whole = _losses(_train(tmp_path / "a", cache, "--nproc", "2", "--pp", "2", "--steps", "6",
+                           "--save-interval", "3", "--dropout", "0.1"))
+    _train(tmp_path / "b", cache, "--nproc", "2", "--pp", "2", "--steps", "6",
+           "--save-interval", "3", "--dropout", "0.1")
+    shutil.rmtree(tmp_path / "b" / "checkpoints" / "step_000006")   # as if stopped after 3
+    (tmp_path / "b" / "checkpoints" / "latest").write_text("step_000003")
+    resumed = _losses(_train(tmp_path / "b", cache, "--nproc", "2", "--pp", "2", "--steps", "6",
+                             "--save-interval", "3", "--dropout", "0.1", "--resume"))
+    assert resumed == whole  # exactly: same floats, not approximately
+
+
+def test_a_checkpoint_reshards_to_other_layouts(tmp_path, cache):
+    steps = ["--steps", "4", "--save-interval", "3", "--eval-interval", "100"]
+    whole = _losses(_train(tmp_path / "tp2pp2", cache, "--nproc", "4", "--tp", "2", "--pp", "2",
+                           *steps))
+    saved = tmp_path / "tp2pp2" / "checkpoints" / "step_000003"
+    for layout in (["--tp", "1", "--pp", "4"], ["--tp", "4", "--pp", "1"]):
+        resumed = _losses(_train(tmp_path / "_".join(layout), cache, "--nproc", "4", *layout,
+                                 *steps, "--resume", str(saved)))
+        assert resumed[4] == pytest.approx(whole[4], abs=1e-5)
+
+
+def _save_twice_crashing_the_second_time(out):
+    """In a rank: a complete checkpoint at step 1, then a save at step 2 that dies mid-write."""
+    from megatron_edu.grid import ParallelGrid
+    from megatron_edu.model import GPTConfig
+    from megatron_edu.ptdp import PTDP, PTDPOptions
+
+    config = GPTConfig(vocab_size=64, seq_len=8, num_layers=2, hidden=32, num_heads=4)
+    trainer = PTDP(config, ParallelGrid(), PTDPOptions())
+    checkpoint.save_checkpoint(out, 1, trainer)
+    real_save = torch.save
+
+    def save_then_die(obj, path, *args, **kwargs):
+        real_save(obj, path, *args, **kwargs)
+        raise OSError("disk full (simulated)")
+
+    checkpoint.torch.save = save_then_die
+    try:
+        checkpoint.save_checkpoint(out, 2, trainer)
+    finally:
+        checkpoint.torch.save = real_save
+
+
+def test_a_crash_while_saving_leaves_the_previous_checkpoint(tmp_path):
+    with pytest.raises(RankError, match="disk full"):
+        run(_save_twice_crashing_the_second_time, 1, tmp_path)
+    assert read_metadata(tmp_path)["step"] == 1      # latest still names the complete one
+    assert (tmp_path / "checkpoints" / "step_000002.tmp").exists()  # half-written, ignored
+
+
+def test_a_corrupt_checkpoint_is_named(tmp_path, cache, capsys):
+    _train(tmp_path, cache, "--nproc", "1", "--steps", "1")
+    shard = tmp_path / "checkpoints" / "step_000001" / "model_tp0_pp0.pt"
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="model_tp0_pp0.pt has .* bytes"):
+        read_metadata(tmp_path)
+    shard.write_bytes(b"x" * len(data))          # right size, wrong content: found on loading
+    argv = [*TINY, "--out", str(tmp_path), "--cache-dir", str(cache), "--nproc", "1",
+            "--steps", "2", "--resume"]
+    assert main(argv) == 1
+    assert "corrupt checkpoint file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--nproc", "4", "--tp", "3"], r"4 ranks do not divide into tp·pp = 3·1"),
+    (["--nproc", "4", "--tp", "2", "--pp", "2", "--dp", "2"], r"2·2·2 = 8 ranks, but the world"),
+    (["--tp", "3"], r"num_heads = 4 is not divisible by the tensor-parallel size tp = 3"),
+    (["--pp", "3", "--nproc", "3"], r"num_layers = 4 is not divisible by pp·chunks"),
+    (["--nproc", "2", "--global-batch", "6"], r"global batch 6 is not divisible by dp·micro"),
+    (["--chunks", "2"], r"--chunks 2 needs --schedule interleaved"),
+    (["--nproc", "2", "--pp", "2", "--schedule", "interleaved", "--chunks", "2",
+      "--global-batch", "6"], r"microbatches per replica \(m = 3\) to be a multiple of pp = 2"),
+    (["--data", "/no/such/file.txt"], r"--data /no/such/file.txt: no such file"),
+    (["--resume", "/no/such/run"], r"no checkpoint at /no/such/run"),
+    (["--steps", "0"], r"--steps must be at least 1"),
+])
+def test_bad_arguments_fail_before_any_rank_starts(argv, message):
+    args = parse_args([*TINY, *argv])
+    with pytest.raises((ValueError, FileNotFoundError), match=message):
+        validate(args)
