@@ -7,6 +7,8 @@ A checkpoint is a folder ``OUT/checkpoints/step_000100/`` holding
   split along (``tp_dim``). Under ZeRO-1 the moments are first assembled over dp.
 * ``rng_rank{r}.pt`` — every rank's random-number state (torch and the dropout streams), so a
   resumed run on the same layout continues bit for bit.
+* ``tokenizer.model`` — the sentencepiece model the run trained with, so that the folder
+  stands on its own (generation, export).
 * ``meta.json`` — written last: step, model config, layout, training state (data sampler
   position, ...), and the size of every file above, checked on load.
 
@@ -42,6 +44,7 @@ __all__ = ["save_checkpoint", "load_checkpoint", "read_metadata", "load_full_mod
 
 FORMAT = 1
 MOMENTS = ("exp_avg", "exp_avg_sq")
+TOKENIZER = "tokenizer.model"
 
 
 class CheckpointError(ValueError):
@@ -51,10 +54,11 @@ class CheckpointError(ValueError):
 # --- saving --------------------------------------------------------------------------------------
 
 def save_checkpoint(out_dir: str | Path, step: int, trainer: PTDP,
-                    state: dict[str, Any] | None = None) -> Path:
+                    state: dict[str, Any] | None = None, tokenizer: Path | None = None) -> Path:
     """Save ``trainer`` after ``step`` optimizer steps (a collective: every rank calls it).
 
     ``state``: anything else a resumed run needs (the data sampler's position, ...), JSON-able.
+    ``tokenizer``: a sentencepiece model, copied in so that the checkpoint stands on its own.
     """
     root = Path(out_dir) / "checkpoints"
     final = root / f"step_{step:06d}"
@@ -70,10 +74,13 @@ def save_checkpoint(out_dir: str | Path, step: int, trainer: PTDP,
     torch.save(_rng_state(trainer), staging / f"rng_rank{grid.rank}.pt")
     dist.barrier()
     if grid.rank == 0:
+        if tokenizer is not None:
+            shutil.copyfile(tokenizer, staging / TOKENIZER)
         meta = {"format": FORMAT, "step": step, "config": vars(trainer.config),
                 "layout": {"tp": grid.tp, "pp": grid.pp, "dp": grid.dp,
                            "num_chunks": trainer.options.num_chunks},
                 "state": state or {},
+                "tokenizer": TOKENIZER if tokenizer is not None else None,
                 "files": {f.name: f.stat().st_size for f in sorted(staging.iterdir())}}
         (staging / "meta.json").write_text(json.dumps(meta, indent=1))
         if final.exists():                          # saving the same step again
@@ -119,15 +126,21 @@ def _write_atomically(path: Path, text: str) -> None:
 
 # --- finding and checking ------------------------------------------------------------------------
 
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint folder from itself, a run's output folder, or its ``checkpoints/`` folder
-    (then the latest one)."""
+def resolve_checkpoint(path: str | Path, step: int | None = None) -> Path:
+    """A checkpoint folder from itself, a run's output folder, or its ``checkpoints/`` folder:
+    the latest one there, or the one of ``step``."""
     path = Path(path)
     for candidate in (path, path / "checkpoints"):
+        if step is not None:
+            if (candidate / f"step_{step:06d}" / "meta.json").exists():
+                return candidate / f"step_{step:06d}"
+            continue
         if (candidate / "meta.json").exists():
             return candidate
         if (candidate / "latest").exists():
             return candidate / (candidate / "latest").read_text().strip()
+    if step is not None:
+        raise CheckpointError(f"no checkpoint of step {step} in {path}")
     raise CheckpointError(f"no checkpoint at {path}: expected a folder with meta.json, or a run "
                           f"folder whose checkpoints/latest names one")
 
@@ -151,6 +164,8 @@ def read_metadata(path: str | Path) -> dict[str, Any]:
             raise CheckpointError(f"corrupt checkpoint: {file} has {file.stat().st_size} bytes, "
                                   f"{size} were written")
     meta["path"] = str(path)
+    if meta["tokenizer"] is not None:
+        meta["tokenizer"] = str(path / meta["tokenizer"])
     return meta
 
 

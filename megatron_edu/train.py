@@ -1,6 +1,6 @@
 """Train a GPT with PTD-P: ``python -m megatron_edu.train`` on a laptop, ``torchrun`` on a cluster.
 
-    python -m megatron_edu.train --nproc 4 --tp 2 --pp 2 --steps 300 --out runs/tiny
+    python -m megatron_edu.train --nproc 4 --tp 2 --pp 2 --out runs/tiny
     torchrun --nproc-per-node 8 -m megatron_edu.train --tp 8 --preset gpt2-medium ...
 
 One script for both: under torchrun every process is one rank already; otherwise ``--nproc N``
@@ -69,12 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--dropout", type=float, default=0.0)
     model.add_argument("--recompute", action="store_true", help="activation recomputation")
     opt = p.add_argument_group("optimisation")
-    opt.add_argument("--steps", type=int, default=300)
+    opt.add_argument("--steps", type=int, default=600)
     opt.add_argument("--micro-batch", type=int, default=4, help="sequences per microbatch (b)")
     opt.add_argument("--global-batch", type=int, default=16, help="sequences per step (B)")
-    opt.add_argument("--lr", type=float, default=1e-3)
+    opt.add_argument("--lr", type=float, default=3e-3)
     opt.add_argument("--min-lr", type=float, default=1e-4)
-    opt.add_argument("--warmup", type=int, default=30)
+    opt.add_argument("--warmup", type=int, default=60)
     opt.add_argument("--weight-decay", type=float, default=0.1)
     opt.add_argument("--clip", type=float, default=1.0)
     opt.add_argument("--seed", type=int, default=1234)
@@ -184,8 +184,8 @@ def train(args: argparse.Namespace, plan: Plan) -> dict[str, Any]:
             with autocast:
                 meter.validation(step + 1, _validate(args, trainer, val_set, grid))
         if (step + 1) % args.save_interval == 0 or step + 1 == args.steps:
-            save_checkpoint(args.out, step + 1, trainer,
-                            {"sampler": sampler.state_dict(), "tokenizer": str(tokenizer.path)})
+            save_checkpoint(args.out, step + 1, trainer, {"sampler": sampler.state_dict()},
+                            tokenizer.path)
     meter.close()
     return _finish(args, trainer, tokenizer, log, train_set)
 

@@ -105,7 +105,7 @@ def _megatron(layers: int, hidden: int, heads: int) -> dict[str, int]:
 
 # Keyword arguments rather than configs, so that overriding ``hidden`` also rescales ffn_hidden.
 PRESETS: dict[str, dict[str, int]] = {
-    "tiny": dict(vocab_size=8192, seq_len=128, num_layers=4, hidden=128, num_heads=4),
+    "tiny": dict(vocab_size=4096, seq_len=128, num_layers=4, hidden=128, num_heads=4),
     "gpt2-small": _gpt2(12, 768, 12),
     "gpt2-medium": _gpt2(24, 1024, 16),
     "gpt2-large": _gpt2(36, 1280, 20),

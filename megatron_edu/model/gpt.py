@@ -31,11 +31,16 @@ weight``), and each is initialised from the same seed by name. A last stage that
 the first holds its own copy of ``embedding.word.weight`` for the output layer; its gradient must
 be all-reduced with the first stage's over ``grid.embedding_group`` (2104.04473's tied
 embeddings across stages; done by the pipeline engine, not here).
+
+Generation: ``forward(ids, cache=KVCache())`` keeps every block's keys and values, so the next
+call feeds only the new token; its position and its causal mask are offset by the cached length
+(``megatron_edu/generate.py`` drives it, over any tp × pp).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -72,7 +77,7 @@ from megatron_edu.tensor_parallel.random import (
     checkpoint,
 )
 
-__all__ = ["GPT", "stage_layers", "WORD_EMBEDDING"]
+__all__ = ["GPT", "KVCache", "stage_layers", "WORD_EMBEDDING"]
 
 WORD_EMBEDDING = "embedding.word.weight"  # the same name on the first and the last stage
 IGNORE_INDEX = -100                       # labels equal to this add nothing to the loss
@@ -99,6 +104,37 @@ def stage_layers(num_layers: int, pp: int, pp_rank: int, num_chunks: int = 1,
     return range(stage * per_stage, (stage + 1) * per_stage)
 
 
+@dataclass
+class LayerKV:
+    """One block's cached keys and values, each [b, heads/t, length, d] on this tp rank."""
+
+    k: torch.Tensor | None = None
+    v: torch.Tensor | None = None
+
+    def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append the new positions' k and v; return all of them (cached first)."""
+        if self.k is not None:
+            k, v = torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
+        self.k, self.v = k, v
+        return k, v
+
+
+@dataclass
+class KVCache:
+    """The keys and values of the ``length`` positions seen so far, per block of one stage.
+
+    Pass the same cache to successive forwards (the prompt, then one token at a time): each
+    block attends over its cached positions plus the new ones, so a new token costs the work
+    of one position, not of the whole sequence.
+    """
+
+    length: int = 0
+    layers: dict[str, LayerKV] = field(default_factory=dict)
+
+    def layer(self, name: str) -> LayerKV:
+        return self.layers.setdefault(name, LayerKV())
+
+
 def _layer_norm(config: GPTConfig) -> nn.LayerNorm:
     ln = nn.LayerNorm(config.hidden, eps=config.layernorm_eps)
     mark(ln.weight, None, ones)   # replicated on every tp rank
@@ -120,8 +156,8 @@ class Embedding(nn.Module):
             mark(self.position.weight, None, normal(config.init_std))
         self.dropout = Dropout(config.dropout, rng, REPLICATED)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        seq = torch.arange(ids.shape[1], device=ids.device)
+    def forward(self, ids: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        seq = torch.arange(offset, offset + ids.shape[1], device=ids.device)  # positions
         return self.dropout(self.word(ids) + self.position(seq))   # [b, s, h] on every rank
 
 
@@ -138,14 +174,20 @@ class Attention(nn.Module):
                                         init_std=config.init_std)
         self.proj = RowParallelLinear(config.hidden, config.hidden, group, init_std=residual_std)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv: LayerKV | None = None) -> torch.Tensor:
         b, s, _ = x.shape
         qkv = self.qkv(x)                                        # [b, s, 3h/t], f inside
         qkv = qkv.view(b, s, self.local_heads, 3, self.head_dim)  # per head: q | k | v
         q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)          # each [b, heads/t, s, d]
+        if kv is not None:
+            k, v = kv.extend(k, v)                               # [b, heads/t, t, d], t ≥ s
+        t = k.shape[2]
+        # The s queries are the last positions t−s … t−1: query i sees keys 0 … t−s+i.
+        mask = None if t == s else torch.ones(s, t, dtype=torch.bool, device=x.device).tril(t - s)
         p = self.dropout_p if self.training else 0.0
         with self.rng.fork(TENSOR_PARALLEL, x.device):          # a different mask per tp rank
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
+                                               is_causal=mask is None)
         y = y.transpose(1, 2).reshape(b, s, -1)                  # [b, s, h/t]
         return self.proj(y)                                      # [b, s, h], g inside
 
@@ -177,8 +219,8 @@ class Block(nn.Module):
         self.mlp = MLP(config, group)
         self.dropout = Dropout(config.dropout, rng, REPLICATED)  # same mask on every tp rank
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.ln1(x)))   # [b, s, h] on every tp rank
+    def forward(self, x: torch.Tensor, kv: LayerKV | None = None) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.ln1(x), kv))   # [b, s, h] on every tp rank
         return x + self.dropout(self.mlp(self.ln2(x)))
 
 
@@ -211,16 +253,24 @@ class GPT(nn.Module):
         init_parameters(self, config.seed, self.tp_group)
         self.to(grid.device if grid is not None else "cpu")
 
-    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None, *,
+                cache: KVCache | None = None) -> torch.Tensor:
         """ids [b, s] (first stage) or hidden [b, s, h] → hidden [b, s, h] (not last), this rank's
         logits [b, s, V_padded/t] (last, no labels; padded ids are −inf) or the mean loss over
-        the tokens whose label is not −100 (last, labels [b, s]; equal on every tp rank)."""
-        h = self._embed(x) if self.first else x                  # [b, s, h]
-        for block in self.blocks.values():
-            if self.config.recompute and torch.is_grad_enabled():
+        the tokens whose label is not −100 (last, labels [b, s]; equal on every tp rank).
+        ``cache``: x holds positions cache.length, … of a sequence whose earlier positions'
+        keys and values the cache holds; x's own are appended to it."""
+        offset = 0 if cache is None else cache.length
+        h = self._embed(x, offset) if self.first else x          # [b, s, h]
+        for name, block in self.blocks.items():
+            if cache is not None:
+                h = block(h, cache.layer(name))
+            elif self.config.recompute and torch.is_grad_enabled():
                 h = checkpoint(block, self.rng, h)               # 2104.04473 §3.5
             else:
                 h = block(h)
+        if cache is not None:
+            cache.length += h.shape[1]
         if not self.last:
             return h
         logits = self._logits(self.ln_f(h))                      # [b, s, V_padded/t]
@@ -230,14 +280,14 @@ class GPT(nn.Module):
                                               ignore_index=IGNORE_INDEX)   # [b, s]
         return losses.sum() / (labels != IGNORE_INDEX).sum()
 
-    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+    def _embed(self, ids: torch.Tensor, offset: int) -> torch.Tensor:
         if ids.dtype != torch.long or ids.dim() != 2:
             raise ValueError(f"the first stage takes token ids [b, s] int64, got "
                              f"{tuple(ids.shape)} {ids.dtype}")
-        if ids.shape[1] > self.config.seq_len:
-            raise ValueError(f"sequence of {ids.shape[1]} tokens is longer than "
+        if offset + ids.shape[1] > self.config.seq_len:
+            raise ValueError(f"sequence of {offset + ids.shape[1]} tokens is longer than "
                              f"seq_len = {self.config.seq_len}")
-        return self.embedding(ids)
+        return self.embedding(ids, offset)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """The output layer: a column-parallel linear sharing the embedding table (tied)."""

@@ -1,0 +1,277 @@
+"""Text generation with a KV cache on any tp × pp layout (1909.08053 §3; 2104.04473 §2.2).
+
+Autoregressive decoding runs the prompt through the model once (the prefill), then one token at
+a time. Each block keeps the keys and values of the positions already seen
+(``model.gpt.KVCache``), so a new token costs the work of one position, not of the whole text.
+
+On a tp × pp grid one step is one forward pass through the pipeline: there is nothing to
+pipeline, since token t+1 needs token t, so no microbatches and no schedule —
+
+* the first stage embeds the ids; every stage sends its hidden state [1, s, h] to the next with a
+  blocking send/recv (each tp rank to its peer: the activation is replicated over tp);
+* the last stage holds its vocabulary shard of the logits (1909.08053 §3, output embedding);
+  only the last position's, [1, V_padded/t], are all-gathered over tp and the padding trimmed;
+* one rank (tp rank 0 of the last stage) samples the next token with a ``torch.Generator``
+  seeded from ``seed`` and broadcasts it over the model-parallel group, so the first stage can
+  embed it and every rank knows when to stop.
+
+Sampling on one rank from one seed makes the text the same at every layout (the logits agree to
+rounding). Data-parallel replicas, if any, each generate the same text on their own.
+
+Sampling: the temperature divides the logits; top-k keeps the k most likely tokens (Fan et al.
+2018, arXiv 1805.04833); top-p keeps the smallest set of most likely tokens whose probability
+reaches p (nucleus sampling, Holtzman et al. 2019, arXiv 1904.09751); greedy takes the argmax.
+
+    python -m megatron_edu.generate --checkpoint runs/tiny --prompt "The " --max-new-tokens 40 \\
+        --top-p 0.9 --nproc 4 --tp 2 --pp 2
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from megatron_edu import comm
+from megatron_edu.checkpoint import (
+    load_full_model_state,
+    read_metadata,
+    resolve_checkpoint,
+)
+from megatron_edu.data.tokenizer import Tokenizer
+from megatron_edu.grid import ParallelGrid
+from megatron_edu.launch import run
+from megatron_edu.model import GPT, GPTConfig
+from megatron_edu.model.gpt import KVCache
+from megatron_edu.pipeline.engine import build_chunks
+
+__all__ = ["Sampling", "sample", "check_length", "generate", "main"]
+
+
+# --- choosing the next token ---------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the next token is drawn from the logits; checked on construction."""
+
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    greedy: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature} "
+                             f"(use greedy for the argmax)")
+        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
+            raise ValueError(f"top_k must be an integer ≥ 1, got {self.top_k!r}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+def sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> int:
+    """The next token from the logits [V] of the last position."""
+    if sampling.greedy:
+        return int(logits.argmax())
+    logits = logits.float() / sampling.temperature
+    if sampling.top_k is not None:
+        kth = logits.topk(min(sampling.top_k, logits.numel())).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if sampling.top_p is not None and sampling.top_p < 1:
+        logits = _nucleus(logits, sampling.top_p)
+    probs = torch.softmax(logits, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def _nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the most likely tokens until their probability reaches top_p (always the first)."""
+    probs, order = torch.softmax(logits, dim=-1).sort(descending=True)
+    before = probs.cumsum(0) - probs               # the mass of the more likely tokens
+    return logits.index_fill(0, order[before >= top_p], float("-inf"))
+
+
+# --- one step through the pipeline ---------------------------------------------------------------
+
+def _forward_step(chunks: Sequence[GPT], grid: ParallelGrid | None, ids: torch.Tensor,
+                  caches: Sequence[KVCache]) -> torch.Tensor | None:
+    """Run ids [1, s] through this rank's (virtual) stages; on the last stage return the last
+    position's logits [V] (vocabulary whole, padding trimmed), elsewhere None."""
+    piped = grid is not None and grid.pp > 1
+    x = ids
+    for chunk, cache in zip(chunks, caches, strict=True):
+        if piped and not chunk.first:                # 2104.04473 §2.2: from the previous stage
+            buffer = torch.empty(1, ids.shape[1], chunk.config.hidden, device=ids.device,
+                                 dtype=next(chunk.parameters()).dtype)
+            x = comm.recv(buffer, grid.prev_rank, "pp activation")
+        x = chunk(x, cache=cache)                    # [1, s, h], or [1, s, V_padded/t] if last
+        if piped and not chunk.last:
+            comm.send(x, grid.next_rank, "pp activation")
+    if not chunks[-1].last:
+        return None
+    logits = comm.all_gather(x[0, -1], chunks[-1].tp_group, dim=-1, label="logits")  # [V_padded]
+    return logits[: chunks[-1].config.vocab_size]
+
+
+def _next_token(logits: torch.Tensor | None, grid: ParallelGrid | None, sampling: Sampling,
+                generator: torch.Generator, device: torch.device) -> int:
+    """Sample on tp rank 0 of the last stage, then broadcast to every model-parallel rank."""
+    token = torch.zeros(1, dtype=torch.long, device=device)
+    if grid is None or (grid.is_last_stage and grid.tp_rank == 0):
+        token[0] = sample(logits.cpu(), sampling, generator)   # on the CPU: same on any device
+    if grid is not None:
+        sampler = grid.rank_of(0, grid.pp - 1, grid.dp_rank)
+        comm.broadcast(token, sampler, grid.mp_group, "next token")
+    return int(token)
+
+
+@contextmanager
+def _eval_mode(chunks: Sequence[GPT]) -> Iterator[None]:
+    """Dropout off while generating; each chunk's mode restored afterwards."""
+    modes = [chunk.training for chunk in chunks]
+    for chunk in chunks:
+        chunk.eval()
+    try:
+        yield
+    finally:
+        for chunk, mode in zip(chunks, modes, strict=True):
+            chunk.train(mode)
+
+
+# --- generation -----------------------------------------------------------------------------------
+
+def check_length(config: GPTConfig, prompt_len: int, max_new_tokens: int) -> None:
+    """Raise a ValueError unless the prompt and the new tokens fit in ``config.seq_len``."""
+    if prompt_len < 1:
+        raise ValueError("the prompt is empty: give at least one token")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer ≥ 1, got {max_new_tokens!r}")
+    if prompt_len + max_new_tokens > config.seq_len:
+        raise ValueError(f"a prompt of {prompt_len} tokens + {max_new_tokens} new tokens = "
+                         f"{prompt_len + max_new_tokens} is longer than seq_len = "
+                         f"{config.seq_len}")
+
+
+def _prompt(prompt_ids: list[int] | torch.Tensor, max_new_tokens: int,
+            config: GPTConfig) -> torch.Tensor:
+    """The prompt as ids [1, s], checked against the vocabulary and the context length."""
+    ids = torch.as_tensor(prompt_ids, dtype=torch.long)
+    if ids.dim() != 1:
+        raise ValueError(f"one prompt at a time: a list of ids or a 1-D tensor, got shape "
+                         f"{tuple(ids.shape)}")
+    check_length(config, ids.numel(), max_new_tokens)
+    if ids.min() < 0 or ids.max() >= config.vocab_size:
+        raise ValueError(f"prompt ids must be in 0..{config.vocab_size - 1}, got "
+                         f"{ids.min().item()}..{ids.max().item()}")
+    return ids[None]
+
+
+def _as_chunks(model: GPT | Sequence[GPT], grid: ParallelGrid | None) -> list[GPT]:
+    chunks = list(model) if isinstance(model, Sequence) else [model]
+    if grid is None and not (len(chunks) == 1 and chunks[0].first and chunks[0].last):
+        raise ValueError("without a grid, pass one whole model (first and last stage)")
+    return chunks
+
+
+@torch.no_grad()
+def generate(model: GPT | Sequence[GPT], grid: ParallelGrid | None,
+             prompt_ids: list[int] | torch.Tensor, max_new_tokens: int, *,
+             temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+             greedy: bool = False, seed: int = 0, eos_id: int | None = None) -> list[int]:
+    """The tokens that follow ``prompt_ids``: ``max_new_tokens`` of them, or fewer ending with
+    ``eos_id``. ``model``: a whole GPT (grid None) or this rank's chunks (``build_chunks``).
+    Under a grid, a collective: every rank calls it alike and gets the same list."""
+    chunks = _as_chunks(model, grid)
+    sampling = Sampling(temperature, top_k, top_p, greedy)
+    device = grid.device if grid is not None else next(chunks[0].parameters()).device
+    ids = _prompt(prompt_ids, max_new_tokens, chunks[0].config).to(device)   # [1, s]
+    generator = torch.Generator().manual_seed(seed)
+    caches = [KVCache() for _ in chunks]
+    tokens: list[int] = []
+    with _eval_mode(chunks):
+        for _ in range(max_new_tokens):
+            logits = _forward_step(chunks, grid, ids, caches)
+            tokens.append(_next_token(logits, grid, sampling, generator, device))
+            if tokens[-1] == eos_id:
+                break
+            ids = torch.tensor([[tokens[-1]]], device=device)            # [1, 1]: the cache
+    return tokens                                                          # holds the rest
+
+
+# --- the command line -----------------------------------------------------------------------------
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m megatron_edu.generate",
+                                     description="Continue a prompt with a trained checkpoint.")
+    parser.add_argument("--checkpoint", required=True,
+                        help="a checkpoint folder, or a run folder (its latest checkpoint)")
+    parser.add_argument("--step", type=int, help="the checkpoint of this step of the run")
+    parser.add_argument("--tokenizer", help="a sentencepiece .model (default: the checkpoint's)")
+    parser.add_argument("--prompt", required=True)
+    parser.add_argument("--max-new-tokens", type=int, default=50)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int)
+    parser.add_argument("--top-p", type=float)
+    parser.add_argument("--greedy", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--nproc", type=int, default=1, help="ranks to launch: tp·pp")
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    return parser
+
+
+def _tokenizer_path(args: argparse.Namespace, meta: dict) -> str:
+    if args.tokenizer is None and meta.get("tokenizer") is None:
+        raise ValueError(f"the checkpoint {meta['path']} names no tokenizer: pass --tokenizer")
+    return args.tokenizer or meta["tokenizer"]
+
+
+def _prepare(args: argparse.Namespace) -> tuple[Path, GPTConfig, Tokenizer, list[int], Sampling]:
+    """Every check before launching (DESIGN principle 7): raises a ValueError naming the numbers."""
+    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.greedy)
+    if args.nproc != args.tp * args.pp:
+        raise ValueError(f"--nproc {args.nproc} ≠ tp·pp = {args.tp}·{args.pp} = "
+                         f"{args.tp * args.pp}")
+    path = resolve_checkpoint(args.checkpoint, args.step)
+    meta = read_metadata(path)
+    config = GPTConfig(**meta["config"])
+    config.validate(args.tp, args.pp)
+    tokenizer = Tokenizer.load(_tokenizer_path(args, meta))
+    if tokenizer.vocab_size > config.vocab_size:
+        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens, the model "
+                         f"{config.vocab_size}: not the model's tokenizer")
+    prompt = tokenizer.encode(args.prompt)
+    check_length(config, len(prompt), args.max_new_tokens)
+    return path, config, tokenizer, prompt, sampling
+
+
+def _generate_on_rank(path: Path, config: GPTConfig, tp: int, pp: int, prompt: list[int],
+                      max_new_tokens: int, sampling: Sampling, seed: int,
+                      eos_id: int) -> list[int]:
+    grid = ParallelGrid(tp=tp, pp=pp)
+    chunks = build_chunks(config, grid)
+    state = load_full_model_state(path)
+    for chunk in chunks:
+        chunk.load_full_state_dict(state)
+    return generate(chunks, grid, prompt, max_new_tokens, seed=seed, eos_id=eos_id,
+                    **asdict(sampling))
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        path, config, tokenizer, prompt, sampling = _prepare(args)
+    except (ValueError, OSError) as err:          # CheckpointError is a ValueError too
+        parser.error(str(err))
+    tokens = run(_generate_on_rank, args.nproc, path, config, args.tp, args.pp, prompt,
+                 args.max_new_tokens, sampling, args.seed, tokenizer.eos_id,
+                 capture_output=True)[0]
+    print(args.prompt + tokenizer.decode(tokens))
+
+
+if __name__ == "__main__":
+    main()
