@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 PIP    := $(PY) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: install test lint lab bench clean
+.PHONY: install test lint lab train bench clean
 
 install: $(VENV)/.installed
 
@@ -28,6 +28,10 @@ test: lint
 
 lab: install
 	$(PY) -m jupyter lab notebooks
+
+# The main job: the tiny GPT on the built-in corpus, tp=2 x pp=2 on 4 CPU processes (minutes).
+train: install
+	$(PY) -m megatron_edu.train --nproc 4 --tp 2 --pp 2 --out runs/default
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -40,7 +40,7 @@ from megatron_edu.ptdp import PTDP
 from megatron_edu.tensor_parallel.init import shard
 
 __all__ = ["save_checkpoint", "load_checkpoint", "read_metadata", "load_full_model_state",
-           "resolve_checkpoint", "CheckpointError"]
+           "resolve_checkpoint", "export_hf", "CheckpointError"]
 
 FORMAT = 1
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -270,3 +270,41 @@ def _check_config(meta: dict[str, Any], config: GPTConfig) -> None:
         raise CheckpointError(f"checkpoint {meta['path']} holds another model: " + ", ".join(
             f"{k} {a} in the checkpoint vs {b} here" for k, (a, b) in diff.items()))
 
+
+
+# --- export --------------------------------------------------------------------------------------
+
+def export_hf(checkpoint: str | Path, out_dir: str | Path) -> Path:
+    """Write a checkpoint (any layout) as a Hugging Face GPT-2 directory, tokenizer included."""
+    from megatron_edu.model import GPT
+    from megatron_edu.model.hf import save_hf_gpt2
+
+    meta = read_metadata(checkpoint)
+    model = GPT(GPTConfig(**meta["config"]))
+    model.load_full_state_dict(load_full_model_state(checkpoint))
+    out_dir = Path(out_dir)
+    save_hf_gpt2(model, out_dir)
+    if meta["tokenizer"] is not None:
+        shutil.copyfile(meta["tokenizer"], out_dir / TOKENIZER)
+    return out_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python -m megatron_edu.checkpoint export-hf RUN_OR_CHECKPOINT OUT_DIR"""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m megatron_edu.checkpoint")
+    commands = parser.add_subparsers(dest="command", required=True)
+    export = commands.add_parser("export-hf", help="write a Hugging Face GPT-2 directory")
+    export.add_argument("checkpoint", help="a run folder (its latest checkpoint) or a checkpoint")
+    export.add_argument("out", help="the directory to write")
+    args = parser.parse_args(argv)
+    try:
+        print(f"wrote {export_hf(args.checkpoint, args.out)}")
+    except CheckpointError as err:
+        parser.error(str(err))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

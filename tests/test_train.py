@@ -125,3 +125,19 @@ def test_bad_arguments_fail_before_any_rank_starts(argv, message):
     args = parse_args([*TINY, *argv])
     with pytest.raises((ValueError, FileNotFoundError), match=message):
         validate(args)
+
+
+def test_a_checkpoint_exports_to_hugging_face(tmp_path, cache):
+    transformers = pytest.importorskip("transformers")
+    from megatron_edu.checkpoint import load_full_model_state
+    from megatron_edu.model import GPT, GPTConfig
+
+    _train(tmp_path, cache, "--nproc", "2", "--tp", "2", "--steps", "2")
+    checkpoint.main(["export-hf", str(tmp_path), str(tmp_path / "hf")])
+    ours = GPT(GPTConfig(**read_metadata(tmp_path)["config"]))
+    ours.load_full_state_dict(load_full_model_state(tmp_path))
+    theirs = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(ids).logits, ours(ids)[..., :512], atol=1e-4, rtol=0)
+    assert (tmp_path / "hf" / "tokenizer.model").exists()
