@@ -175,7 +175,7 @@ def measured_costs(timeline: Timeline | list) -> tuple[list[float], list[float]]
 
 def simulate_measured(measured: Timeline | list, schedule: Schedule) -> Timeline:
     """`schedule` simulated with a measured run's per-rank costs: the same work, with free sends
-    and every action as long as the rank's average — the timeline the formula describes."""
+    and every action as long as its rank's average (equal costs would give (p − 1)/m exactly)."""
     return simulate(schedule, *measured_costs(measured))
 
 
