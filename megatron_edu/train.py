@@ -134,11 +134,10 @@ def validate(args: argparse.Namespace, world_size: int | None = None) -> Plan:
     if args.schedule != "interleaved" and args.chunks != 1:
         raise ValueError(f"--chunks {args.chunks} needs --schedule interleaved")
     config.validate(args.tp, args.pp, args.chunks)
-    per_replica = args.global_batch / args.dp
     if args.global_batch % (args.dp * args.micro_batch):
         raise ValueError(f"global batch {args.global_batch} is not divisible by dp·micro-batch "
                          f"= {args.dp}·{args.micro_batch}: each replica runs whole microbatches")
-    m = int(per_replica) // args.micro_batch
+    m = args.global_batch // (args.dp * args.micro_batch)  # microbatches per replica and step
     if args.schedule == "interleaved" and m % args.pp:
         raise ValueError(f"the interleaved schedule needs the microbatches per replica "
                          f"(m = {m}) to be a multiple of pp = {args.pp}")
@@ -210,9 +209,9 @@ def _validate(args, trainer: PTDP, val_set: TokenDataset, grid: ParallelGrid) ->
     """Mean loss over ``eval_batches`` fixed global batches of the validation split."""
     local = args.global_batch // grid.dp
     losses = []
-    for i in range(args.eval_batches):
-        first = (i * args.global_batch + grid.dp_rank * local) % max(1, len(val_set) - local)
-        ids, labels = val_set.batch(range(first, first + local))
+    for i in range(args.eval_batches):  # batch i: sequences i·B … (i+1)·B − 1, wrapping round
+        first = i * args.global_batch + grid.dp_rank * local
+        ids, labels = val_set.batch([(first + j) % len(val_set) for j in range(local)])
         losses.append(trainer.evaluate(ids, labels))
     return sum(losses) / len(losses)
 
