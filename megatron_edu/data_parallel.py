@@ -1,6 +1,6 @@
 """Data parallelism: averaged gradients in overlapped buckets, and the ZeRO-1 sharded optimizer.
 
-References: Narayanan et al. 2021 (arXiv 2104.04473) §2.1 and §3.4; Rajbhandari et al. 2020,
+References: Narayanan et al. 2021 (arXiv 2104.04473) §2.1 and §3.3; Rajbhandari et al. 2020,
 *ZeRO: Memory Optimizations Toward Training Trillion Parameter Models*, stage 1 ("P_os", which
 Megatron-LM calls the *distributed optimizer*); Li et al. 2020, *PyTorch Distributed* (buckets).
 
@@ -15,7 +15,7 @@ the same optimizer step and the replicas never drift apart.
   step, §2.2) the gradients of all microbatches are summed locally and communicated once: wrap
   every backward in ``with ddp.sync(is_last_microbatch)``; hooks communicate only during the
   last one. (Dividing each microbatch's loss by m, so that the sum is a mean, is the caller's.)
-* **In buckets, overlapped with backward** (§3.4; PyTorch DDP). Gradients live in a few flat
+* **In buckets, overlapped with backward** (as PyTorch DDP does). Gradients live in a few flat
   buffers ("buckets") of about ``bucket_mb`` MiB, filled in reverse registration order — the
   order backward produces them. A bucket's all-reduce is launched asynchronously the moment its
   last gradient arrives, so it runs while backward computes earlier layers. Fewer, larger
