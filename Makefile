@@ -15,7 +15,6 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) $(TORCH_SPEC)
 	$(PIP) -e ".[notebooks,test]"
-	$(PY) -m ipykernel install --sys-prefix --name megatron-edu --display-name "megatron-edu" >/dev/null
 	touch $@
 
 lint: install
