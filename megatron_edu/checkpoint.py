@@ -40,7 +40,7 @@ from megatron_edu.ptdp import PTDP
 from megatron_edu.tensor_parallel.init import shard
 
 __all__ = ["save_checkpoint", "load_checkpoint", "read_metadata", "load_full_model_state",
-           "resolve_checkpoint", "export_hf", "CheckpointError"]
+           "resolve_checkpoint", "check_model", "export_hf", "CheckpointError"]
 
 FORMAT = 1
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -212,7 +212,7 @@ def load_checkpoint(path: str | Path, trainer: PTDP) -> dict[str, Any]:
     layout: weights and moments are cut anew; dropout streams start afresh (documented).
     """
     meta = read_metadata(path)
-    _check_config(meta, trainer.config)
+    check_model(meta, trainer.config)
     params, (moments, adam_step) = _load_full(meta)
     by_param: dict[torch.nn.Parameter, dict[str, torch.Tensor]] = {}
     with torch.no_grad():
@@ -261,7 +261,8 @@ def _same_layout(meta: dict[str, Any], trainer: PTDP) -> bool:
                               "num_chunks": trainer.options.num_chunks}
 
 
-def _check_config(meta: dict[str, Any], config: GPTConfig) -> None:
+def check_model(meta: dict[str, Any], config: GPTConfig) -> None:
+    """Raise a CheckpointError naming every size in which the checkpoint's model differs."""
     saved = GPTConfig(**meta["config"])
     shape = ("vocab_size", "seq_len", "num_layers", "hidden", "num_heads", "ffn_hidden")
     diff = {k: (getattr(saved, k), getattr(config, k)) for k in shape

@@ -60,10 +60,15 @@ def under_torchrun() -> bool:
 
 
 def resolve_backend(backend: str, world_size: int) -> str:
-    """'auto' -> NCCL when every rank can have a GPU of its own, else gloo (CPU)."""
+    """'auto' -> NCCL when every rank can have a GPU of its own, else gloo (CPU).
+
+    Under torchrun the ranks that share this machine are LOCAL_WORLD_SIZE, not the world.
+    """
     if backend != "auto":
         return backend
-    if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if under_torchrun() \
+        else world_size
+    if torch.cuda.is_available() and torch.cuda.device_count() >= local:
         return "nccl"
     return "gloo"
 

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from megatron_edu import comm
-from megatron_edu.checkpoint import load_checkpoint, read_metadata, save_checkpoint
+from megatron_edu.checkpoint import check_model, load_checkpoint, read_metadata, save_checkpoint
 from megatron_edu.data import BatchSampler, TokenDataset, prepare_data, unigram_entropy
 from megatron_edu.grid import ParallelGrid, validate_layout
 from megatron_edu.launch import RankError, run, under_torchrun
@@ -149,10 +149,10 @@ def validate(args: argparse.Namespace, world_size: int | None = None) -> Plan:
     for source in args.data:
         if source not in ("default", "wikitext103") and not Path(source).exists():
             raise FileNotFoundError(f"--data {source}: no such file or folder")
-    if args.resume not in (None, "auto"):
-        read_metadata(args.resume)  # missing or incomplete: CheckpointError naming the file
-    elif args.resume == "auto" and (args.out / "checkpoints" / "latest").exists():
-        read_metadata(args.out)
+    resume_from = args.out if args.resume == "auto" else args.resume
+    if args.resume not in (None, "auto") or (args.resume == "auto" and
+                                              (args.out / "checkpoints" / "latest").exists()):
+        check_model(read_metadata(resume_from), config)  # missing, incomplete or another model
     return Plan(world, config, m)
 
 
@@ -319,11 +319,12 @@ def _finish(args, trainer: PTDP, tokenizer, log: _Log, train_set: TokenDataset) 
 
 def _sample(args, trainer: PTDP, prompt: list[int]) -> list[int]:
     """A few tokens from the trained model (top-k sampling), on the training layout."""
-    if args.sample_tokens == 0:
+    room = trainer.config.seq_len - len(prompt)  # the KV cache holds at most seq_len tokens
+    if min(args.sample_tokens, room) <= 0:
         return []
     from megatron_edu.generate import generate
-    return generate(trainer.chunks, trainer.grid, prompt, args.sample_tokens, top_k=20,
-                    seed=args.seed)
+    return generate(trainer.chunks, trainer.grid, prompt, min(args.sample_tokens, room),
+                    top_k=20, seed=args.seed)
 
 
 def _median(values: list[float]) -> float | None:

@@ -141,3 +141,10 @@ def test_a_checkpoint_exports_to_hugging_face(tmp_path, cache):
     with torch.no_grad():
         torch.testing.assert_close(theirs(ids).logits, ours(ids)[..., :512], atol=1e-4, rtol=0)
     assert (tmp_path / "hf" / "tokenizer.model").exists()
+
+
+def test_resuming_another_model_fails_before_launch(tmp_path, cache):
+    _train(tmp_path, cache, "--nproc", "1", "--steps", "1")
+    args = parse_args([*TINY, "--hidden", "32", "--resume", str(tmp_path)])
+    with pytest.raises(CheckpointError, match="hidden 64 in the checkpoint vs 32 here"):
+        validate(args)
