@@ -32,7 +32,7 @@ def draw_resumed_runs(records: list[dict], resumed: dict[str, list[dict]], resum
     """The training loss of the run that saved the checkpoint, from ``before`` steps ahead of
     ``resume_step`` on, and on top of it each run resumed from that checkpoint (by label, e.g.
     another tp × pp layout): a correct resume continues the same curve."""
-    fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(7, 3.5))
+    fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(9, 3.5))
     first = resume_step - before
     saved = [(r["step"], r["loss"]) for r in records if "loss" in r and r["step"] >= first]
     ax.plot(*zip(*saved, strict=True), "k-", lw=1.5, label="the run that saved it")
@@ -43,5 +43,6 @@ def draw_resumed_runs(records: list[dict], resumed: dict[str, list[dict]], resum
     ax.axvline(resume_step, color="grey", ls=":", label=f"checkpoint (step {resume_step})")
     ax.set(xlabel="optimizer step", ylabel="training loss (nats)",
            title="resuming from a checkpoint in another layout")
-    ax.legend()
+    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1))  # outside: the curve fills the axes
+    fig.tight_layout()
     return fig
