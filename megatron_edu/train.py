@@ -90,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     run_.add_argument("--eval-batches", type=int, default=4)
     run_.add_argument("--save-interval", type=int, default=100)
     run_.add_argument("--resume", nargs="?", const="auto", default=None,
-                      help="resume from OUT's latest checkpoint, or from the given one")
+                      help="resume from OUT's latest checkpoint, or from the given one (any "
+                      "layout; the lr schedule follows this run's --steps)")
     run_.add_argument("--peak-tflops", type=float, help="per-rank peak for MFU (default: "
                       "measured matmul rate)")
     run_.add_argument("--sample-tokens", type=int, default=60, help="text to generate at the end")
