@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 lint: install
-	$(PY) -m ruff check megatron_edu tests bench
+	$(PY) -m ruff check .
 
 # Unit tests and every notebook (nbval compares the committed outputs), in one pytest run.
 test: lint
