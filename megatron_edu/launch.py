@@ -48,10 +48,18 @@ class RankError(RuntimeError):
     """A rank raised or died; the message holds its traceback and its captured output."""
 
 
+class _RendezvousError(RankError):
+    """Ranks failed to connect to each other before any of them ran ``fn``: safe to retry."""
+
+
 @dataclass
 class _Outcome:
     ok: bool
     payload: bytes  # cloudpickled return value, or the formatted traceback (utf-8)
+    in_rendezvous: bool = False  # failed in init_process_group, before fn
+
+
+RENDEZVOUS_ATTEMPTS = 3
 
 
 def under_torchrun() -> bool:
@@ -102,9 +110,17 @@ def run(
     if under_torchrun():
         return _run_under_torchrun(fn, world_size, args, kwargs, backend, timeout)
     payload = cloudpickle.dumps((fn, args, kwargs))
-    with tempfile.TemporaryDirectory(prefix="megatron_edu_") as tmp:
-        return _launch(payload, world_size, backend, timeout, threads_per_rank,
-                       capture_output, Path(tmp))
+    for attempt in range(1, RENDEZVOUS_ATTEMPTS + 1):
+        # gloo's full-mesh connect can fail on an overloaded machine ("Connection closed by
+        # peer"); no rank has run fn then, since none gets past init without all the others.
+        with tempfile.TemporaryDirectory(prefix="megatron_edu_") as tmp:
+            try:
+                return _launch(payload, world_size, backend, timeout, threads_per_rank,
+                               capture_output, Path(tmp))
+            except _RendezvousError:
+                if attempt == RENDEZVOUS_ATTEMPTS:
+                    raise
+    raise AssertionError("unreachable")
 
 
 # --- under torchrun: this process is one rank already ------------------------------------------
@@ -173,7 +189,10 @@ def _collect(procs, queue, timeout: float, logs) -> dict[int, _Outcome]:
             # every failed rank, deaths first.
             _drain(queue, outcomes, wait=1.0)
             if failures := _failures(procs, outcomes, logs):
-                raise RankError("\n\n".join(failures))
+                failed = [o for o in outcomes.values() if not o.ok]
+                rendezvous = len(failures) == len(failed) and all(o.in_rendezvous
+                                                                  for o in failed)
+                raise (_RendezvousError if rendezvous else RankError)("\n\n".join(failures))
         if time.monotonic() > deadline:
             missing = [r for r in range(len(procs)) if r not in outcomes]
             raise TimeoutError(
@@ -242,10 +261,14 @@ def _rank_main(rank, world_size, backend, store_path, timeout, threads, log, pay
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout or DEFAULT_TIMEOUT))
-        fn, args, kwargs = cloudpickle.loads(payload)
-        outcome = _Outcome(True, cloudpickle.dumps(fn(*args, **kwargs)))
-    except BaseException:
-        outcome = _Outcome(False, traceback.format_exc().encode())
+    except Exception:
+        outcome = _Outcome(False, traceback.format_exc().encode(), in_rendezvous=True)
+    else:
+        try:
+            fn, args, kwargs = cloudpickle.loads(payload)
+            outcome = _Outcome(True, cloudpickle.dumps(fn(*args, **kwargs)))
+        except BaseException:
+            outcome = _Outcome(False, traceback.format_exc().encode())
     sys.stdout.flush()
     sys.stderr.flush()
     queue.put((rank, outcome))

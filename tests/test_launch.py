@@ -96,18 +96,31 @@ def test_bad_world_size_is_rejected_before_launch(bad):
 
 def test_under_torchrun_it_initialises_and_gathers_results(tmp_path):
     script = tmp_path / "job.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(textwrap.dedent(f"""
+        import pathlib
         import torch.distributed as dist
         from megatron_edu.launch import run
         def work(x):
             return dist.get_rank() * x
         results = run(work, 2, 10)
-        print(f"rank {dist.get_rank()} got {results}")
+        pathlib.Path(r"{tmp_path}", f"rank{{dist.get_rank()}}.txt").write_text(str(results))
     """))
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          str(script)],
         capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert sorted(line for line in proc.stdout.splitlines() if line.startswith("rank")) == [
-        "rank 0 got [0, 10]", "rank 1 got [0, 10]"]
+    for rank in (0, 1):  # every rank gets every rank's result
+        assert (tmp_path / f"rank{rank}.txt").read_text() == "[0, 10]"
+
+
+def test_a_failed_rendezvous_is_retried_then_reported_without_running_fn(tmp_path):
+    marker = tmp_path / "ran"
+
+    def touch():
+        marker.touch()
+
+    with pytest.raises(RankError, match="rank 0 raised") as err:
+        run(touch, 2, backend="no-such-backend", timeout=30)
+    assert "init_process_group" in str(err.value)
+    assert not marker.exists()
