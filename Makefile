@@ -32,5 +32,9 @@ lab: install
 train: install
 	$(PY) -m megatron_edu.train --nproc 4 --tp 2 --pp 2 --out runs/default
 
+# Benchmarks against plain PyTorch, DTensor and torch.distributed.pipelining (bench/README.md).
+bench: install
+	$(PY) -m bench
+
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -36,7 +36,7 @@ Where this model diverges from a real run, and why:
   are shared evenly by the groups that cross it at the same time.
 - So pipelines cost little beyond their bubble and interleaving shrinks that: given a free
   choice at large batch (Table 1's 18B and 39B rows), the advisor prefers tp = 2 with a deeper
-  interleaved pipeline to Table 1's tp = 8 and predicts ~11% more, where the paper followed its
+  interleaved pipeline to Table 1's tp = 8 and predicts 12–16 % more, where the paper followed its
   rule of thumb. The rule itself (§5.4.1, Fig. 13: fixed batch, no data parallelism) holds here.
 """
 

@@ -1,0 +1,94 @@
+"""(e) Model FLOPs utilization of a megatron-edu training step, against this machine's matmul rate.
+
+MFU = (model FLOPs of one step / step time) / (FLOP/s of a large matmul, measured in the same run).
+The model FLOPs are 2104.04473 §5.1's without recomputation (``perf.training_flops(...,
+recompute=False)`` = 72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h))): what the model needs, not what a
+recomputing run executes. The denominator is measured rather than a datasheet peak, and the
+benchmark alternates steps and matmuls so that both see the same machine. Target ≥ 60 %.
+
+    python -m bench.mfu                                 # CPU, fp32, hidden 512
+    python -m bench.mfu --device cuda --dtype bf16      # one GPU, a 350M GPT (also vs datasheet)
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+import torch
+
+from bench.common import DTYPES, Device, Spread, alternate, device_arguments, report, require_device
+from bench.overhead import GPU_MODEL, random_batch, training_step
+from megatron_edu.model import GPT, GPTConfig
+from megatron_edu.perf import A100_BF16_PEAK, H100_SXM_BF16_PEAK, training_flops
+
+CPU_MODEL = dict(vocab_size=8192, seq_len=256, num_layers=4, hidden=512, num_heads=8)
+BATCH = {"cpu": 2, "cuda": 8}  # short steps, many rounds: each pair sees the same machine
+# Square matmul size and how many make one timed call (about a training step's duration).
+MATMUL = {"cpu": (2048, 3), "cuda": (8192, 30)}
+# Dense bf16 datasheet peaks (SXM parts), matched against torch.cuda.get_device_name().
+DATASHEET = {"H100": H100_SXM_BF16_PEAK, "H200": H100_SXM_BF16_PEAK, "A100": A100_BF16_PEAK}
+TARGET_PERCENT = 60.0
+
+
+def matmuls(device: Device) -> tuple[Callable[[], None], float]:
+    """A callable running ``count`` n×n×n matmuls in the benchmark's dtype, and its FLOPs."""
+    n, count = MATMUL[device.type]
+    gen = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(n, n, generator=gen).to(device.torch, DTYPES[device.dtype])
+            for _ in range(2))
+
+    def run() -> None:
+        for _ in range(count):
+            torch.mm(a, b)
+
+    return run, 2.0 * n**3 * count
+
+
+def datasheet_peak(device: Device) -> float | None:
+    if device.type != "cuda" or device.dtype != "bf16":
+        return None
+    name = torch.cuda.get_device_name()
+    return next((peak for key, peak in DATASHEET.items() if key in name), None)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    device_arguments(parser)
+    parser.add_argument("--rounds", type=int, default=20)
+    args = parser.parse_args(argv)
+    device = require_device(args.device, args.dtype, args.threads)
+    config = GPTConfig(**(CPU_MODEL if device.type == "cpu" else GPU_MODEL), dropout=0.1)
+    batch = BATCH[device.type]
+    model = GPT(config).to(device.torch)
+    step = training_step(model, device, *random_batch(config, batch, device))
+    matmul, matmul_flops = matmuls(device)
+    step_flops = training_flops(batch, config.seq_len, config.num_layers, config.hidden,
+                                config.padded_vocab(), recompute=False)
+    print(f"(e) MFU on {device.describe()}: GPT {config.num_layers} layers, hidden "
+          f"{config.hidden}, seq {config.seq_len}, batch {batch}: {step_flops / 1e9:.1f} GFLOP "
+          f"per step; matmul {MATMUL[device.type][0]}³")
+    times = alternate({"step": step, "matmul": matmul}, args.rounds, warmup=1,
+                      sync=device.synchronize)
+    achieved = [step_flops / t for t in times.wall["step"]]
+    peak = [matmul_flops / t for t in times.wall["matmul"]]
+    mfu = Spread.of([100 * a / p for a, p in zip(achieved, peak, strict=True)])
+    extra = {"achieved_gflops": Spread.of(achieved).median / 1e9,
+             "matmul_gflops": Spread.of(peak).median / 1e9}
+    print(f"  achieved {extra['achieved_gflops']:.1f} GFLOP/s; matmul "
+          f"{extra['matmul_gflops']:.1f} GFLOP/s")
+    if datasheet := datasheet_peak(device):
+        extra["percent_of_datasheet_peak"] = 100 * Spread.of(achieved).median / datasheet
+        print(f"  {extra['percent_of_datasheet_peak']:.1f} % of the datasheet's "
+              f"{datasheet / 1e12:.0f} TFLOP/s")
+    return report(
+        f"e_mfu_{device.type}", "mfu_percent_of_measured_matmul", mfu,
+        f">= {TARGET_PERCENT:g} %", mfu.median >= TARGET_PERCENT,
+        config=dict(device=device.describe(), batch=batch, layers=config.num_layers,
+                    hidden=config.hidden, heads=config.num_heads, seq=config.seq_len,
+                    vocab=config.padded_vocab(), step_gflop=step_flops / 1e9),
+        extra=extra)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""(b) A tensor-parallel transformer block at tp = 2 against PyTorch's own tensor parallelism.
+
+Two processes, one thread each. Each holds megatron-edu's ``Block`` (1909.08053 §3: qkv and fc
+column-parallel, both projections row-parallel, f and g around them) and the plain block of
+``bench/nanogpt.py`` carrying the same full weights, sharded by PyTorch's DTensor:
+``parallelize_module`` with ``ColwiseParallel`` on qkv and fc and ``RowwiseParallel`` on the
+projections — the same split, so both do 2 all-reduces forward and 2 backward. The benchmark
+checks that they compute the same input gradient, then alternates their forward + backward and
+reports  t(megatron-edu) / t(DTensor),  target ≤ 0.9, at two sizes: MACHINE.md's block (hidden
+512), where both spend nearly all their time in the same matmuls, and a small one (hidden 128),
+where what each framework adds around the matmuls shows.
+
+    python -m bench.tp_dtensor
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from bench import nanogpt
+from bench.common import Spread, Timings, all_close, alternate, ratios, report
+from megatron_edu.grid import ParallelGrid
+from megatron_edu.launch import run
+from megatron_edu.model import GPTConfig
+from megatron_edu.model.gpt import Block
+from megatron_edu.tensor_parallel.init import gather_full, init_parameters
+from megatron_edu.tensor_parallel.random import RNGTracker
+
+TP = 2
+MODEL = dict(vocab_size=128, num_layers=1, num_heads=8, dropout=0.0)  # no dropout: same outputs
+# (hidden, seq, batch, rounds per --rounds): MACHINE.md's DTensor baseline, where the matmuls
+# take nearly all the time, then a small block, where what each framework adds around them shows.
+SIZES = [(512, 256, 8, 1), (128, 128, 4, 2)]
+TARGET = 0.9
+# PyTorch's plan for a Megatron-style block (its tensor-parallel tutorial does the same).
+DTENSOR_PLAN = {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
+                "mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel()}
+
+
+def twin_blocks(config: GPTConfig, grid: ParallelGrid) -> tuple[nn.Module, nn.Module]:
+    """megatron-edu's tp block and the plain block sharded by DTensor, with the same weights."""
+    ours = Block(config, grid.tp_group, RNGTracker(config.seed, grid.tp_rank))
+    init_parameters(ours, config.seed, grid.tp_group)
+    plain = nanogpt.Block(config)
+    plain.load_state_dict({name: gather_full(p, p.tp_dim, grid.tp_group)
+                           for name, p in ours.named_parameters()})
+    mesh = init_device_mesh("cpu", (grid.tp,))
+    return ours, parallelize_module(plain, mesh, DTENSOR_PLAN)
+
+
+def forward_backward(block: nn.Module, x: torch.Tensor,
+                     dy: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """A callable running the block forward and backward from ``dy``; it returns x's gradient."""
+
+    def step() -> torch.Tensor:
+        x.grad = None
+        block.zero_grad(set_to_none=True)
+        block(x).backward(dy)
+        return x.grad
+
+    return step
+
+
+def compare_on_ranks(model: dict, batch: int, rounds: int) -> Timings:
+    """Runs on each rank: check the two blocks agree, then time them in turn."""
+    grid = ParallelGrid(tp=TP)
+    config = GPTConfig(**model)
+    ours, dtensor = twin_blocks(config, grid)
+    gen = torch.Generator().manual_seed(0)  # the same input on both ranks
+    x = torch.randn(batch, config.seq_len, config.hidden, generator=gen, requires_grad=True)
+    dy = torch.randn(batch, config.seq_len, config.hidden, generator=gen)
+    steps = {"megatron-edu": forward_backward(ours, x, dy),
+             "dtensor": forward_backward(dtensor, x, dy)}
+    if not all_close(*([step()] for step in steps.values())):
+        raise RuntimeError("megatron-edu's block and DTensor's disagree on the input gradient")
+    return alternate(steps, rounds, warmup=2, sync=dist.barrier)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=24, help="(twice as many at the small size)")
+    args = parser.parse_args(argv)
+    records = []
+    for hidden, seq, batch, rounds in SIZES:
+        model = dict(MODEL, hidden=hidden, seq_len=seq)
+        print(f"(b) tp={TP} block, {TP} processes × 1 thread: hidden {hidden}, heads "
+              f"{model['num_heads']}, seq {seq}, batch {batch}; forward + backward")
+        times = run(compare_on_ranks, TP, model, batch, rounds * args.rounds,
+                    backend="gloo", threads_per_rank=1)[0]
+        ratio = Spread.of(ratios(times.wall, "megatron-edu", "dtensor"))
+        cpu = Spread.of(ratios(times.cpu, "megatron-edu", "dtensor"))
+        step_ms = {name: 1e3 * Spread.of(t).median for name, t in times.wall.items()}
+        print("  median ms: " + ", ".join(f"{name} {ms:.1f}" for name, ms in step_ms.items())
+              + f"; CPU-time ratio {cpu.median:.3f}")
+        records.append(report(
+            f"b_tp_vs_dtensor_h{hidden}", "time_ratio", ratio, f"<= {TARGET:g}x DTensor",
+            ratio.median <= TARGET,
+            config=dict(model, tp=TP, batch=batch, threads_per_rank=1),
+            extra={"step_ms": step_ms, "cpu_time_ratio": cpu.median}))
+    return records
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,448 @@
+"""Pictures of the papers' cost model: memory, bubbles, predicted throughput, the advisor.
+
+References: Narayanan et al. 2021, arXiv 2104.04473 — §2.2 bubbles and memory in flight, §3 the
+takeaways (Fig. 13: tensor parallelism peaks at the GPUs of a node; Fig. 12: interleaving pays at
+small batch; §3.4: the microbatch size), §5.1 Table 1; Korthikanti et al. 2022, arXiv 2205.05198
+§4 activation memory. Every number drawn comes from ``megatron_edu.perf``; nothing is fitted here.
+
+read_paper_table / table1_shape      the papers' csv tables (docs/papers/) and their model shapes
+draw_activation_memory               bytes a layer saves, by recomputation and sequence parallelism
+draw_forwards_in_flight              microbatches each pipeline stage holds, per schedule
+draw_table1                          predicted vs reported TFLOP/s per GPU, and where time goes
+draw_split_sweep                     throughput of every tp × pp split (memory fit marked)
+draw_bubble_vs_microbatches          bubble share of an iteration as m grows, vs (p-1)/(v·m)
+draw_memory_per_gpu                  weights, gradients, optimizer, activations per layout
+draw_advisor_vs_table1               the advisor's free choice against the paper's layout
+draw_tp_sweep                        Fig. 13: throughput vs tp at fixed GPUs, several batches
+draw_interleaving_speedup            Fig. 12: interleaved over 1F1B as the batch grows
+draw_microbatch_tradeoff             §3.4: bubble, memory and busy time vs microbatch size
+show_advice / explore_advisor        the notebook's static call and its ipywidgets explorer
+show_machine_mfu                     this machine's MFU, measured live (a timing: not checked)
+"""
+
+from __future__ import annotations
+
+import csv
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+
+from ..perf import (
+    DGX_H100,
+    SELENE_A100,
+    Hardware,
+    Layout,
+    ModelShape,
+    Prediction,
+    activation_bytes_per_layer,
+    advise,
+    candidate_layouts,
+    forwards_in_flight,
+    layout_error,
+    predict,
+    training_flops,
+)
+from ..perf.memory import GIB
+
+MIB = 2**20
+PARTS = ("compute", "bubble", "tensor_parallel", "pipeline_p2p", "data_parallel", "optimizer")
+HARDWARE = {hw.name: hw for hw in (SELENE_A100, DGX_H100)}
+
+
+# ---- the papers' tables -------------------------------------------------------------------------
+
+
+def read_paper_table(path: str | Path) -> list[dict[str, float | str]]:
+    """Rows of a docs/papers csv; its column names are the last '#' line before the data."""
+    lines = Path(path).read_text().splitlines()
+    header = [x for x in lines if x.startswith("#")][-1].lstrip("# ").split(",")
+    rows = csv.DictReader([x for x in lines if not x.startswith("#")], fieldnames=header)
+    return [{k: _number(v) for k, v in row.items()} for row in rows]
+
+
+def _number(text: str) -> float | str:
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def table1_shape(row: dict) -> ModelShape:
+    """A 2104.04473 Table 1 row as a model: vocabulary 51,200, sequence 2048."""
+    return ModelShape(int(row["layers"]), int(row["hidden"]), int(row["heads"]), 51200, 2048)
+
+
+def _axes(ax: Axes | None, size: tuple[float, float]) -> Axes:
+    return ax if ax is not None else plt.subplots(figsize=size)[1]
+
+
+# ---- memory -------------------------------------------------------------------------------------
+
+
+def draw_activation_memory(model: ModelShape, microbatch: int, tp: int,
+                           ax: Axes | None = None) -> Axes:
+    """MiB one layer saves per GPU (16-bit, 2205.05198 §4) for each recomputation × sp."""
+    ax = _axes(ax, (7, 3.2))
+    modes = ("none", "selective", "full")
+    for i, sp in enumerate((False, True)):
+        mib = [activation_bytes_per_layer(model, microbatch, tp=tp, sequence_parallel=sp,
+                                          recompute=r) / MIB for r in modes]
+        bars = ax.bar(np.arange(3) + 0.4 * i, mib, 0.4,
+                      label="sequence parallel" if sp else "tensor parallel only")
+        ax.bar_label(bars, fmt="%.0f", fontsize=8)
+    ax.set_xticks(np.arange(3) + 0.2, [f"recompute: {r}" for r in modes])
+    ax.set_ylabel("MiB per layer per GPU")
+    ax.set_title(f"activations one layer keeps (l={model.layers}, h={model.hidden}, "
+                 f"a={model.heads}, s={model.seq_len}, b={microbatch}, t={tp})")
+    ax.legend()
+    ax.figure.tight_layout()
+    return ax
+
+
+def draw_forwards_in_flight(p: int, m: int, v: int, ax: Axes | None = None) -> Axes:
+    """Per pipeline stage, the microbatches whose activations it holds at its peak, in whole
+    stages' worth (an interleaved chunk is 1/v of a stage), for GPipe, 1F1B and interleaved."""
+    ax = _axes(ax, (7, 3.2))
+    stages = np.arange(p)
+    for schedule, chunks in (("gpipe", 1), ("1f1b", 1), ("interleaved", v)):
+        held = [sum(forwards_in_flight(schedule, p, m, s, chunks)) / chunks for s in stages]
+        label = schedule + (f" v={chunks}" if chunks > 1 else "")
+        ax.plot(stages, held, marker="o", label=label)
+    ax.set_yscale("log")
+    ax.set_xlabel("pipeline stage")
+    ax.set_ylabel("microbatches in flight")
+    ax.set_title(f"activation memory per stage, p={p}, m={m}")
+    ax.legend()
+    ax.figure.tight_layout()
+    return ax
+
+
+def draw_memory_per_gpu(model: ModelShape, layouts: Sequence[Layout], global_batch: int,
+                        hw: Hardware = SELENE_A100, ax: Axes | None = None) -> Axes:
+    """Stacked GiB per GPU (the fuller of first and last stage) with the GPU's capacity."""
+    ax = _axes(ax, (8, 3.4))
+    memories = [predict(model, layout, global_batch, hw).memory for layout in layouts]
+    bottom = np.zeros(len(layouts))
+    for part in ("weights", "grads", "optimizer", "activations"):
+        gib = np.array([getattr(mem, part) / GIB for mem in memories])
+        ax.bar(range(len(layouts)), gib, bottom=bottom, label=part)
+        bottom += gib
+    ax.axhline(hw.memory_bytes / GIB, color="black", linestyle="--", linewidth=1,
+               label=f"{hw.memory_bytes / GIB:.0f} GiB")
+    ax.set_xticks(range(len(layouts)), [_short(x) for x in layouts], fontsize=7)
+    ax.set_ylabel("GiB per GPU")
+    ax.set_title("memory per GPU")
+    ax.legend(loc="upper left", bbox_to_anchor=(1, 1), fontsize=8)
+    ax.figure.tight_layout()
+    return ax
+
+
+def _short(layout: Layout) -> str:
+    schedule = "il" if layout.schedule == "interleaved" else layout.schedule
+    tail = f" v{layout.chunks}" if layout.chunks > 1 else ""
+    recompute = "" if layout.recompute == "full" else f"\nrc={layout.recompute}"
+    return f"t{layout.tp} p{layout.pp} d{layout.dp}\nb{layout.microbatch} {schedule}{tail}" \
+           + recompute
+
+
+# ---- Table 1 and the advisor --------------------------------------------------------------------
+
+
+def draw_table1(rows: Sequence[dict], predictions: Sequence[Prediction]) -> Figure:
+    """Left: reported vs predicted TFLOP/s per GPU with the error; right: where time goes."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 3.8))
+    x = np.arange(len(rows))
+    names = [f"{r['params_billion']:g}B" for r in rows]
+    reported = [r["tflops_per_gpu"] for r in rows]
+    predicted = [p.tflops_per_gpu for p in predictions]
+    left.bar(x - 0.2, reported, 0.4, label="Table 1 (measured)")
+    bars = left.bar(x + 0.2, predicted, 0.4, label="predicted")
+    left.bar_label(bars, [f"{100 * (p / r - 1):+.0f}%" for p, r in zip(predicted, reported,
+                                                                       strict=True)], fontsize=7)
+    left.set_xticks(x, names, rotation=45)
+    left.set_ylabel("TFLOP/s per GPU")
+    left.set_ylim(0, 200)
+    left.set_title("each row's own tp and pp")
+    left.legend(loc="lower right", fontsize=8)
+    _draw_breakdown(right, names, predictions)
+    fig.tight_layout()
+    return fig
+
+
+def _draw_breakdown(ax: Axes, names: Sequence[str], predictions: Sequence[Prediction]) -> None:
+    bottom = np.zeros(len(predictions))
+    for part in PARTS:
+        share = np.array([getattr(p.time, part) / p.time.total for p in predictions])
+        ax.bar(names, share, bottom=bottom, label=part.replace("_", " "))
+        bottom += share
+    ax.tick_params(axis="x", rotation=45)
+    ax.set_ylabel("share of an iteration")
+    ax.set_title("predicted time breakdown")
+    ax.legend(loc="upper left", bbox_to_anchor=(1, 1), fontsize=8)
+
+
+def draw_advisor_vs_table1(rows: Sequence[dict], own: Sequence[Prediction],
+                           free: Sequence[Prediction], ax: Axes | None = None) -> Axes:
+    """Per row: reported TFLOP/s, predicted for the paper's (tp, pp) (``own``), and predicted
+    for the advisor's free choice (``free``, labelled with its tp and pp)."""
+    ax = _axes(ax, (10, 3.6))
+    x = np.arange(len(rows))
+    ax.bar(x - 0.27, [r["tflops_per_gpu"] for r in rows], 0.27, label="Table 1 (measured)")
+    ax.bar(x, [p.tflops_per_gpu for p in own], 0.27, label="predicted, paper's tp × pp")
+    bars = ax.bar(x + 0.27, [p.tflops_per_gpu for p in free], 0.27,
+                  label="predicted, advisor's choice")
+    ax.bar_label(bars, [f"t{p.layout.tp}p{p.layout.pp}" for p in free], fontsize=6)
+    ax.set_xticks(x, [f"{r['params_billion']:g}B" for r in rows])
+    ax.set_ylim(0, 200)
+    ax.set_ylabel("TFLOP/s per GPU")
+    ax.set_title("the advisor against Table 1")
+    ax.legend(loc="lower right", fontsize=8)
+    ax.figure.tight_layout()
+    return ax
+
+
+def best_per_split(model: ModelShape, global_batch: int, num_gpus: int,
+                   hw: Hardware = SELENE_A100) -> dict[tuple[int, int], Prediction]:
+    """For each (tp, pp), the fastest microbatch and schedule that fits in memory, or, when none
+    fits, the fastest of all (check ``prediction.memory.total`` against the GPU's)."""
+
+    def rank(pred: Prediction) -> tuple[bool, float]:
+        return pred.memory.total > hw.memory_bytes, pred.time.total
+
+    best: dict[tuple[int, int], Prediction] = {}
+    for layout in candidate_layouts(model, global_batch, num_gpus, hw):
+        if layout_error(model, layout, global_batch):
+            continue
+        pred = predict(model, layout, global_batch, hw)
+        key = (layout.tp, layout.pp)
+        if key not in best or rank(pred) < rank(best[key]):
+            best[key] = pred
+    return best
+
+
+def draw_split_sweep(model: ModelShape, global_batch: int, num_gpus: int,
+                     hw: Hardware = SELENE_A100, ax: Axes | None = None) -> Axes:
+    """Predicted TFLOP/s per GPU against pp, one line per tp: filled, the split's fastest layout
+    that fits in memory; hollow, none fits (the fastest, memory ignored)."""
+    ax = _axes(ax, (7, 3.4))
+    best = best_per_split(model, global_batch, num_gpus, hw)
+    for tp in sorted({t for t, _ in best}):
+        pps = sorted(p for t, p in best if t == tp)
+        preds = [best[tp, p] for p in pps]
+        line, = ax.plot(pps, [x.tflops_per_gpu for x in preds], label=f"tp={tp}")
+        fits = [x.memory.total <= hw.memory_bytes for x in preds]
+        for p, x, ok in zip(pps, preds, fits, strict=True):
+            ax.plot(p, x.tflops_per_gpu, "o", color=line.get_color(),
+                    markerfacecolor=line.get_color() if ok else "white")
+    ax.set_xscale("log", base=2)
+    pps = sorted({p for _, p in best})
+    ax.set_xticks(pps, [str(p) for p in pps])
+    ax.set_xlabel("pipeline-parallel size pp  (dp = GPUs / (tp·pp))")
+    ax.set_ylabel("TFLOP/s per GPU")
+    ax.set_title(f"{num_gpus} GPUs, B={global_batch}; hollow: no layout fits in "
+                 f"{hw.memory_bytes / GIB:.0f} GiB")
+    ax.legend(fontsize=8)
+    ax.figure.tight_layout()
+    return ax
+
+
+# ---- the takeaways (2104.04473 §3 and §5.4-5.8) ------------------------------------------------
+
+
+def draw_bubble_vs_microbatches(model: ModelShape, tp: int, pp: int, chunks: int,
+                                microbatch_counts: Sequence[int], hw: Hardware = SELENE_A100,
+                                ax: Axes | None = None) -> Axes:
+    """Predicted bubble over the rest of an iteration (dp = 1, b = 1) against m, beside the
+    paper's t_pb / t_id = (p-1)/(v·m) (2104.04473 §2.2)."""
+    ax = _axes(ax, (7, 3.2))
+    for schedule, v in (("1f1b", 1), ("interleaved", chunks)):
+        layout = Layout(tp, pp, 1, 1, schedule, v)
+        preds = [predict(model, layout, m, hw) for m in microbatch_counts]
+        label = schedule + (f" v={v}" if v > 1 else "")
+        ratio = [p.time.bubble / (p.time.total - p.time.bubble) for p in preds]
+        line, = ax.plot(microbatch_counts, ratio, marker="o", label=f"{label}: predicted")
+        ax.plot(microbatch_counts, [(pp - 1) / (v * m) for m in microbatch_counts], "--",
+                color=line.get_color(), label=f"{label}: (p-1)/(v·m)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(list(microbatch_counts), [str(m) for m in microbatch_counts])
+    ax.set_xlabel("microbatches per iteration m")
+    ax.set_ylabel("bubble / rest of iteration")
+    ax.set_title(f"tp={tp}, pp={pp}: the bubble shrinks as 1/m")
+    ax.legend(fontsize=7)
+    ax.figure.tight_layout()
+    return ax
+
+
+def tp_sweep(model: ModelShape, num_gpus: int, global_batch: int, tps: Sequence[int],
+             hw: Hardware = SELENE_A100) -> dict[int, float]:
+    """2104.04473 Fig. 13: TFLOP/s per GPU for tp × (num_gpus/tp) pipelines, no data parallel."""
+    return {t: predict(model, Layout(t, num_gpus // t), global_batch, hw).tflops_per_gpu
+            for t in tps}
+
+
+def draw_tp_sweep(model: ModelShape, num_gpus: int, batches: Sequence[int], tps: Sequence[int],
+                  hw: Hardware = SELENE_A100, ax: Axes | None = None) -> Axes:
+    ax = _axes(ax, (7, 3.2))
+    for batch in batches:
+        by_tp = tp_sweep(model, num_gpus, batch, tps, hw)
+        ax.plot(list(by_tp), list(by_tp.values()), marker="o", label=f"batch {batch}")
+    ax.axvline(hw.gpus_per_node, color="grey", linestyle=":", label="GPUs per node")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(list(tps), [f"({t}, {num_gpus // t})" for t in tps])
+    ax.set_xlabel("(tensor, pipeline) parallel size")
+    ax.set_ylabel("TFLOP/s per GPU")
+    ax.set_title(f"Fig. 13: {num_gpus} GPUs, no data parallelism")
+    ax.legend(fontsize=8)
+    ax.figure.tight_layout()
+    return ax
+
+
+def interleaving_speedup(model: ModelShape, tp: int, pp: int, chunks: int, global_batch: int,
+                         hw: Hardware = SELENE_A100) -> float:
+    """2104.04473 Fig. 12: 1F1B iteration time over interleaved (dp = 1, b = 1)."""
+    plain = predict(model, Layout(tp, pp, 1, 1, "1f1b"), global_batch, hw)
+    interleaved = predict(model, Layout(tp, pp, 1, 1, "interleaved", chunks), global_batch, hw)
+    return plain.time.total / interleaved.time.total
+
+
+def draw_interleaving_speedup(model: ModelShape, tp: int, pp: int, chunks: int,
+                              batches: Sequence[int], hw: Hardware = SELENE_A100,
+                              ax: Axes | None = None) -> Axes:
+    ax = _axes(ax, (7, 3.0))
+    speedups = [interleaving_speedup(model, tp, pp, chunks, b, hw) for b in batches]
+    ax.plot(batches, speedups, marker="o")
+    ax.axhline(1.0, color="grey", linewidth=1)
+    ax.set_xlabel("global batch size (microbatches of 1)")
+    ax.set_ylabel("speedup over 1F1B")
+    ax.set_title(f"Fig. 12: interleaved (v={chunks}) over 1F1B, tp={tp}, pp={pp}")
+    ax.figure.tight_layout()
+    return ax
+
+
+def microbatch_tradeoff(model: ModelShape, tp: int, pp: int, global_batch: int,
+                        microbatches: Sequence[int], hw: Hardware = SELENE_A100) -> dict:
+    """§3.4: per microbatch size b, bubble share, activation GiB, busy seconds per sequence."""
+    preds = [predict(model, Layout(tp, pp, 1, b), global_batch, hw) for b in microbatches]
+    return {
+        "bubble share": [p.time.bubble / p.time.total for p in preds],
+        "activations (GiB)": [p.memory.activations / GIB for p in preds],
+        "busy ms per sequence": [1e3 * (p.time.total - p.time.bubble) / global_batch
+                                 for p in preds],
+    }
+
+
+def draw_microbatch_tradeoff(model: ModelShape, tp: int, pp: int, global_batch: int,
+                             microbatches: Sequence[int], hw: Hardware = SELENE_A100) -> Figure:
+    curves = microbatch_tradeoff(model, tp, pp, global_batch, microbatches, hw)
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.0))
+    for ax, (name, values) in zip(axes, curves.items(), strict=True):
+        ax.plot(microbatches, values, marker="o")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(list(microbatches), [str(b) for b in microbatches])
+        ax.set_xlabel("microbatch size b")
+        ax.set_title(name)
+    fig.suptitle(f"§3.4: tp={tp}, pp={pp}, B={global_batch}", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+# ---- the advisor, static and interactive --------------------------------------------------------
+
+
+def show_advice(model: ModelShape, global_batch: int, num_gpus: int,
+                hw: Hardware = SELENE_A100, top: int = 5) -> None:
+    """The advisor's best layouts, printed; throughput of every split and their memory, drawn."""
+    ranked = advise(model, global_batch, num_gpus, hw)
+    print(f"{len(ranked)} layouts fit; the best {min(top, len(ranked))}:")
+    for _, prediction in ranked[:top]:
+        print("  ", prediction)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 3.6))
+    draw_split_sweep(model, global_batch, num_gpus, hw, ax=left)
+    if ranked:
+        draw_memory_per_gpu(model, [layout for layout, _ in ranked[:top]], global_batch, hw,
+                            ax=right)
+    fig.tight_layout()
+    plt.show()
+
+
+def explore_advisor(rows: Sequence[dict]) -> None:
+    """Sliders over a Table 1 model, the GPU count, the batch and the hardware."""
+    import ipywidgets as widgets  # imported here: only the notebook's explorer needs it
+
+    models = {f"{r['params_billion']:g}B": table1_shape(r) for r in rows}
+
+    def update(model, gpus, batch, hardware):
+        show_advice(models[model], batch, gpus, HARDWARE[hardware])
+
+    style = {"description_width": "initial"}
+    widgets.interact(
+        update,
+        model=widgets.Dropdown(options=list(models), value=list(models)[-1], style=style),
+        gpus=widgets.Dropdown(options=[64, 256, 512, 1024, 1536, 2048, 3072, 4096],
+                              value=3072, description="GPUs", style=style),
+        batch=widgets.Dropdown(options=[512, 1024, 1536, 2048, 3072, 4096], value=3072,
+                               description="global batch", style=style),
+        hardware=widgets.Dropdown(options=list(HARDWARE), style=style),
+    )
+
+
+# ---- this machine ------------------------------------------------------------------------------
+
+
+def show_machine_mfu(model: torch.nn.Module, batch: int, rounds: int = 3,
+                     matmul_size: int = 1024) -> float:
+    """Time training steps of a GPT and runs of large matmuls of as many FLOPs, alternately, on one
+    thread; draw both rates and return the MFU: model FLOP/s (2104.04473 §5.1, no recompute)
+    over matmul FLOP/s, medians of ``rounds``. A measurement: it changes from run to run."""
+    config = model.config
+    flops = training_flops(batch, config.seq_len, config.num_layers, config.hidden,
+                           config.padded_vocab(), recompute=False)
+    repeats = max(1, round(flops / (2 * matmul_size**3)))
+    ids = torch.randint(config.vocab_size, (batch, config.seq_len + 1))
+    optimizer = torch.optim.AdamW(model.parameters())
+    a, b = torch.randn(matmul_size, matmul_size), torch.randn(matmul_size, matmul_size)
+
+    def step() -> None:
+        model(ids[:, :-1], ids[:, 1:]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    def matmuls() -> None:
+        for _ in range(repeats):
+            torch.mm(a, b)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread: less at the mercy of other processes
+    try:
+        step_s, matmul_s = (np.median(t) for t in _alternate((step, matmuls), rounds))
+    finally:
+        torch.set_num_threads(threads)
+    achieved, peak = flops / step_s / 1e9, 2 * matmul_size**3 * repeats / matmul_s / 1e9
+    _, ax = plt.subplots(figsize=(5, 2.4))
+    ax.barh(["training step (model FLOPs)", f"matmul {matmul_size}³"], [achieved, peak])
+    ax.set_xlabel("GFLOP/s (one thread)")
+    ax.set_title(f"this machine: MFU {100 * achieved / peak:.0f}% of its matmul rate")
+    ax.figure.tight_layout()
+    plt.show()
+    return achieved / peak
+
+
+def _alternate(fns: Sequence, rounds: int) -> list[list[float]]:
+    """Seconds of each call of each function, run in turn for ``rounds`` rounds after a warm-up:
+    a slow moment of a shared machine falls on both alike."""
+    for fn in fns:
+        fn()
+    seconds: list[list[float]] = [[] for _ in fns]
+    for _ in range(rounds):
+        for fn, times in zip(fns, seconds, strict=True):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+    return seconds

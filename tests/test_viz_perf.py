@@ -1,0 +1,203 @@
+"""The pictures of notebook 08 draw what the cost model computes (drawing only, on Agg)."""
+
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pytest
+import torch
+
+from megatron_edu.model import GPT, GPTConfig
+from megatron_edu.perf import Layout, ModelShape, activation_bytes_per_layer, predict
+from megatron_edu.perf.memory import GIB
+from megatron_edu.viz.perf import (
+    MIB,
+    best_per_split,
+    draw_activation_memory,
+    draw_advisor_vs_table1,
+    draw_bubble_vs_microbatches,
+    draw_forwards_in_flight,
+    draw_memory_per_gpu,
+    draw_split_sweep,
+    draw_table1,
+    draw_tp_sweep,
+    microbatch_tradeoff,
+    read_paper_table,
+    show_advice,
+    show_machine_mfu,
+    table1_shape,
+)
+
+PAPERS = Path(__file__).resolve().parents[1] / "docs" / "papers"
+SMALL = ModelShape(layers=8, hidden=256, heads=8, vocab=1024, seq_len=128)
+GPUS, BATCH = 16, 32
+
+
+@pytest.fixture(autouse=True)
+def _agg_backend():
+    plt.switch_backend("agg")  # draw only, no window
+    yield
+    plt.close("all")
+
+
+@pytest.fixture(scope="module")
+def table1():
+    return read_paper_table(PAPERS / "2104.04473_table1.csv")
+
+
+def _bar_heights(ax) -> list[float]:
+    return [patch.get_height() for patch in ax.patches]
+
+
+# ---- the papers' tables ----
+
+
+def test_table1_has_ten_rows_from_1_7b_to_1t(table1):
+    assert [r["params_billion"] for r in table1][::9] == [1.7, 1008.0]
+
+
+def test_a_text_column_stays_text():
+    rows = read_paper_table(PAPERS / "1909.08053_configs.csv")
+    assert {r["table"] for r in rows} == {"scaling", "gpt2_eval"}
+
+
+def test_table1_shape_is_the_rows_model(table1):
+    assert table1_shape(table1[-1]) == ModelShape(128, 25600, 160, 51200, 2048)
+
+
+# ---- memory ----
+
+
+def test_activation_bars_are_the_memory_model_in_mib():
+    ax = draw_activation_memory(SMALL, microbatch=2, tp=4)
+    expected = [activation_bytes_per_layer(SMALL, 2, tp=4, sequence_parallel=sp, recompute=r)
+                / MIB for sp in (False, True) for r in ("none", "selective", "full")]
+    assert _bar_heights(ax) == pytest.approx(expected)
+
+
+def test_forwards_in_flight_draws_one_line_per_schedule_over_every_stage():
+    ax = draw_forwards_in_flight(p=4, m=16, v=2)
+    assert [len(line.get_xdata()) for line in ax.lines] == [4, 4, 4]
+
+
+def test_gpipe_holds_every_microbatch_on_every_stage():
+    ax = draw_forwards_in_flight(p=4, m=16, v=2)
+    assert list(ax.lines[0].get_ydata()) == [16] * 4
+
+
+def test_memory_bars_stack_up_to_the_estimate():
+    layouts = [Layout(1, 2, 8), Layout(2, 4, 2, 2)]
+    ax = draw_memory_per_gpu(SMALL, layouts, BATCH)
+    heights = np.array(_bar_heights(ax)).reshape(4, len(layouts)).sum(axis=0)
+    totals = [predict(SMALL, x, BATCH).memory.total / GIB for x in layouts]
+    assert heights == pytest.approx(totals)
+
+
+# ---- Table 1 and the advisor ----
+
+
+def test_table1_figure_has_two_bars_per_row_and_a_breakdown_per_row(table1):
+    rows = table1[:3]
+    preds = [predict(table1_shape(r), Layout(int(r["tensor_parallel"]), 1,
+                                             int(r["gpus"]) // int(r["tensor_parallel"])),
+                     int(r["batch"])) for r in rows]
+    fig = draw_table1(rows, preds)
+    assert (len(fig.axes[0].patches), len(fig.axes[1].patches)) == (2 * 3, 6 * 3)
+
+
+def test_breakdown_shares_add_up_to_one(table1):
+    row = table1[0]
+    pred = predict(table1_shape(row), Layout(1, 1, 32, 4), int(row["batch"]))
+    fig = draw_table1([row], [pred])
+    assert sum(_bar_heights(fig.axes[1])) == pytest.approx(1.0)
+
+
+def test_advisor_figure_has_three_bars_per_row(table1):
+    rows = table1[:2]
+    preds = [predict(table1_shape(r), Layout(1, 1, int(r["gpus"]), 4), int(r["batch"]))
+             for r in rows]
+    ax = draw_advisor_vs_table1(rows, preds, preds)
+    assert len(ax.patches) == 3 * 2
+
+
+def test_best_per_split_keys_match_their_layouts():
+    best = best_per_split(SMALL, BATCH, GPUS)
+    assert all((p.layout.tp, p.layout.pp) == key for key, p in best.items())
+
+
+def test_best_per_split_is_the_fastest_of_its_split():
+    best = best_per_split(SMALL, BATCH, GPUS)[2, 4]
+    rivals = [predict(SMALL, Layout(2, 4, 2, b), BATCH).time.total for b in (1, 2, 4, 8, 16)]
+    assert best.time.total <= min(rivals)
+
+
+def test_best_per_split_prefers_a_slower_layout_that_fits(table1):
+    row = table1[3]  # 18.4B on 256 GPUs at tp=4, pp=1: b=16 is fastest but needs 101 GiB
+    best = best_per_split(table1_shape(row), int(row["batch"]), int(row["gpus"]))[4, 1]
+    assert best.memory.total <= 80 * GIB
+
+
+def test_split_sweep_draws_one_line_per_tensor_parallel_size():
+    ax = draw_split_sweep(SMALL, BATCH, GPUS)
+    assert [line.get_label() for line in ax.lines if line.get_label().startswith("tp")] == [
+        "tp=1", "tp=2", "tp=4", "tp=8"]
+
+
+def test_split_sweep_fills_exactly_the_splits_that_fit(table1):
+    trillion = table1_shape(table1[-1])  # on 3072 GPUs only deep pipelines fit in 80 GiB
+    fitting = sum(p.memory.total <= 80 * GIB
+                  for p in best_per_split(trillion, 3072, 3072).values())
+    ax = draw_split_sweep(trillion, 3072, 3072)
+    filled = [m for m in ax.lines if m.get_marker() == "o" and m.get_markerfacecolor() != "white"]
+    assert len(filled) == fitting
+
+
+def test_show_advice_prints_the_best_layouts(capsys):
+    show_advice(SMALL, BATCH, GPUS, top=3)
+    assert capsys.readouterr().out.count("TFLOP/s per GPU") == 3
+
+
+def test_show_advice_draws_the_splits_and_their_memory():
+    show_advice(SMALL, BATCH, GPUS, top=3)
+    assert len(plt.gcf().axes) == 2
+
+
+# ---- the takeaways ----
+
+
+def test_bubble_figure_draws_prediction_and_formula_for_each_schedule():
+    ax = draw_bubble_vs_microbatches(SMALL, tp=1, pp=4, chunks=2, microbatch_counts=[4, 8, 16])
+    assert len(ax.lines) == 4
+
+
+def test_bubble_formula_line_is_p_minus_1_over_v_m():
+    ax = draw_bubble_vs_microbatches(SMALL, tp=1, pp=4, chunks=2, microbatch_counts=[4, 8, 16])
+    assert list(ax.lines[3].get_ydata()) == pytest.approx([3 / 8, 3 / 16, 3 / 32])
+
+
+def test_tp_sweep_draws_one_line_per_batch():
+    ax = draw_tp_sweep(SMALL, 16, batches=(16, 32), tps=(2, 4, 8))
+    assert [len(line.get_xdata()) for line in ax.lines[:2]] == [3, 3]
+
+
+def test_microbatch_tradeoff_has_three_curves_one_value_per_size():
+    curves = microbatch_tradeoff(SMALL, 1, 4, BATCH, (1, 2, 4))
+    assert [len(v) for v in curves.values()] == [3, 3, 3]
+
+
+# ---- this machine ----
+
+
+def _tiny_gpt() -> GPT:
+    return GPT(GPTConfig(vocab_size=128, seq_len=16, num_layers=1, hidden=32, num_heads=2,
+                         dropout=0.0))
+
+
+def test_machine_mfu_is_positive():
+    assert show_machine_mfu(_tiny_gpt(), batch=2, rounds=2, matmul_size=64) > 0
+
+
+def test_machine_mfu_restores_the_thread_count():
+    threads = torch.get_num_threads()
+    show_machine_mfu(_tiny_gpt(), batch=2, rounds=2, matmul_size=64)
+    assert torch.get_num_threads() == threads
