@@ -184,8 +184,8 @@ def train(args: argparse.Namespace, plan: Plan) -> dict[str, Any]:
             with autocast:
                 meter.validation(step + 1, _validate(args, trainer, val_set, grid))
         if (step + 1) % args.save_interval == 0 or step + 1 == args.steps:
-            save_checkpoint(args.out, step + 1, trainer, {"sampler": sampler.state_dict()},
-                            tokenizer.path)
+            save_checkpoint(args.out, step + 1, trainer,
+                            {"sampler": sampler.state_dict(), "data": args.data}, tokenizer.path)
     meter.close()
     return _finish(args, trainer, tokenizer, log, train_set)
 

@@ -148,3 +148,27 @@ def test_resuming_another_model_fails_before_launch(tmp_path, cache):
     args = parse_args([*TINY, "--hidden", "32", "--resume", str(tmp_path)])
     with pytest.raises(CheckpointError, match="hidden 64 in the checkpoint vs 32 here"):
         validate(args)
+
+
+def test_evaluate_gives_the_same_perplexity_on_any_layout(tmp_path, cache, capsys):
+    from megatron_edu import evaluate
+
+    _train(tmp_path, cache, "--nproc", "1", "--steps", "2")
+    capsys.readouterr()
+    printed = []
+    for layout in (["--nproc", "1"], ["--nproc", "4", "--tp", "2", "--pp", "2"]):
+        assert evaluate.main(["--checkpoint", str(tmp_path), "--cache-dir", str(cache),
+                              "--batches", "2", *layout]) == 0
+        printed.append(capsys.readouterr().out.strip().splitlines()[-1])
+    assert printed[0].startswith("step 2: validation loss")
+    loss = [float(line.split("loss ")[1].split(",")[0]) for line in printed]
+    assert loss[0] == pytest.approx(loss[1], abs=1e-3)
+
+
+def test_evaluate_checks_its_arguments_before_launch(tmp_path):
+    from megatron_edu import evaluate
+
+    with pytest.raises(SystemExit):
+        evaluate.main(["--checkpoint", str(tmp_path), "--nproc", "3", "--tp", "2"])
+    with pytest.raises(SystemExit):
+        evaluate.main(["--checkpoint", str(tmp_path / "missing")])
