@@ -206,17 +206,20 @@ def send(x: torch.Tensor, dst: int, label: str = "") -> None:
     dist.send(x.contiguous(), dst)
 
 
-def isend(x: torch.Tensor, dst: int, label: str = "") -> tuple[dist.Work, torch.Tensor]:
-    """Start sending ``x``; keep the returned (work, tensor) until ``work.wait()``."""
+def isend(x: torch.Tensor, dst: int, label: str = "",
+          channel: dist.ProcessGroup | None = None) -> tuple[dist.Work, torch.Tensor]:
+    """Start sending ``x`` to global rank ``dst`` (over ``channel``, a two-rank process group, if
+    given); keep the returned (work, tensor) until ``work.wait()``."""
     x = x.contiguous()
     _note("send", "p2p", 2, _nbytes(x), label)
-    return dist.isend(x, dst), x
+    return dist.isend(x, dst, group=channel), x
 
 
-def recv(x: torch.Tensor, src: int, label: str = "") -> torch.Tensor:
+def recv(x: torch.Tensor, src: int, label: str = "",
+         channel: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Receive into the buffer ``x`` (its shape and dtype say what to expect)."""
     _note("recv", "p2p", 2, _nbytes(x), label)
-    dist.recv(x, src)
+    dist.recv(x, src, group=channel)
     return x
 
 

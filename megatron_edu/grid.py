@@ -101,6 +101,7 @@ class ParallelGrid(GridLayout):
         self.embedding_group = self._new_group("embedding", self.embedding_groups())
         # Model-parallel ranks (tp × pp) share one model replica: global gradient norms reduce here.
         self.mp_group = self._new_group("mp", self._model_parallel_groups())
+        self.p2p_channels = self._new_p2p_channels()
 
     def _new_group(self, name: str, groups: list[list[int]]) -> CommGroup:
         """Create every group of this kind (a collective call on all ranks); keep ours. A rank
@@ -111,6 +112,24 @@ class ParallelGrid(GridLayout):
             if self.rank in ranks:
                 mine = CommGroup(name, tuple(ranks), pg)
         return mine
+
+    def _new_p2p_channels(self) -> dict[tuple[str, int, int], dist.ProcessGroup]:
+        """One two-rank process group per pipeline direction and kind of message, keyed
+        (kind, src, dst): activations go to the next stage, gradients to the previous one,
+        around the ring (the interleaved schedule wraps). With p = 2 the four channels join the
+        same two ranks. Separate groups keep each channel's messages in order on their own —
+        NCCL runs every communicator on its own stream, so a send waiting for its receiver never
+        holds up traffic the other way. Each is used once here, so that NCCL connects them
+        now, in the same order everywhere, not lazily mid-schedule."""
+        channels = {}
+        for pipeline in self.pp_groups() if self.pp > 1 else []:
+            for a, b in zip(pipeline, pipeline[1:] + pipeline[:1], strict=True):
+                for kind, src, dst in (("act", a, b), ("grad", b, a)):
+                    pg = dist.new_group(sorted((src, dst)))
+                    if self.rank in (src, dst):
+                        dist.barrier(group=pg)
+                        channels[kind, src, dst] = pg
+        return channels
 
     def _model_parallel_groups(self) -> list[list[int]]:
         return [self.ranks[:, d, :].flatten().tolist() for d in range(self.dp)]

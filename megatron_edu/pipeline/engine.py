@@ -12,11 +12,13 @@ Each pipeline rank walks its list of actions from ``schedules.py``:
 Chunk c on rank r is virtual stage c·p + r (§2.2.2), so messages wrap from the last rank to rank
 0 between chunks, and at p = 2 the "previous" and "next" rank are the same rank: activations and
 gradients travel the same pair of ranks in both directions. The engine never guesses which
-message is which: every rank knows every schedule (they are data), so a receiver takes the
-messages from each peer **in the order that peer sends them**, keeping early arrivals until their
-action comes. Sends are non-blocking and start as soon as their tensor exists. Matching in
-sender order is what both gloo and NCCL guarantee, so the same code runs on both; and a schedule
-that ``check_schedule`` accepts cannot deadlock here.
+message is which. Every (kind, direction) has a channel of its own (``grid.p2p_channels``), and
+every rank knows every schedule (they are data), so a receiver takes each channel's messages
+**in the order the sender sends them**, keeping early arrivals until their action comes. Sends
+are non-blocking and start as soon as their tensor exists. In-order matching per channel is
+what both gloo and NCCL guarantee (NCCL runs each channel's communicator on its own stream, so a
+send waiting for its receiver never blocks traffic the other way), so the same code runs on
+both; and a schedule that ``check_schedule`` accepts cannot deadlock here.
 
 The scatter/gather optimisation (2104.04473 §4.1): with tensor parallelism the activation between
 stages is replicated on the tp ranks, so each sends only its 1/tp slice and the receiver
@@ -75,6 +77,9 @@ class PipelineResult:
     timeline: list[tuple[Action, float, float]] = field(default_factory=list)
 
 
+LABELS = {"act": "pp activation", "grad": "pp gradient"}  # the two kinds of message
+
+
 @dataclass(frozen=True)
 class _Message:
     kind: str  # "act" (forward, to the next virtual stage) or "grad" (backward, to the previous)
@@ -83,15 +88,16 @@ class _Message:
 
 
 class _Mailbox:
-    """Receives every peer's messages in the order that peer sends them (see module docstring)."""
+    """Receives each channel's messages in the order they are sent (see the module docstring)."""
 
     def __init__(self, schedule: Schedule, num_chunks: int, grid: ParallelGrid, shape, dtype,
                  scatter_gather: bool) -> None:
         self.grid, self.dtype, self.scatter_gather = grid, dtype, scatter_gather
         self.full_shape = torch.Size(shape)
         self.wire_shape = self._wire_shape(shape, grid.tp if scatter_gather else 1)
-        self.expected = {peer: list(_outgoing(schedule, peer, num_chunks, to=grid.pp_rank))
-                         for peer in range(grid.pp)}
+        self.expected = {(peer, kind): [m for m in _outgoing(schedule, peer, num_chunks,
+                                                             to=grid.pp_rank) if m.kind == kind]
+                         for peer in range(grid.pp) for kind in LABELS}
         self.arrived: dict[_Message, torch.Tensor] = {}
         self.pending_sends: list = []
 
@@ -103,20 +109,22 @@ class _Mailbox:
                              f"by tp={parts}")
         return torch.Size([numel // parts])
 
-    def send(self, tensor: torch.Tensor, to_pp_rank: int, label: str) -> None:
+    def send(self, tensor: torch.Tensor, to_pp_rank: int, kind: str) -> None:
         payload = tensor.detach().reshape(-1)
         if self.scatter_gather:  # §4.1: this tp rank's slice only
             payload = payload.chunk(self.grid.tp)[self.grid.tp_rank]
         dst = self.grid.rank_of(self.grid.tp_rank, to_pp_rank, self.grid.dp_rank)
-        self.pending_sends.append(comm.isend(payload, dst, label))
+        channel = self.grid.p2p_channels[kind, self.grid.rank, dst]
+        self.pending_sends.append(comm.isend(payload, dst, LABELS[kind], channel))
 
-    def receive(self, message: _Message, from_pp_rank: int, label: str) -> torch.Tensor:
+    def receive(self, message: _Message, from_pp_rank: int) -> torch.Tensor:
         src = self.grid.rank_of(self.grid.tp_rank, from_pp_rank, self.grid.dp_rank)
-        queue = self.expected[from_pp_rank]
+        channel = self.grid.p2p_channels[message.kind, src, self.grid.rank]
+        queue = self.expected[from_pp_rank, message.kind]
         while message not in self.arrived:
             earliest = queue.pop(0)
             buffer = torch.empty(self.wire_shape, dtype=self.dtype, device=self.grid.device)
-            comm.recv(buffer, src, label)
+            comm.recv(buffer, src, LABELS[message.kind], channel)
             self.arrived[earliest] = buffer
         payload = self.arrived.pop(message)
         if self.scatter_gather:
@@ -179,27 +187,27 @@ def run_schedule(
         stage, c = action.chunk * p + grid.pp_rank, action.chunk
         if action.kind == "F":
             x = (ids[action.microbatch] if stage == 0 else
-                 mailbox.receive(_Message("act", action.microbatch, stage), (stage - 1) % p,
-                                 "pp activation").requires_grad_())
+                 mailbox.receive(_Message("act", action.microbatch, stage),
+                                 (stage - 1) % p).requires_grad_())
             start = time.perf_counter()
             out = chunks[c](x, targets[action.microbatch] if stage == v * p - 1 else None)
             if stage == v * p - 1:
                 losses.append(out.detach())
                 out = out / m  # the step's loss is the mean over microbatches
             else:
-                mailbox.send(out, (stage + 1) % p, "pp activation")
+                mailbox.send(out, (stage + 1) % p, "act")
             saved[action.microbatch, c] = (x if stage > 0 else None, out)
         else:
             x, out = saved.pop((action.microbatch, c))
             grad = (None if stage == v * p - 1 else
-                    mailbox.receive(_Message("grad", action.microbatch, stage), (stage + 1) % p,
-                                    "pp gradient"))
+                    mailbox.receive(_Message("grad", action.microbatch, stage),
+                                    (stage + 1) % p))
             start = time.perf_counter()
             backwards_left[c] -= 1
             with (grad_sync(c, backwards_left[c] == 0) if grad_sync else nullcontext()):
                 torch.autograd.backward(out, grad)
             if stage > 0:
-                mailbox.send(x.grad, (stage - 1) % p, "pp gradient")
+                mailbox.send(x.grad, (stage - 1) % p, "grad")
         timeline.append((action, start - origin, time.perf_counter() - origin))
     mailbox.finish()
     return PipelineResult(_mean_loss(losses, grid, dtype), timeline)
