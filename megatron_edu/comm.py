@@ -33,7 +33,7 @@ import torch.distributed as dist
 __all__ = [
     "CommGroup", "CommEvent", "CommLog", "record", "world",
     "all_reduce", "all_reduce_", "all_gather", "reduce_scatter", "broadcast",
-    "send", "isend", "recv", "batch_p2p",
+    "send", "isend", "recv", "irecv", "batch_p2p",
     "f", "g", "gather", "scatter", "all_gather_seq", "reduce_scatter_seq",
 ]
 
@@ -221,6 +221,13 @@ def recv(x: torch.Tensor, src: int, label: str = "",
     _note("recv", "p2p", 2, _nbytes(x), label)
     dist.recv(x, src, group=channel)
     return x
+
+
+def irecv(x: torch.Tensor, src: int, label: str = "",
+          channel: dist.ProcessGroup | None = None) -> dist.Work:
+    """Start receiving into the buffer ``x``; it is filled once the returned work is waited."""
+    _note("recv", "p2p", 2, _nbytes(x), label)
+    return dist.irecv(x, src, group=channel)
 
 
 def batch_p2p(sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.Tensor, int]],

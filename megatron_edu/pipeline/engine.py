@@ -15,10 +15,11 @@ gradients travel the same pair of ranks in both directions. The engine never gue
 message is which. Every (kind, direction) has a channel of its own (``grid.p2p_channels``), and
 every rank knows every schedule (they are data), so a receiver takes each channel's messages
 **in the order the sender sends them**, keeping early arrivals until their action comes. Sends
-are non-blocking and start as soon as their tensor exists. In-order matching per channel is
-what both gloo and NCCL guarantee (NCCL runs each channel's communicator on its own stream, so a
-send waiting for its receiver never blocks traffic the other way), so the same code runs on
-both; and a schedule that ``check_schedule`` accepts cannot deadlock here.
+are non-blocking and start as soon as their tensor exists; each channel's next receive is
+posted in advance, so the message arrives while the receiver is still computing. In-order
+matching per channel is what both gloo and NCCL guarantee (NCCL runs each channel's communicator
+on its own stream, so a send waiting for its receiver never blocks traffic the other way), so
+the same code runs on both; and a schedule that ``check_schedule`` accepts cannot deadlock here.
 
 The scatter/gather optimisation (2104.04473 §4.1): with tensor parallelism the activation between
 stages is replicated on the tp ranks, so each sends only its 1/tp slice and the receiver
@@ -100,6 +101,11 @@ class _Mailbox:
                          for peer in range(grid.pp) for kind in LABELS}
         self.arrived: dict[_Message, torch.Tensor] = {}
         self.pending_sends: list = []
+        # Each channel's next message is always awaited with a posted receive, so that it lands
+        # while this rank computes (a channel's stream carries nothing else: safe on NCCL too).
+        self.posted: dict[tuple[int, str], tuple[_Message, torch.Tensor, dist.Work]] = {}
+        for peer, kind in self.expected:
+            self._post(peer, kind)
 
     @staticmethod
     def _wire_shape(shape, parts: int) -> torch.Size:
@@ -117,15 +123,23 @@ class _Mailbox:
         channel = self.grid.p2p_channels[kind, self.grid.rank, dst]
         self.pending_sends.append(comm.isend(payload, dst, LABELS[kind], channel))
 
-    def receive(self, message: _Message, from_pp_rank: int) -> torch.Tensor:
+    def _post(self, from_pp_rank: int, kind: str) -> None:
+        """Post the receive of the channel's next expected message, if any is left."""
+        queue = self.expected[from_pp_rank, kind]
+        if not queue:
+            return
         src = self.grid.rank_of(self.grid.tp_rank, from_pp_rank, self.grid.dp_rank)
-        channel = self.grid.p2p_channels[message.kind, src, self.grid.rank]
-        queue = self.expected[from_pp_rank, message.kind]
-        while message not in self.arrived:
-            earliest = queue.pop(0)
-            buffer = torch.empty(self.wire_shape, dtype=self.dtype, device=self.grid.device)
-            comm.recv(buffer, src, LABELS[message.kind], channel)
+        buffer = torch.empty(self.wire_shape, dtype=self.dtype, device=self.grid.device)
+        work = comm.irecv(buffer, src, LABELS[kind], self.grid.p2p_channels[kind, src,
+                                                                            self.grid.rank])
+        self.posted[from_pp_rank, kind] = (queue.pop(0), buffer, work)
+
+    def receive(self, message: _Message, from_pp_rank: int) -> torch.Tensor:
+        while message not in self.arrived:  # earlier messages of the channel are kept for later
+            earliest, buffer, work = self.posted.pop((from_pp_rank, message.kind))
+            work.wait()
             self.arrived[earliest] = buffer
+            self._post(from_pp_rank, message.kind)
         payload = self.arrived.pop(message)
         if self.scatter_gather:
             payload = comm.all_gather(payload, self.grid.tp_group, dim=0, label="pp all-gather")
@@ -135,6 +149,7 @@ class _Mailbox:
         for work, _ in self.pending_sends:
             work.wait()
         self.pending_sends.clear()
+        assert not self.posted, "a message was expected that no action consumed"
 
 
 def _outgoing(schedule: Schedule, sender: int, num_chunks: int, to: int):
