@@ -134,6 +134,9 @@ def validate(args: argparse.Namespace, world_size: int | None = None) -> Plan:
     config = model_config(args)
     if args.schedule != "interleaved" and args.chunks != 1:
         raise ValueError(f"--chunks {args.chunks} needs --schedule interleaved")
+    if args.chunks > 1 and args.pp == 1:
+        raise ValueError(f"--chunks {args.chunks} needs a pipeline (--pp ≥ 2): with one stage "
+                         f"there is nothing to interleave")
     config.validate(args.tp, args.pp, args.chunks)
     if args.global_batch % (args.dp * args.micro_batch):
         raise ValueError(f"global batch {args.global_batch} is not divisible by dp·micro-batch "

@@ -115,6 +115,7 @@ def test_a_corrupt_checkpoint_is_named(tmp_path, cache, capsys):
     (["--pp", "3", "--nproc", "3"], r"num_layers = 4 is not divisible by pp·chunks"),
     (["--nproc", "2", "--global-batch", "6"], r"global batch 6 is not divisible by dp·micro"),
     (["--chunks", "2"], r"--chunks 2 needs --schedule interleaved"),
+    (["--schedule", "interleaved", "--chunks", "2"], r"--chunks 2 needs a pipeline \(--pp ≥ 2\)"),
     (["--nproc", "2", "--pp", "2", "--schedule", "interleaved", "--chunks", "2",
       "--global-batch", "6"], r"microbatches per replica \(m = 3\) to be a multiple of pp = 2"),
     (["--data", "/no/such/file.txt"], r"--data /no/such/file.txt: no such file"),

@@ -50,6 +50,9 @@ __all__ = ["build_chunks", "PipelineResult", "run_schedule"]
 def build_chunks(config: GPTConfig, grid: ParallelGrid, num_chunks: int = 1) -> list[GPT]:
     """This rank's model chunks: chunk c holds virtual stage c·p + r's contiguous layers."""
     config.validate(grid.tp, grid.pp, num_chunks)
+    if num_chunks > 1 and grid.pp == 1:
+        raise ValueError(f"{num_chunks} model chunks need a pipeline (pp ≥ 2): with one stage "
+                         f"there is nothing to interleave")
     last_stage = num_chunks * grid.pp - 1
     chunks = []
     for c in range(num_chunks):
