@@ -3,7 +3,7 @@
 Two layers:
 
 * **Plain collectives** (``all_reduce``, ``all_gather``, ``reduce_scatter``, ``broadcast``,
-  ``send``/``recv``, ``batch_p2p``): thin wrappers over ``torch.distributed`` that take a
+  ``send``/``recv``, ``isend``/``irecv``): thin wrappers over ``torch.distributed`` that take a
   ``CommGroup`` and note each call with any active ``record()``.
 * **The papers' autograd operators** (1909.08053 §3, Figure 3): ``f`` is the identity in the
   forward pass and an all-reduce in the backward pass; ``g`` is its conjugate, an all-reduce
@@ -23,7 +23,7 @@ wire with a ring algorithm: 2(t−1)/t of that for an all-reduce, (t−1)/t for 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -33,7 +33,7 @@ import torch.distributed as dist
 __all__ = [
     "CommGroup", "CommEvent", "CommLog", "record", "world",
     "all_reduce", "all_reduce_", "all_gather", "reduce_scatter", "broadcast",
-    "send", "isend", "recv", "irecv", "batch_p2p",
+    "send", "isend", "recv", "irecv",
     "f", "g", "gather", "scatter", "all_gather_seq", "reduce_scatter_seq",
 ]
 
@@ -228,24 +228,6 @@ def irecv(x: torch.Tensor, src: int, label: str = "",
     """Start receiving into the buffer ``x``; it is filled once the returned work is waited."""
     _note("recv", "p2p", 2, _nbytes(x), label)
     return dist.irecv(x, src, group=channel)
-
-
-def batch_p2p(sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.Tensor, int]],
-              label: str = "") -> None:
-    """Post all sends and receives at once, then wait: no ordering deadlock between neighbours.
-
-    ``sends`` are (tensor, destination rank), ``recvs`` are (buffer, source rank).
-    """
-    ops = []
-    for x, dst in sends:
-        _note("send", "p2p", 2, _nbytes(x), label)
-        ops.append(dist.P2POp(dist.isend, x.contiguous(), dst))
-    for x, src in recvs:
-        _note("recv", "p2p", 2, _nbytes(x), label)
-        ops.append(dist.P2POp(dist.irecv, x, src))
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
 
 
 def _split(x: torch.Tensor, n: int, dim: int) -> tuple[torch.Tensor, ...]:

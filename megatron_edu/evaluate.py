@@ -78,12 +78,10 @@ def evaluate(args: argparse.Namespace, meta: dict[str, Any]) -> dict[str, float]
                              tokenizer_path=meta["tokenizer"])
     m = args.batch // (grid.dp * args.micro_batch)
     schedule = forward_only(one_f_one_b(grid.pp, m))
-    local = args.batch // grid.dp
     losses = []
     with torch.no_grad():
         for i in range(args.batches):
-            first = i * args.batch + grid.dp_rank * local
-            ids, labels = val.batch([(first + j) % len(val) for j in range(local)])
+            ids, labels = val.fixed_batch(i, args.batch, grid.dp_rank, grid.dp)
             result = run_schedule(schedule, chunks, grid, ids.to(grid.device),
                                   labels.to(grid.device), m, config.hidden)
             losses.append(comm.all_reduce(result.loss, grid.dp_group, "dp loss") / grid.dp)

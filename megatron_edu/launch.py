@@ -110,7 +110,8 @@ def run(
     if under_torchrun():
         return _run_under_torchrun(fn, world_size, args, kwargs, backend, timeout)
     payload = cloudpickle.dumps((fn, args, kwargs))
-    for attempt in range(1, RENDEZVOUS_ATTEMPTS + 1):
+    attempt = 1
+    while True:
         # gloo's full-mesh connect can fail on an overloaded machine ("Connection closed by
         # peer"); no rank has run fn then, since none gets past init without all the others.
         with tempfile.TemporaryDirectory(prefix="megatron_edu_") as tmp:
@@ -120,7 +121,7 @@ def run(
             except _RendezvousError:
                 if attempt == RENDEZVOUS_ATTEMPTS:
                     raise
-    raise AssertionError("unreachable")
+                attempt += 1
 
 
 # --- under torchrun: this process is one rank already ------------------------------------------

@@ -211,12 +211,8 @@ def _resume(args, trainer: PTDP, sampler: BatchSampler) -> int:
 
 def _validate(args, trainer: PTDP, val_set: TokenDataset, grid: ParallelGrid) -> float:
     """Mean loss over ``eval_batches`` fixed global batches of the validation split."""
-    local = args.global_batch // grid.dp
-    losses = []
-    for i in range(args.eval_batches):  # batch i: sequences i·B … (i+1)·B − 1, wrapping round
-        first = i * args.global_batch + grid.dp_rank * local
-        ids, labels = val_set.batch([(first + j) % len(val_set) for j in range(local)])
-        losses.append(trainer.evaluate(ids, labels))
+    losses = [trainer.evaluate(*val_set.fixed_batch(i, args.global_batch, grid.dp_rank, grid.dp))
+              for i in range(args.eval_batches)]
     return sum(losses) / len(losses)
 
 

@@ -50,7 +50,9 @@ def _ring():
     r, n = group.rank, group.size
     x = torch.full((3,), float(r))
     buf = torch.empty(3)
-    comm.batch_p2p(sends=[(x, (r + 1) % n)], recvs=[(buf, (r - 1) % n)])
+    pending = comm.isend(x, (r + 1) % n)
+    comm.irecv(buf, (r - 1) % n).wait()
+    pending[0].wait()
     blocking = torch.empty(3)
     if r == 0:
         comm.send(x + 10, 1)

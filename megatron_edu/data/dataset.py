@@ -154,6 +154,14 @@ class TokenDataset(torch.utils.data.Dataset):
         windows = torch.from_numpy(windows)
         return windows[:, :-1], windows[:, 1:]  # [b, s] each: labels[t] = input_ids[t + 1]
 
+    def fixed_batch(self, i: int, global_batch: int, dp_rank: int = 0,
+                    dp_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replica `dp_rank`'s slice of evaluation batch `i`: sequences i·B … (i+1)·B − 1,
+        wrapping round, so every evaluation (and every layout) reads the same batches."""
+        local = global_batch // dp_size
+        first = i * global_batch + dp_rank * local
+        return self.batch([(first + j) % self.num_sequences for j in range(local)])
+
     def __reduce__(self) -> tuple:
         # reopen the memory map in a spawned rank instead of pickling the tokens
         return (TokenDataset, (self.path, self.seq_len, self.start, self.end))
