@@ -18,7 +18,8 @@ Why it is built this way (each point was seen to matter on a 2-core laptop and i
   rank's traceback within seconds; a stuck collective is cut off by ``timeout``. Never a hang.
 * Under ``torchrun`` (RANK/WORLD_SIZE/MASTER_ADDR set), ``run`` just initialises the process
   group, calls ``fn`` on this process, and all-gathers the results so every rank returns the
-  same list.
+  same list. In both modes the process group ``run`` created is destroyed before it returns
+  (after a barrier): a group left alive at interpreter exit can abort the process.
 """
 
 from __future__ import annotations
@@ -131,13 +132,16 @@ def _run_under_torchrun(fn, world_size, args, kwargs, backend, timeout) -> list[
     if env_world != world_size:
         raise ValueError(f"run(..., world_size={world_size}) under torchrun with "
                          f"WORLD_SIZE={env_world}: they must be equal")
-    if not dist.is_initialized():
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout or DEFAULT_TIMEOUT))
+    owner = not dist.is_initialized()  # a group the caller made is the caller's to destroy
+    if owner:
+        device = _bind_device(backend, int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout or DEFAULT_TIMEOUT),
+                                device_id=device)
     result = fn(*args, **kwargs)
     gathered: list[Any] = [None] * world_size
     dist.all_gather_object(gathered, result)
+    if owner:
+        _shut_down()
     return gathered
 
 
@@ -257,11 +261,11 @@ def _rank_main(rank, world_size, backend, store_path, timeout, threads, log, pay
         _redirect_output(log)
     try:
         torch.set_num_threads(threads)
-        if backend == "nccl":
-            torch.cuda.set_device(rank % torch.cuda.device_count())
+        device = _bind_device(backend, rank)
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=timeout or DEFAULT_TIMEOUT))
+                                timeout=timedelta(seconds=timeout or DEFAULT_TIMEOUT),
+                                device_id=device)
     except Exception:
         outcome = _Outcome(False, traceback.format_exc().encode(), in_rendezvous=True)
     else:
@@ -275,8 +279,32 @@ def _rank_main(rank, world_size, backend, store_path, timeout, threads, log, pay
     queue.put((rank, outcome))
     queue.close()
     queue.join_thread()
-    if dist.is_initialized() and outcome.ok:
-        dist.destroy_process_group()
+    if outcome.ok:
+        _shut_down()
+
+
+# --- both modes --------------------------------------------------------------------------------
+
+def _bind_device(backend: str, local_rank: int) -> torch.device | None:
+    """Under NCCL: this rank's GPU, made current and handed to ``init_process_group`` as
+    ``device_id``, so that NCCL creates each group's communicator eagerly, when the group is made
+    (every rank at the same point), never lazily inside a pipeline schedule where two ranks could
+    each wait in communicator creation for the other."""
+    if backend != "nccl":
+        return None
+    device = torch.device("cuda", local_rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
+
+
+def _shut_down() -> None:
+    """Leave the process group in order before the interpreter exits. A process group that is
+    still alive at exit is torn down by static destructors while its background threads run —
+    "terminate called without an active exception" (SIGABRT) about one exit in three, which
+    torchrun reports as a failed job. The barrier lets every rank finish its last messages first.
+    """
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def _redirect_output(path: str) -> None:

@@ -94,24 +94,28 @@ def test_bad_world_size_is_rejected_before_launch(bad):
         run(_rank_and_args, bad, None)
 
 
-def test_under_torchrun_it_initialises_and_gathers_results(tmp_path):
+TORCHRUN_LAUNCHES = 6  # a rank aborting at exit was seen in ~1/3 of launches: 6 catch it 91 %
+
+
+def test_under_torchrun_it_initialises_gathers_and_exits_cleanly(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent(f"""
-        import pathlib
+        import os, pathlib
         import torch.distributed as dist
         from megatron_edu.launch import run
         def work(x):
             return dist.get_rank() * x
         results = run(work, 2, 10)
-        pathlib.Path(r"{tmp_path}", f"rank{{dist.get_rank()}}.txt").write_text(str(results))
+        assert not dist.is_initialized()  # run destroyed the group it made
+        pathlib.Path(r"{tmp_path}", f"rank{{os.environ['RANK']}}.txt").write_text(str(results))
     """))
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(script)],
-        capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    for rank in (0, 1):  # every rank gets every rank's result
-        assert (tmp_path / f"rank{rank}.txt").read_text() == "[0, 10]"
+    for launch in range(TORCHRUN_LAUNCHES):  # every exit must be clean, not most of them
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+             "2", str(script)], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, f"launch {launch}: {proc.stderr}"
+        for rank in (0, 1):  # every rank gets every rank's result
+            assert (tmp_path / f"rank{rank}.txt").read_text() == "[0, 10]"
 
 
 def test_a_failed_rendezvous_is_retried_then_reported_without_running_fn(tmp_path):
