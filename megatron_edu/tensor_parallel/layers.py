@@ -20,7 +20,8 @@ of rows, looks up the ids that fall in it, writes zeros for the others, and ``g`
 lookups so that every rank ends with the full [b, s, h] embedding.
 
 With a group of one member every layer here is the plain PyTorch layer and communicates nothing.
-Parameters are allocated here and filled by ``init.init_parameters`` (drawn whole, then sliced).
+Parameters are allocated here and filled by ``init.init_parameters`` (each rank drawing its
+shard only, the same numbers at any tp).
 """
 
 from __future__ import annotations

@@ -1,0 +1,109 @@
+"""Initialisation: every tp layout holds the serial model's numbers, each rank drawing only about
+its own shard (DESIGN: "Nothing whole on one rank at scale"); vocabulary padding is zero.
+
+One launch per tp ∈ {1, 2, 3, 4}; the tests below read one claim each from it. At tp = 3 the
+model is 48 wide: 48 qkv rows per rank, so shard edges fall inside the 64-row blocks.
+"""
+
+from contextlib import contextmanager
+
+import pytest
+import torch
+from helpers import max_diff, tiny_config
+
+from megatron_edu.grid import ParallelGrid
+from megatron_edu.launch import run
+from megatron_edu.model import GPT
+from megatron_edu.tensor_parallel.init import BLOCK, blocks, init_parameters
+
+
+def _config(tp):
+    return tiny_config(hidden=48, num_heads=3) if tp == 3 else tiny_config()
+
+
+def _aligned_config(tp):
+    """Widths that are multiples of 64·tp, as real models' are: shard edges on block edges."""
+    return tiny_config(hidden=BLOCK * tp, num_heads=tp, num_layers=1)
+
+
+@contextmanager
+def _counting_normals():
+    """Count every number drawn by ``Tensor.normal_`` inside the block."""
+    drawn, original = [], torch.Tensor.normal_
+
+    def counting(self, *args, **kwargs):
+        drawn.append(self.numel())
+        return original(self, *args, **kwargs)
+
+    torch.Tensor.normal_ = counting
+    try:
+        yield drawn
+    finally:
+        torch.Tensor.normal_ = original
+
+
+def _build(config, grid):
+    """The model, and how many numbers its initialisation draws on this rank (run again under a
+    counter: PyTorch's own default init of ``nn.Embedding``, overwritten, is not ours)."""
+    model = GPT(config, grid)
+    with _counting_normals() as drawn:
+        init_parameters(model, config.seed, model.tp_group)
+    return model, sum(drawn)
+
+
+def _own_numbers(model):
+    """The random numbers this rank holds: its normal-initialised slices, less padding rows."""
+    word = model.embedding.word
+    padding_rows = word.vocab_end - max(word.vocab_start, min(word.vocab_end,
+                                                              model.config.vocab_size))
+    held = sum(p.numel() for p in model.parameters() if p.init.std is not None)
+    return held - padding_rows * model.config.hidden
+
+
+def _edge_blocks(model):
+    """The numbers of two blocks (one per edge of the slice) of each split random parameter."""
+    return sum(2 * BLOCK * p.numel() // p.shape[p.tp_dim] for p in model.parameters()
+               if p.init.std is not None and p.tp_dim is not None)
+
+
+def _on_rank(tp):
+    grid = ParallelGrid(tp=tp)
+    model, drawn = _build(_config(tp), grid)
+    aligned, aligned_drawn = _build(_aligned_config(tp), grid)
+    word = model.embedding.word
+    padding = word.weight[max(0, model.config.vocab_size - word.vocab_start):]
+    return {"state": model.full_state_dict(), "drawn": drawn, "own": _own_numbers(model),
+            "bound": _own_numbers(model) + _edge_blocks(model), "aligned_drawn": aligned_drawn,
+            "aligned_own": _own_numbers(aligned), "padding_rows": padding.shape[0],
+            "padding_max": padding.abs().max().item() if padding.numel() else 0.0}
+
+
+@pytest.fixture(scope="module", params=[1, 2, 3, 4], ids=lambda tp: f"tp{tp}")
+def tp_run(request):
+    return request.param, run(_on_rank, request.param, request.param)
+
+
+def test_gathered_parameters_equal_the_serial_models_exactly(tp_run):
+    tp, ranks = tp_run
+    serial = GPT(_config(tp)).full_state_dict()
+    assert all(max_diff(r["state"], serial) == 0.0 for r in ranks)
+
+
+def test_each_rank_draws_at_most_its_shard_and_one_block_per_edge(tp_run):
+    assert all(r["own"] <= r["drawn"] <= r["bound"] for r in tp_run[1])
+
+
+def test_with_widths_on_block_edges_each_rank_draws_exactly_its_shard(tp_run):
+    assert all(r["aligned_drawn"] == r["aligned_own"] for r in tp_run[1])
+
+
+def test_vocabulary_padding_rows_are_zero(tp_run):
+    tp, ranks = tp_run
+    assert sum(r["padding_rows"] for r in ranks) == _config(tp).padded_vocab(tp) - 100
+    assert all(r["padding_max"] == 0.0 for r in ranks)
+
+
+@pytest.mark.parametrize("lo, hi, expected", [(0, 64, range(0, 1)), (48, 96, range(0, 2)),
+                                              (96, 144, range(1, 3)), (144, 192, range(0))])
+def test_blocks_meeting_a_slice_of_144_rows(lo, hi, expected):
+    assert blocks(144, lo, hi) == expected
