@@ -31,7 +31,6 @@ from megatron_edu.launch import run
 from megatron_edu.model import GPTConfig
 from megatron_edu.model.gpt import Block
 from megatron_edu.tensor_parallel.init import gather_full, init_parameters
-from megatron_edu.tensor_parallel.random import RNGTracker
 
 TP = 2
 MODEL = dict(vocab_size=128, num_layers=1, num_heads=8, dropout=0.0)  # no dropout: same outputs
@@ -46,7 +45,7 @@ DTENSOR_PLAN = {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
 
 def twin_blocks(config: GPTConfig, grid: ParallelGrid) -> tuple[nn.Module, nn.Module]:
     """megatron-edu's tp block and the plain block sharded by DTensor, with the same weights."""
-    ours = Block(config, grid.tp_group, RNGTracker(config.seed, grid.tp_rank))
+    ours = Block(config, grid.tp_group)
     init_parameters(ours, config.seed, grid.tp_group)
     plain = nanogpt.Block(config)
     plain.load_state_dict({name: gather_full(p, p.tp_dim, grid.tp_group)

@@ -13,11 +13,9 @@ from megatron_edu import comm
 from megatron_edu.grid import ParallelGrid
 from megatron_edu.launch import run
 from megatron_edu.tensor_parallel import (
-    REPLICATED,
-    TENSOR_PARALLEL,
     ColumnParallelLinear,
     Dropout,
-    RNGTracker,
+    DropoutKey,
     RowParallelLinear,
     VocabParallelEmbedding,
     gather_full,
@@ -211,10 +209,14 @@ def test_vocab_parallel_cross_entropy_exchanges_three_numbers_per_token_forward_
     assert all(r["ce"][2] == expected for r in results)
 
 
-# --- dropout streams (1909.08053 Appendix B.2) --------------------------------------------------
+# --- dropout masks (1909.08053 Appendix B.2), seeded by what they are for ----------------------
 
-def _masks(tracker, stream):
-    return Dropout(0.5, tracker, stream)(torch.ones(64)) != 0
+KEY = DropoutKey(step=4, samples=(7, 8))
+
+
+def _mask(key=KEY, layer=3, tp_rank=None, rows=2):
+    return Dropout(0.5, seed=5, layer=layer, site="mlp output", tp_rank=tp_rank).train()(
+        torch.ones(rows, 64), key) != 0
 
 
 def _check_dropout():
@@ -222,16 +224,12 @@ def _check_dropout():
     torch.manual_seed(123)
     expected_default = torch.rand(3)
     torch.manual_seed(123)
-    tracker = RNGTracker(seed=5, tp_rank=group.rank)
-    replicated, split = _masks(tracker, REPLICATED), _masks(tracker, TENSOR_PARALLEL)
+    replicated, split = _mask(), _mask(tp_rank=group.rank)
     untouched = torch.equal(torch.rand(3), expected_default)
-    again = RNGTracker(seed=5, tp_rank=group.rank)
-    reproducible = (torch.equal(_masks(again, REPLICATED), replicated)
-                    and torch.equal(_masks(again, TENSOR_PARALLEL), split))
     gathered = [comm.all_gather(m.float()[None], group, dim=0) for m in (replicated, split)]
     return {"replicated_equal": torch.equal(gathered[0][0], gathered[0][1]),
             "split_equal": torch.equal(gathered[1][0], gathered[1][1]),
-            "reproducible": reproducible, "default_untouched": untouched}
+            "default_untouched": untouched}
 
 
 @pytest.fixture(scope="module")
@@ -247,9 +245,22 @@ def test_dropout_inside_split_regions_differs_between_tp_ranks(dropout):
     assert not any(r["split_equal"] for r in dropout)
 
 
-def test_dropout_masks_are_reproducible_from_the_seed(dropout):
-    assert all(r["reproducible"] for r in dropout)
-
-
-def test_dropout_streams_leave_the_default_generator_untouched(dropout):
+def test_dropout_leaves_the_default_generator_untouched(dropout):
     assert all(r["default_untouched"] for r in dropout)
+
+
+def test_a_samples_mask_does_not_depend_on_the_batch_it_came_in():
+    alone = _mask(DropoutKey(step=4, samples=(8,)), rows=1)
+    assert torch.equal(_mask()[1:], alone)  # sample 8: second in one batch, first in another
+    assert torch.equal(_mask(), _mask())     # reproducible from the key
+
+
+@pytest.mark.parametrize("other", [dict(key=DropoutKey(5, (7, 8))), dict(layer=4),
+                                   dict(tp_rank=0)], ids=["step", "layer", "region"])
+def test_masks_change_with_the_step_the_layer_and_the_region(other):
+    assert not torch.equal(_mask(**other), _mask())
+
+
+def test_dropout_in_training_needs_a_key_for_its_rows():
+    with pytest.raises(ValueError, match="needs a DropoutKey naming the 3 samples"):
+        Dropout(0.1, seed=0, layer=0, site="x").train()(torch.ones(3, 4), KEY)

@@ -69,13 +69,7 @@ from megatron_edu.tensor_parallel.layers import (
     VocabParallelEmbedding,
     serial_group,
 )
-from megatron_edu.tensor_parallel.random import (
-    REPLICATED,
-    TENSOR_PARALLEL,
-    Dropout,
-    RNGTracker,
-    checkpoint,
-)
+from megatron_edu.tensor_parallel.random import Dropout, DropoutKey, checkpoint, per_sample
 
 __all__ = ["GPT", "KVCache", "stage_layers", "WORD_EMBEDDING"]
 
@@ -145,8 +139,7 @@ def _layer_norm(config: GPTConfig) -> nn.LayerNorm:
 class Embedding(nn.Module):
     """Word embedding (split by vocabulary) + learned positions (replicated), then dropout."""
 
-    def __init__(self, config: GPTConfig, group: CommGroup, rng: RNGTracker, *,
-                 positions: bool = True) -> None:
+    def __init__(self, config: GPTConfig, group: CommGroup, *, positions: bool = True) -> None:
         super().__init__()
         self.word = VocabParallelEmbedding(config.vocab_size, config.hidden, group,
                                            padded_vocab=config.padded_vocab(group.size),
@@ -154,27 +147,34 @@ class Embedding(nn.Module):
         if positions:  # a last stage's copy of the embedding needs the word table only
             self.position = nn.Embedding(config.seq_len, config.hidden)
             mark(self.position.weight, None, normal(config.init_std))
-        self.dropout = Dropout(config.dropout, rng, REPLICATED)
+        self.dropout = Dropout(config.dropout, config.seed, -1, "embedding")  # same on every rank
 
-    def forward(self, ids: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, offset: int = 0,
+                dropout_key: DropoutKey | None = None) -> torch.Tensor:
         seq = torch.arange(offset, offset + ids.shape[1], device=ids.device)  # positions
-        return self.dropout(self.word(ids) + self.position(seq))   # [b, s, h] on every rank
+        return self.dropout(self.word(ids) + self.position(seq), dropout_key)  # [b, s, h]
 
 
 class Attention(nn.Module):
-    """Causal self-attention split by heads: each tp rank computes h/t of the heads (§3)."""
+    """Causal self-attention split by heads: each tp rank computes h/t of the heads (§3).
 
-    def __init__(self, config: GPTConfig, group: CommGroup, rng: RNGTracker) -> None:
+    ``layer``: the block's global index, which (with this tp rank) seeds the dropout masks of
+    the attention probabilities — a different mask on each tp rank (Appendix B.2).
+    """
+
+    def __init__(self, config: GPTConfig, group: CommGroup, layer: int = 0) -> None:
         super().__init__()
         self.local_heads = config.num_heads // group.size
         self.head_dim = config.head_dim
-        self.dropout_p, self.rng = config.dropout, rng
+        self.dropout = Dropout(config.dropout, config.seed, layer, "attention probs",
+                               tp_rank=group.rank if group.size > 1 else 0)
         residual_std = config.init_std / math.sqrt(2 * config.num_layers)  # GPT-2 §2.3
         self.qkv = ColumnParallelLinear(config.hidden, 3 * config.hidden, group,
                                         init_std=config.init_std)
         self.proj = RowParallelLinear(config.hidden, config.hidden, group, init_std=residual_std)
 
-    def forward(self, x: torch.Tensor, kv: LayerKV | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv: LayerKV | None = None,
+                dropout_key: DropoutKey | None = None) -> torch.Tensor:
         b, s, _ = x.shape
         qkv = self.qkv(x)                                        # [b, s, 3h/t], f inside
         qkv = qkv.view(b, s, self.local_heads, 3, self.head_dim)  # per head: q | k | v
@@ -184,10 +184,16 @@ class Attention(nn.Module):
         t = k.shape[2]
         # The s queries are the last positions t−s … t−1: query i sees keys 0 … t−s+i.
         mask = None if t == s else torch.ones(s, t, dtype=torch.bool, device=x.device).tril(t - s)
-        p = self.dropout_p if self.training else 0.0
-        with self.rng.fork(TENSOR_PARALLEL, x.device):          # a different mask per tp rank
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
-                                               is_causal=mask is None)
+
+        def attend(q, k, v, p=0.0):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
+                                                  is_causal=mask is None)
+
+        if self.training and self.dropout.p > 0:   # each sample's mask from its own seed
+            y = per_sample(lambda *qkv: attend(*qkv, self.dropout.p),
+                           self.dropout.seeds(dropout_key), q, k, v)
+        else:
+            y = attend(q, k, v)                                  # [b, heads/t, s, d]
         y = y.transpose(1, 2).reshape(b, s, -1)                  # [b, s, h/t]
         return self.proj(y)                                      # [b, s, h], g inside
 
@@ -209,19 +215,25 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """A pre-LN transformer block: x + attn(ln(x)), then x + mlp(ln(x)) (Figure 2)."""
+    """A pre-LN transformer block: x + attn(ln(x)), then x + mlp(ln(x)) (Figure 2).
 
-    def __init__(self, config: GPTConfig, group: CommGroup, rng: RNGTracker) -> None:
+    ``layer``: its global index (dropout masks depend on it, not on the stage holding it).
+    """
+
+    def __init__(self, config: GPTConfig, group: CommGroup, layer: int = 0) -> None:
         super().__init__()
         self.ln1 = _layer_norm(config)
-        self.attn = Attention(config, group, rng)
+        self.attn = Attention(config, group, layer)
         self.ln2 = _layer_norm(config)
         self.mlp = MLP(config, group)
-        self.dropout = Dropout(config.dropout, rng, REPLICATED)  # same mask on every tp rank
+        # Outside the split regions: the same masks on every tp rank.
+        self.attn_dropout = Dropout(config.dropout, config.seed, layer, "attention output")
+        self.mlp_dropout = Dropout(config.dropout, config.seed, layer, "mlp output")
 
-    def forward(self, x: torch.Tensor, kv: LayerKV | None = None) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.ln1(x), kv))   # [b, s, h] on every tp rank
-        return x + self.dropout(self.mlp(self.ln2(x)))
+    def forward(self, x: torch.Tensor, kv: LayerKV | None = None,
+                dropout_key: DropoutKey | None = None) -> torch.Tensor:
+        x = x + self.attn_dropout(self.attn(self.ln1(x), kv, dropout_key), dropout_key)
+        return x + self.mlp_dropout(self.mlp(self.ln2(x)), dropout_key)  # [b, s, h]
 
 
 class GPT(nn.Module):
@@ -242,11 +254,10 @@ class GPT(nn.Module):
         self.layers = range(config.num_layers) if layers is None else layers
         if not all(0 <= i < config.num_layers for i in self.layers):
             raise ValueError(f"layers {self.layers} are not all in 0..{config.num_layers - 1}")
-        tp_rank = self.tp_group.rank if self.tp_group.size > 1 else 0
-        self.rng = RNGTracker(config.seed, tp_rank, grid.pp_rank if grid is not None else 0)
+        self.training_calls = 0  # numbers the steps of a model trained without DropoutKeys
         if first or last:
-            self.embedding = Embedding(config, self.tp_group, self.rng, positions=first)
-        self.blocks = nn.ModuleDict({str(i): Block(config, self.tp_group, self.rng)
+            self.embedding = Embedding(config, self.tp_group, positions=first)
+        self.blocks = nn.ModuleDict({str(i): Block(config, self.tp_group, i)
                                      for i in self.layers})
         if last:
             self.ln_f = _layer_norm(config)
@@ -254,21 +265,28 @@ class GPT(nn.Module):
         self.to(grid.device if grid is not None else "cpu")
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None, *,
-                cache: KVCache | None = None) -> torch.Tensor:
+                cache: KVCache | None = None, dropout_key: DropoutKey | None = None,
+                loss_reduction: str = "mean") -> torch.Tensor:
         """ids [b, s] (first stage) or hidden [b, s, h] → hidden [b, s, h] (not last), this rank's
-        logits [b, s, V_padded/t] (last, no labels; padded ids are −inf) or the mean loss over
-        the tokens whose label is not −100 (last, labels [b, s]; equal on every tp rank).
+        logits [b, s, V_padded/t] (last, no labels; padded ids are −inf) or the loss over the
+        tokens whose label is not −100 (last, labels [b, s]; equal on every tp rank): their mean,
+        or their sum with ``loss_reduction="sum"``.
         ``cache``: x holds positions cache.length, … of a sequence whose earlier positions'
-        keys and values the cache holds; x's own are appended to it."""
+        keys and values the cache holds; x's own are appended to it.
+        ``dropout_key``: the step and global samples that seed the dropout masks (a pipeline
+        passes it); without one, a model in training numbers its calls as steps."""
+        if dropout_key is None and self.training:
+            dropout_key = DropoutKey.first(x.shape[0], step=self.training_calls)
+            self.training_calls += 1
         offset = 0 if cache is None else cache.length
-        h = self._embed(x, offset) if self.first else x          # [b, s, h]
+        h = self._embed(x, offset, dropout_key) if self.first else x   # [b, s, h]
         for name, block in self.blocks.items():
             if cache is not None:
                 h = block(h, cache.layer(name))
             elif self.config.recompute and torch.is_grad_enabled():
-                h = checkpoint(block, self.rng, h)               # 2104.04473 §3.5
+                h = checkpoint(block, h, None, dropout_key)      # 2104.04473 §3.5
             else:
-                h = block(h)
+                h = block(h, None, dropout_key)
         if cache is not None:
             cache.length += h.shape[1]
         if not self.last:
@@ -278,16 +296,21 @@ class GPT(nn.Module):
             return logits
         losses = vocab_parallel_cross_entropy(logits, labels, self.tp_group,
                                               ignore_index=IGNORE_INDEX)   # [b, s]
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+        if loss_reduction == "sum":
+            return losses.sum()
         return losses.sum() / (labels != IGNORE_INDEX).sum()
 
-    def _embed(self, ids: torch.Tensor, offset: int) -> torch.Tensor:
+    def _embed(self, ids: torch.Tensor, offset: int, dropout_key: DropoutKey | None
+               ) -> torch.Tensor:
         if ids.dtype != torch.long or ids.dim() != 2:
             raise ValueError(f"the first stage takes token ids [b, s] int64, got "
                              f"{tuple(ids.shape)} {ids.dtype}")
         if offset + ids.shape[1] > self.config.seq_len:
             raise ValueError(f"sequence of {offset + ids.shape[1]} tokens is longer than "
                              f"seq_len = {self.config.seq_len}")
-        return self.embedding(ids, offset)
+        return self.embedding(ids, offset, dropout_key)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """The output layer: a column-parallel linear sharing the embedding table (tied)."""

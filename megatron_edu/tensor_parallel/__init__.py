@@ -2,9 +2,10 @@
 
 layers.py         ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 cross_entropy.py  the loss over vocabulary-parallel logits, never gathering them
-random.py         dropout streams (same mask outside the split regions, per-rank inside) and
-                  activation recomputation that replays them
-init.py           parameters drawn whole from a seed of their own, then sliced (layout-independent)
+random.py         dropout masks seeded by (step, sample, layer): the same outside the split
+                  regions, per tp rank inside, independent of the layout; recomputation
+init.py           parameters drawn from seeds of their own, each rank only its shard
+                  (layout-independent)
 """
 
 from megatron_edu.tensor_parallel.cross_entropy import (
@@ -18,17 +19,11 @@ from megatron_edu.tensor_parallel.layers import (
     VocabParallelEmbedding,
     serial_group,
 )
-from megatron_edu.tensor_parallel.random import (
-    REPLICATED,
-    TENSOR_PARALLEL,
-    Dropout,
-    RNGTracker,
-    checkpoint,
-)
+from megatron_edu.tensor_parallel.random import Dropout, DropoutKey, checkpoint
 
 __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "serial_group",
     "vocab_parallel_cross_entropy", "mask_padded_vocab",
-    "RNGTracker", "Dropout", "REPLICATED", "TENSOR_PARALLEL", "checkpoint",
+    "Dropout", "DropoutKey", "checkpoint",
     "init_parameters", "shard", "gather_full",
 ]

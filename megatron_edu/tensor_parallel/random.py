@@ -1,119 +1,124 @@
-"""Dropout randomness under tensor parallelism, and activation recomputation that replays it.
+"""Dropout masks that depend on the data, not on the layout — and recomputation that replays them.
 
 1909.08053 Appendix B.2: dropout outside the tensor-parallel regions (on the embeddings and on
 each residual branch, where every tp rank holds the same full [b, s, h] activation) must draw the
-*same* mask on every tp rank — or the replicas drift apart. Dropout inside a region (on the
+*same* mask on every tp rank, or the replicas drift apart. Dropout inside a region (on the
 attention probabilities, where each rank holds its own heads) must draw a *different* mask on
-each rank, or the heads of different ranks would share one pattern. Megatron keeps a separate
-generator for the inside, seeded per tp rank ("CudaRNGStatesTracker").
+each rank, or the heads of different ranks would share one pattern. Megatron-LM keeps two
+generator streams for this (its ``CudaRNGStatesTracker``), the inside one seeded per tp rank.
 
-Here both streams live in one small object handed to the model (no module global):
+Here a mask is not drawn from a stream that advances with every use, but from a seed made of
+what the mask is *for*, one per sequence of the batch:
 
-* ``REPLICATED``      seeded with ``seed + 100·pp_rank``: identical on every tp rank;
-* ``TENSOR_PARALLEL`` seeded with ``seed + 100·pp_rank + 2718 + tp_rank``: one per tp rank
-  (Megatron's offsets; the pipeline offset keeps different stages from repeating one mask).
+    seed(model seed, step, global sample index, global layer, site [, tp rank inside a region])
 
-``with tracker.fork(stream):`` swaps the device's default generator to that stream and back, so
-``F.dropout`` and ``F.scaled_dot_product_attention`` draw from it unchanged. Everything is
-reproducible from the seed, whatever else the program draws from the default generator.
+* Outside the regions no tp rank enters the seed: every tp rank draws the same mask. Inside,
+  each rank's own tp rank does: different masks per rank — Megatron's per-tp-rank streams.
+* Nothing else enters it — not the microbatch, the pipeline stage, the interleaved chunk or the
+  data-parallel replica that computes the sample. Every layout draws the masks the serial model
+  draws for the same sample at the same step, so with tp = 1 every layout (pipelines, interleaving,
+  dp, ZeRO-1) gives the serial model's losses and gradients *with dropout on*
+  (tests/test_ptdp.py). With tp > 1 the attention-probability masks differ from the serial
+  model's, as in Megatron-LM: each rank seeds its heads with its own tp rank, where the serial
+  model seeds all heads with rank 0 (notebook 02).
+* Activation recomputation (2104.04473 §3.5) replays the masks by construction: the key is an
+  argument of the recomputed function, so its second run draws the same masks — no generator
+  state to save and restore around it.
 
-Activation recomputation (2104.04473 §3.5) runs a block's forward a second time in the backward
-pass; that second run must see the same masks. ``checkpoint`` saves the tracker's streams before
-the forward and replays them during the recomputation (PyTorch's checkpoint already does the same
-for the default generator) — what Megatron's ``CheckpointFunction`` does with its tracker.
+``DropoutKey(step, samples)`` names the step and the global sample index of each row of a batch;
+the pipeline engine makes one per microbatch. Masks are drawn by the device's own generator
+(seeded, then restored), so ``F.dropout`` and the fused attention kernels draw them unchanged.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
-__all__ = ["REPLICATED", "TENSOR_PARALLEL", "RNGTracker", "Dropout", "checkpoint"]
-
-REPLICATED = "replicated"            # outside the split regions: same mask on every tp rank
-TENSOR_PARALLEL = "tensor-parallel"  # inside them: a different mask on each tp rank
+__all__ = ["DropoutKey", "mask_seed", "seeded", "per_sample", "Dropout", "checkpoint"]
 
 
-def _get_state(device: torch.device) -> torch.Tensor:
-    if device.type == "cuda":
-        return torch.cuda.get_rng_state(device)
-    return torch.get_rng_state()
+@dataclass(frozen=True)
+class DropoutKey:
+    """Which optimizer step, and which global sample each row of the batch is."""
+
+    step: int
+    samples: tuple[int, ...]
+
+    @classmethod
+    def first(cls, batch: int, step: int = 0) -> DropoutKey:
+        """Rows 0 … batch−1 of ``step``: a batch used on its own."""
+        return cls(step, tuple(range(batch)))
 
 
-def _set_state(state: torch.Tensor, device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.set_rng_state(state, device)
-    else:
-        torch.set_rng_state(state)
+def mask_seed(seed: int, step: int, sample: int, layer: int, site: str,
+              tp_rank: int | None = None) -> int:
+    """The seed of one sample's mask at one dropout site (stable across processes/machines)."""
+    text = f"{seed}/{step}/{sample}/{layer}/{site}" + ("" if tp_rank is None else f"/{tp_rank}")
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
 
 
-class RNGTracker:
-    """Two named streams, swapped in for the default generator of a device on ``fork``.
+@contextmanager
+def seeded(seed: int, device: torch.device) -> Iterator[None]:
+    """Inside, the device's default generator starts from ``seed``; outside it is untouched."""
+    generator = (torch.cuda.default_generators[device.index if device.index is not None
+                                               else torch.cuda.current_device()]
+                 if device.type == "cuda" else torch.default_generator)
+    outer = generator.get_state()
+    generator.manual_seed(seed)
+    try:
+        yield
+    finally:
+        generator.set_state(outer)
 
-    A stream's state is created from its seed on first use on a device, so the model may be
-    moved between devices freely.
-    """
 
-    def __init__(self, seed: int, tp_rank: int = 0, pp_rank: int = 0) -> None:
-        base = seed + 100 * pp_rank
-        self.seeds = {REPLICATED: base, TENSOR_PARALLEL: base + 2718 + tp_rank}
-        self.states: dict[tuple[str, torch.device], torch.Tensor] = {}
+def per_sample(fn: Callable[..., torch.Tensor], seeds: list[int],
+               *rows: torch.Tensor) -> torch.Tensor:
+    """``fn`` on each sample (dim 0 of every tensor in ``rows``) under its own seed; the results
+    concatenated: one mask per sample, whatever batch the sample came in."""
+    return torch.cat([_seeded_call(fn, seed, [x[i:i + 1] for x in rows])
+                      for i, seed in enumerate(seeds)])
 
-    @contextmanager
-    def fork(self, stream: str, device: torch.device | str = "cpu") -> Iterator[None]:
-        """Draw from ``stream`` inside the block; the default generator is untouched outside."""
-        device = torch.device(device)
-        key = (stream, device)
-        if key not in self.states:
-            self.states[key] = torch.Generator(device).manual_seed(self.seeds[stream]).get_state()
-        outer = _get_state(device)
-        _set_state(self.states[key], device)
-        try:
-            yield
-        finally:
-            self.states[key] = _get_state(device)
-            _set_state(outer, device)
 
-    def get_states(self) -> dict[tuple[str, torch.device], torch.Tensor]:
-        return {key: state.clone() for key, state in self.states.items()}
-
-    def set_states(self, states: dict[tuple[str, torch.device], torch.Tensor]) -> None:
-        self.states = {key: state.clone() for key, state in states.items()}
-
-    @contextmanager
-    def replay(self, states: dict[tuple[str, torch.device], torch.Tensor]) -> Iterator[None]:
-        """Run the block from ``states``, then return to the states we had."""
-        now = self.get_states()
-        self.set_states(states)
-        try:
-            yield
-        finally:
-            self.set_states(now)
+def _seeded_call(fn, seed: int, args: list[torch.Tensor]) -> torch.Tensor:
+    with seeded(seed, args[0].device):
+        return fn(*args)
 
 
 class Dropout(nn.Module):
-    """``F.dropout`` drawing its mask from one stream of the tracker."""
+    """``F.dropout`` with each sample's mask seeded by (seed, step, sample, layer, site).
 
-    def __init__(self, p: float, tracker: RNGTracker, stream: str) -> None:
+    ``tp_rank``: None outside the tensor-parallel regions (the same mask on every tp rank);
+    this rank's tp rank inside them (its own mask).
+    """
+
+    def __init__(self, p: float, seed: int, layer: int, site: str,
+                 tp_rank: int | None = None) -> None:
         super().__init__()
-        self.p, self.tracker, self.stream = p, tracker, stream
+        self.p, self.seed, self.layer, self.site, self.tp_rank = p, seed, layer, site, tp_rank
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def seeds(self, key: DropoutKey) -> list[int]:
+        return [mask_seed(self.seed, key.step, sample, self.layer, self.site, self.tp_rank)
+                for sample in key.samples]
+
+    def forward(self, x: torch.Tensor, key: DropoutKey | None) -> torch.Tensor:
         if not self.training or self.p == 0.0:
             return x
-        with self.tracker.fork(self.stream, x.device):
-            return F.dropout(x, self.p, training=True)
+        if key is None or len(key.samples) != x.shape[0]:
+            raise ValueError(f"dropout in training needs a DropoutKey naming the {x.shape[0]} "
+                             f"samples of the batch, got {key}")
+        return per_sample(lambda row: F.dropout(row, self.p, training=True), self.seeds(key), x)
 
 
-def checkpoint(fn: Callable[[torch.Tensor], torch.Tensor], tracker: RNGTracker,
-               x: torch.Tensor) -> torch.Tensor:
-    """``fn(x)`` keeping only ``x``; recomputed in backward with the same dropout masks."""
-    states = tracker.get_states()  # before the forward draws anything
-    return torch.utils.checkpoint.checkpoint(
-        fn, x, use_reentrant=False, preserve_rng_state=True,
-        context_fn=lambda: (nullcontext(), tracker.replay(states)))
+def checkpoint(fn: Callable[..., torch.Tensor], *args) -> torch.Tensor:
+    """``fn(*args)`` keeping only its inputs; recomputed in backward (2104.04473 §3.5). The
+    masks repeat because they are a function of the arguments (a ``DropoutKey`` among them)."""
+    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False,
+                                             preserve_rng_state=False)
