@@ -3,8 +3,9 @@
 Two layers:
 
 * **Plain collectives** (``all_reduce``, ``all_gather``, ``reduce_scatter``, ``broadcast``,
-  ``send``/``recv``, ``isend``/``irecv``): thin wrappers over ``torch.distributed`` that take a
-  ``CommGroup`` and note each call with any active ``record()``.
+  ``send``/``recv``, ``isend``/``irecv``, ``batch_isend_irecv``): thin wrappers over
+  ``torch.distributed`` that take a ``CommGroup`` and note each call with any active ``record()``
+  (point-to-point calls also note their peer, and a batch its number).
 * **The papers' autograd operators** (1909.08053 §3, Figure 3): ``f`` is the identity in the
   forward pass and an all-reduce in the backward pass; ``g`` is its conjugate, an all-reduce
   forward and the identity backward. ``gather``/``scatter`` along the last dimension, and
@@ -22,6 +23,7 @@ wire with a ring algorithm: 2(t−1)/t of that for an all-reduce, (t−1)/t for 
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -33,7 +35,7 @@ import torch.distributed as dist
 __all__ = [
     "CommGroup", "CommEvent", "CommLog", "record", "world",
     "all_reduce", "all_reduce_", "all_gather", "reduce_scatter", "broadcast",
-    "send", "isend", "recv", "irecv",
+    "send", "isend", "recv", "irecv", "P2POp", "batch_isend_irecv",
     "f", "g", "gather", "scatter", "all_gather_seq", "reduce_scatter_seq",
 ]
 
@@ -76,6 +78,8 @@ class CommEvent:
     group_size: int
     bytes: int       # full buffer size (see the module docstring)
     label: str = ""  # who called: "f backward", "g forward", "dp grads", ...
+    peer: int | None = None   # send/recv: the global rank at the other end
+    batch: int | None = None  # send/recv issued together by one batch_isend_irecv: its number
 
     @property
     def wire_bytes(self) -> float:
@@ -140,10 +144,11 @@ def record() -> Iterator[CommLog]:
         _active_logs.remove(log)
 
 
-def _note(op: str, group: CommGroup | str, size: int, nbytes: int, label: str) -> None:
+def _note(op: str, group: CommGroup | str, size: int, nbytes: int, label: str,
+          peer: int | None = None, batch: int | None = None) -> None:
     name = group.name if isinstance(group, CommGroup) else group
     for log in _active_logs:
-        log.events.append(CommEvent(op, name, size, nbytes, label or op))
+        log.events.append(CommEvent(op, name, size, nbytes, label or op, peer, batch))
 
 
 def _nbytes(x: torch.Tensor) -> int:
@@ -202,7 +207,7 @@ def broadcast(x: torch.Tensor, src: int, group: CommGroup, label: str = "") -> t
 
 
 def send(x: torch.Tensor, dst: int, label: str = "") -> None:
-    _note("send", "p2p", 2, _nbytes(x), label)
+    _note("send", "p2p", 2, _nbytes(x), label, dst)
     dist.send(x.contiguous(), dst)
 
 
@@ -211,14 +216,14 @@ def isend(x: torch.Tensor, dst: int, label: str = "",
     """Start sending ``x`` to global rank ``dst`` (over ``channel``, a two-rank process group, if
     given); keep the returned (work, tensor) until ``work.wait()``."""
     x = x.contiguous()
-    _note("send", "p2p", 2, _nbytes(x), label)
+    _note("send", "p2p", 2, _nbytes(x), label, dst)
     return dist.isend(x, dst, group=channel), x
 
 
 def recv(x: torch.Tensor, src: int, label: str = "",
          channel: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Receive into the buffer ``x`` (its shape and dtype say what to expect)."""
-    _note("recv", "p2p", 2, _nbytes(x), label)
+    _note("recv", "p2p", 2, _nbytes(x), label, src)
     dist.recv(x, src, group=channel)
     return x
 
@@ -226,8 +231,32 @@ def recv(x: torch.Tensor, src: int, label: str = "",
 def irecv(x: torch.Tensor, src: int, label: str = "",
           channel: dist.ProcessGroup | None = None) -> dist.Work:
     """Start receiving into the buffer ``x``; it is filled once the returned work is waited."""
-    _note("recv", "p2p", 2, _nbytes(x), label)
+    _note("recv", "p2p", 2, _nbytes(x), label, src)
     return dist.irecv(x, src, group=channel)
+
+
+@dataclass(frozen=True)
+class P2POp:
+    """One send or receive of a batch: ``tensor`` goes to (or arrives from) global rank ``peer``."""
+
+    op: str  # "send" | "recv"
+    tensor: torch.Tensor
+    peer: int
+    label: str = ""
+
+
+_batch_numbers = itertools.count()
+
+
+def batch_isend_irecv(ops: list[P2POp], group: CommGroup) -> list[dist.Work]:
+    """Start a batch of sends and receives together (on NCCL, one group call, as Megatron-LM's
+    pipeline does); wait on every returned work before using a received tensor."""
+    batch = next(_batch_numbers)
+    for o in ops:
+        _note(o.op, "p2p", 2, _nbytes(o.tensor), o.label, o.peer, batch)
+    return dist.batch_isend_irecv([
+        dist.P2POp(dist.isend if o.op == "send" else dist.irecv, o.tensor, o.peer, group.pg)
+        for o in ops])
 
 
 def _split(x: torch.Tensor, n: int, dim: int) -> tuple[torch.Tensor, ...]:

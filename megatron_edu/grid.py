@@ -101,7 +101,9 @@ class ParallelGrid(GridLayout):
         self.embedding_group = self._new_group("embedding", self.embedding_groups())
         # Model-parallel ranks (tp × pp) share one model replica: global gradient norms reduce here.
         self.mp_group = self._new_group("mp", self._model_parallel_groups())
-        self.p2p_channels = self._new_p2p_channels()
+        # gloo's pipeline messages travel on channels of their own; NCCL's in batches over the
+        # pipeline group (pipeline/p2p.py), which needs no extra communicators.
+        self.p2p_channels = self._new_p2p_channels() if dist.get_backend() != "nccl" else {}
 
     def _new_group(self, name: str, groups: list[list[int]]) -> CommGroup:
         """Create every group of this kind (a collective call on all ranks); keep ours. A rank
@@ -117,10 +119,9 @@ class ParallelGrid(GridLayout):
         """One two-rank process group per pipeline direction and kind of message, keyed
         (kind, src, dst): activations go to the next stage, gradients to the previous one,
         around the ring (the interleaved schedule wraps). With p = 2 the four channels join the
-        same two ranks. Separate groups keep each channel's messages in order on their own —
-        NCCL runs every communicator on its own stream, so a send waiting for its receiver never
-        holds up traffic the other way. Each is used once here, so that NCCL connects them
-        now, in the same order everywhere, not lazily mid-schedule."""
+        same two ranks. Separate groups keep each channel's messages in order on their own, so
+        the gloo mailbox can keep a receive posted on each (pipeline/p2p.py). Each is used once
+        here, so that every pair connects now, in the same order everywhere."""
         channels = {}
         for pipeline in self.pp_groups() if self.pp > 1 else []:
             for a, b in zip(pipeline, pipeline[1:] + pipeline[:1], strict=True):

@@ -8,7 +8,8 @@ from megatron_edu.grid import ParallelGrid
 from megatron_edu.launch import run
 from megatron_edu.model import GPT, GPTConfig
 from megatron_edu.pipeline.engine import build_chunks, run_schedule
-from megatron_edu.pipeline.schedules import check_schedule, make_schedule
+from megatron_edu.pipeline.p2p import LABELS, messages_of
+from megatron_edu.pipeline.schedules import make_schedule
 
 CONFIG = GPTConfig(vocab_size=100, seq_len=8, num_layers=8, hidden=32, num_heads=4, dropout=0.0)
 BATCH, MICROBATCHES = 8, 4
@@ -27,13 +28,13 @@ def _serial():
     return loss.detach(), model.full_state_dict(grads=True)
 
 
-def _pipelined(name, tp, pp, v, scatter_gather=False):
+def _pipelined(name, tp, pp, v, scatter_gather=False, transport="auto"):
     grid = ParallelGrid(tp=tp, pp=pp)
     chunks = build_chunks(CONFIG, grid, v)
     schedule = make_schedule(name, pp, MICROBATCHES, v)
     with comm.record() as log:
         result = run_schedule(schedule, chunks, grid, *_batch(), MICROBATCHES, CONFIG.hidden,
-                              scatter_gather=scatter_gather)
+                              scatter_gather=scatter_gather, transport=transport)
     grads = {}
     for chunk in chunks:
         grads.update(chunk.full_state_dict(grads=True))
@@ -72,13 +73,17 @@ def test_pipeline_equals_serial(serial, name, tp, pp, v):
         torch.testing.assert_close(merged[key], grad, atol=1e-5, rtol=0, msg=key)
 
 
-def test_each_rank_runs_its_list_in_order():
-    schedule = make_schedule("interleaved", 2, MICROBATCHES, 2)
-    check_schedule(schedule, num_chunks=2)
-    out = run(_pipelined, 2, "interleaved", 1, 2, 2)
-    for rank, (_, _, timeline, _) in enumerate(out):
-        assert [a for a, _, _ in timeline] == schedule[rank]
-        assert all(start <= end for _, start, end in timeline)
+@pytest.mark.parametrize("transport", ["mailbox", "batched"])
+def test_each_rank_sends_what_its_schedule_produces_in_its_order(transport):
+    """Per rank, the sends on the wire are its actions' outputs (messages_of), in its order."""
+    p, v = 4, 2
+    schedule = make_schedule("interleaved", p, MICROBATCHES, v)
+    out = run(_pipelined, p, "interleaved", 1, p, v, transport=transport)
+    for rank, (_, _, _, log) in enumerate(out):
+        expected = [(m.dst(p), LABELS[m.kind]) for a in schedule[rank]
+                    if (m := messages_of(a, rank, p, v)[1]) is not None]
+        assert [(e.peer, e.label) for e in log.select("send")] == expected
+        assert len(expected) == MICROBATCHES * (2 * v - (rank == 0) - (rank == p - 1))
 
 
 def test_scatter_gather_sends_a_tp_th_of_the_bytes_with_the_same_result(serial):
@@ -91,3 +96,22 @@ def test_scatter_gather_sends_a_tp_th_of_the_bytes_with_the_same_result(serial):
             torch.testing.assert_close(grads_a[key], grads_b[key], atol=1e-6, rtol=0)
         assert log_b.total_bytes("send") * 2 == log_a.total_bytes("send")
         assert log_b.count("send") == log_a.count("send") == MICROBATCHES  # act or grad each mb
+
+
+def _bytes_per_activation_element(autocast: bool, param_dtype: torch.dtype) -> float:
+    grid = ParallelGrid(pp=2)
+    chunks = [c.to(param_dtype) for c in build_chunks(CONFIG, grid)]
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), comm.record() as log:
+        result = run_schedule(make_schedule("1f1b", 2, MICROBATCHES), chunks, grid, *_batch(),
+                              MICROBATCHES, CONFIG.hidden)
+    assert torch.isfinite(result.loss)
+    send = log.select("send")[0]
+    return send.bytes / (BATCH // MICROBATCHES * CONFIG.seq_len * CONFIG.hidden)
+
+
+@pytest.mark.parametrize(("autocast", "param_dtype", "expected"), [
+    (False, torch.float32, 4), (True, torch.float32, 4), (False, torch.bfloat16, 2)],
+    ids=["fp32", "bf16-autocast", "bf16-weights"])
+def test_messages_travel_in_the_activations_own_dtype(autocast, param_dtype, expected):
+    # under autocast the matmuls run in bf16 but the residual stream they add into stays fp32
+    assert run(_bytes_per_activation_element, 2, autocast, param_dtype) == [expected] * 2

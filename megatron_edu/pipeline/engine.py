@@ -1,36 +1,49 @@
-"""Execute a pipeline schedule for real: model chunks, microbatches, send/recv (2104.04473 §2.2).
+"""Execute a pipeline schedule for real: model chunks, microbatches, messages (2104.04473 §2.2).
 
 Each pipeline rank walks its list of actions from ``schedules.py``:
 
 * ``F(mb, c)``: take the microbatch's input — token ids on virtual stage 0, otherwise the
-  activation received from the previous virtual stage — run model chunk ``c`` on it, keep input
-  and output for the backward pass, and send the output on (the last virtual stage computes the
-  loss instead).
+  activation received from the previous virtual stage — run model chunk ``c`` on it, keep what
+  the backward pass needs, and send the output on (the last virtual stage computes the loss).
 * ``B(mb, c)``: backpropagate from the loss (last virtual stage) or from the gradient received
   from the next virtual stage, then send the input's gradient back.
 
-Chunk c on rank r is virtual stage c·p + r (§2.2.2), so messages wrap from the last rank to rank
-0 between chunks, and at p = 2 the "previous" and "next" rank are the same rank: activations and
-gradients travel the same pair of ranks in both directions. The engine never guesses which
-message is which. Every (kind, direction) has a channel of its own (``grid.p2p_channels``), and
-every rank knows every schedule (they are data), so a receiver takes each channel's messages
-**in the order the sender sends them**, keeping early arrivals until their action comes. Sends
-are non-blocking and start as soon as their tensor exists; each channel's next receive is
-posted in advance, so the message arrives while the receiver is still computing. In-order
-matching per channel is what both gloo and NCCL guarantee (NCCL runs each channel's communicator
-on its own stream, so a send waiting for its receiver never blocks traffic the other way), so
-the same code runs on both; and a schedule that ``check_schedule`` accepts cannot deadlock here.
+Chunk c on rank r is virtual stage c·p + r (§2.2.2). Messages go through a transport
+(``p2p.py``): on gloo a mailbox with receives posted in advance, on NCCL batches that both
+neighbours issue at the same point of their schedules — the engine asks the same three things of
+either.
 
-The scatter/gather optimisation (2104.04473 §4.1): with tensor parallelism the activation between
-stages is replicated on the tp ranks, so each sends only its 1/tp slice and the receiver
-all-gathers it over the fast intra-node tp group.
+**Memory.** 1F1B exists to hold at most p microbatches' activations instead of GPipe's m (§2.2.1),
+so nothing here may keep a microbatch alive longer than the schedule says:
 
-Every action's start and end time is recorded: the measured timeline, in the simulator's format.
+* a sent tensor is released as soon as its send completes, not at the end of the step;
+* a stage's output is freed once it is sent (Megatron-LM's ``deallocate_output_tensor``): only
+  its autograd node is needed for backward, the values live on in the next stage. Its ``.data``
+  becomes a one-element tensor, and backward then goes through autograd's engine directly
+  (Megatron-LM's ``custom_backward``), since ``torch.autograd.backward`` would reject a gradient
+  whose shape differs from the freed output's;
+* what each microbatch keeps — its input (for the input's gradient) and its output's node — is
+  dropped by its backward pass.
+
+``PipelineResult.peak_boundary_tensors`` counts how many tensors crossing a stage boundary were
+alive at once (by their storage, so a freed output no longer counts); tests measure the peak
+bytes, too.
+
+**The loss** is the mean over target tokens (labels ≠ −100) of the whole batch — across
+microbatches, and across data-parallel replicas when ``num_tokens`` counts theirs too — not a mean
+of microbatch means, which would weight a padded microbatch like a full one: each microbatch adds
+its summed token losses divided by that count.
+
+**Dropout** masks are drawn from (seed, ``step``, global sample index, layer), so they do not
+depend on how the batch is cut into microbatches, stages or replicas (``random.py``).
+
+Every action's start and end is recorded (``timing.Clock``: CUDA events on a GPU): the measured
+timeline, in the simulator's format.
 """
 
 from __future__ import annotations
 
-import time
+import weakref
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -38,11 +51,16 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd.variable import Variable
 
 from megatron_edu import comm
 from megatron_edu.grid import ParallelGrid
 from megatron_edu.model import GPT, GPTConfig, stage_layers
+from megatron_edu.model.gpt import IGNORE_INDEX
+from megatron_edu.pipeline.p2p import make_transport, messages_of
 from megatron_edu.pipeline.schedules import Action, Schedule
+from megatron_edu.tensor_parallel.random import DropoutKey
+from megatron_edu.timing import Clock
 
 __all__ = ["build_chunks", "PipelineResult", "run_schedule"]
 
@@ -58,112 +76,18 @@ def build_chunks(config: GPTConfig, grid: ParallelGrid, num_chunks: int = 1) -> 
     for c in range(num_chunks):
         stage = c * grid.pp + grid.pp_rank
         layers = stage_layers(config.num_layers, grid.pp, grid.pp_rank, num_chunks, c)
-        chunk = GPT(config, grid, layers=layers, first=stage == 0, last=stage == last_stage)
-        if last_stage > 0 and (chunk.first or chunk.last):
-            _mark_tied_copy(chunk.embedding.word.weight, original=chunk.first)
-        chunks.append(chunk)
+        chunks.append(GPT(config, grid, layers=layers, first=stage == 0, last=stage == last_stage))
     return chunks
-
-
-def _mark_tied_copy(weight: nn.Parameter, original: bool) -> None:
-    """The word embedding lives on the first and the last virtual stage (GPT-2 ties the output
-    layer to it). ``shared_embedding``: ZeRO-1 gives it a bucket of its own, laid out alike on
-    both stages; ``shared``: the global grad norm skips the copy, counting the original once."""
-    weight.shared_embedding = True
-    weight.shared = not original
 
 
 @dataclass
 class PipelineResult:
-    """The mean loss over all microbatches (equal on every rank) and this rank's timeline."""
+    """This replica's loss (its share of the batch's token mean; equal on every pipeline rank),
+    this rank's timeline, and the most stage-boundary tensors it held alive at once."""
 
     loss: torch.Tensor
     timeline: list[tuple[Action, float, float]] = field(default_factory=list)
-
-
-LABELS = {"act": "pp activation", "grad": "pp gradient"}  # the two kinds of message
-
-
-@dataclass(frozen=True)
-class _Message:
-    kind: str  # "act" (forward, to the next virtual stage) or "grad" (backward, to the previous)
-    microbatch: int
-    stage: int  # the virtual stage that receives it
-
-
-class _Mailbox:
-    """Receives each channel's messages in the order they are sent (see the module docstring)."""
-
-    def __init__(self, schedule: Schedule, num_chunks: int, grid: ParallelGrid, shape, dtype,
-                 scatter_gather: bool) -> None:
-        self.grid, self.dtype, self.scatter_gather = grid, dtype, scatter_gather
-        self.full_shape = torch.Size(shape)
-        self.wire_shape = self._wire_shape(shape, grid.tp if scatter_gather else 1)
-        self.expected = {(peer, kind): [m for m in _outgoing(schedule, peer, num_chunks,
-                                                             to=grid.pp_rank) if m.kind == kind]
-                         for peer in range(grid.pp) for kind in LABELS}
-        self.arrived: dict[_Message, torch.Tensor] = {}
-        self.pending_sends: list = []
-        # Each channel's next message is always awaited with a posted receive, so that it lands
-        # while this rank computes (a channel's stream carries nothing else: safe on NCCL too).
-        self.posted: dict[tuple[int, str], tuple[_Message, torch.Tensor, dist.Work]] = {}
-        for peer, kind in self.expected:
-            self._post(peer, kind)
-
-    @staticmethod
-    def _wire_shape(shape, parts: int) -> torch.Size:
-        numel = torch.Size(shape).numel()
-        if numel % parts:
-            raise ValueError(f"scatter/gather needs the activation ({numel} elements) to divide "
-                             f"by tp={parts}")
-        return torch.Size([numel // parts])
-
-    def send(self, tensor: torch.Tensor, to_pp_rank: int, kind: str) -> None:
-        payload = tensor.detach().reshape(-1)
-        if self.scatter_gather:  # §4.1: this tp rank's slice only
-            payload = payload.chunk(self.grid.tp)[self.grid.tp_rank]
-        dst = self.grid.rank_of(self.grid.tp_rank, to_pp_rank, self.grid.dp_rank)
-        channel = self.grid.p2p_channels[kind, self.grid.rank, dst]
-        self.pending_sends.append(comm.isend(payload, dst, LABELS[kind], channel))
-
-    def _post(self, from_pp_rank: int, kind: str) -> None:
-        """Post the receive of the channel's next expected message, if any is left."""
-        queue = self.expected[from_pp_rank, kind]
-        if not queue:
-            return
-        src = self.grid.rank_of(self.grid.tp_rank, from_pp_rank, self.grid.dp_rank)
-        buffer = torch.empty(self.wire_shape, dtype=self.dtype, device=self.grid.device)
-        work = comm.irecv(buffer, src, LABELS[kind], self.grid.p2p_channels[kind, src,
-                                                                            self.grid.rank])
-        self.posted[from_pp_rank, kind] = (queue.pop(0), buffer, work)
-
-    def receive(self, message: _Message, from_pp_rank: int) -> torch.Tensor:
-        while message not in self.arrived:  # earlier messages of the channel are kept for later
-            earliest, buffer, work = self.posted.pop((from_pp_rank, message.kind))
-            work.wait()
-            self.arrived[earliest] = buffer
-            self._post(from_pp_rank, message.kind)
-        payload = self.arrived.pop(message)
-        if self.scatter_gather:
-            payload = comm.all_gather(payload, self.grid.tp_group, dim=0, label="pp all-gather")
-        return payload.view(self.full_shape)
-
-    def finish(self) -> None:
-        for work, _ in self.pending_sends:
-            work.wait()
-        self.pending_sends.clear()
-        assert not self.posted, "a message was expected that no action consumed"
-
-
-def _outgoing(schedule: Schedule, sender: int, num_chunks: int, to: int):
-    """The messages pipeline rank ``sender`` sends to pipeline rank ``to``, in its order."""
-    p = len(schedule)
-    for action in schedule[sender]:
-        stage = action.chunk * p + sender
-        if action.kind == "F" and stage < num_chunks * p - 1 and (stage + 1) % p == to:
-            yield _Message("act", action.microbatch, stage + 1)
-        if action.kind == "B" and stage > 0 and (stage - 1) % p == to:
-            yield _Message("grad", action.microbatch, stage - 1)
+    peak_boundary_tensors: int = 0
 
 
 def run_schedule(
@@ -177,62 +101,162 @@ def run_schedule(
     *,
     scatter_gather: bool = False,
     grad_sync: Callable[[int, bool], AbstractContextManager] | None = None,
+    transport: str = "auto",
+    num_tokens: int | None = None,
+    step: int = 0,
+    first_sample: int = 0,
 ) -> PipelineResult:
     """Run this rank's list of ``schedule`` over ``chunks``: one forward-backward of the batch.
 
     ``input_ids`` and ``labels`` are this data-parallel replica's batch [b, s] (every pipeline
     rank may pass it; only the first and last stage read it), cut into ``num_microbatches``.
-    Gradients accumulate in the chunks' parameters (the loss is the microbatch mean, so they equal
-    the full batch's). ``grad_sync(chunk, is_last_backward)`` wraps every backward pass: a
-    data-parallel wrapper launches its all-reduces only in each chunk's last one (§2.1).
+    Gradients accumulate in the chunks' parameters. ``num_tokens``: the target tokens the loss
+    is averaged over (default: this batch's; PTD-P passes the global batch's).
+    ``grad_sync(chunk, is_last_backward)`` wraps every backward pass: a data-parallel wrapper
+    launches its all-reduces only in each chunk's last one (§2.1). ``transport``: "auto"
+    (batched on NCCL, mailbox on gloo), "batched" or "mailbox" (``p2p.py``). ``step`` and
+    ``first_sample`` (the global index of this batch's first sequence) key the dropout masks.
     """
-    p, v, m = grid.pp, len(chunks), num_microbatches
+    m = num_microbatches
     if input_ids.shape[0] % m:
         raise ValueError(f"batch of {input_ids.shape[0]} sequences does not split into "
                          f"{m} microbatches")
-    ids, targets = input_ids.chunk(m), labels.chunk(m)
-    mb, seq = ids[0].shape
-    dtype = next(chunks[0].parameters()).dtype
-    mailbox = _Mailbox(schedule, v, grid, (mb, seq, hidden), dtype, scatter_gather)
-    saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
-    backwards_left = [m] * v
-    losses = []
-    timeline = []
-    if grid.pp > 1:
-        dist.barrier(group=grid.pp_group.pg)  # a common time origin for the timeline
-    origin = time.perf_counter()
-    for action in schedule[grid.pp_rank]:
-        stage, c = action.chunk * p + grid.pp_rank, action.chunk
-        if action.kind == "F":
-            x = (ids[action.microbatch] if stage == 0 else
-                 mailbox.receive(_Message("act", action.microbatch, stage),
-                                 (stage - 1) % p).requires_grad_())
-            start = time.perf_counter()
-            out = chunks[c](x, targets[action.microbatch] if stage == v * p - 1 else None)
-            if stage == v * p - 1:
-                losses.append(out.detach())
-                out = out / m  # the step's loss is the mean over microbatches
-            else:
-                mailbox.send(out, (stage + 1) % p, "act")
-            saved[action.microbatch, c] = (x if stage > 0 else None, out)
+    shape = (input_ids.shape[0] // m, input_ids.shape[1], hidden)
+    wire = make_transport(transport, schedule, len(chunks), grid, shape, _boundary_dtype(chunks),
+                          scatter_gather)
+    if num_tokens is None:
+        num_tokens = int((labels != IGNORE_INDEX).sum())
+    return _Run(schedule, chunks, grid, wire, input_ids.chunk(m), labels.chunk(m), grad_sync,
+                step, first_sample, num_tokens).execute()
+
+
+def _boundary_dtype(chunks: Sequence[nn.Module]) -> torch.dtype:
+    """The dtype of activations between stages: the residual stream's, which is the parameters'.
+    Under autocast the matmuls run in bf16 but each block adds its bf16 output to the fp32
+    residual stream, which stays fp32 (Megatron-LM's ``fp32_residual_connection``); the
+    transport checks every message against it."""
+    return next(chunks[0].parameters()).dtype
+
+
+class _Run:
+    """One step of one rank: its actions, what each microbatch keeps, and the losses."""
+
+    def __init__(self, schedule, chunks, grid, wire, ids, targets, grad_sync, step, first_sample,
+                 num_tokens) -> None:
+        self.schedule, self.chunks, self.grid, self.wire = schedule, chunks, grid, wire
+        self.ids, self.targets, self.grad_sync = ids, targets, grad_sync
+        self.step, self.first_sample, self.num_tokens = step, first_sample, num_tokens
+        self.p, self.v = grid.pp, len(chunks)
+        self.kept: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
+        self.backwards_left = [len(ids)] * self.v
+        self.losses: list[torch.Tensor] = []
+        self.boundary = _LiveTensors()
+
+    def execute(self) -> PipelineResult:
+        actions = self.schedule[self.grid.pp_rank]
+        clock = Clock(self.grid.device)
+        if self.p > 1:
+            dist.barrier(group=self.grid.pp_group.pg)  # a common time origin for the timeline
+        origin, stamps = clock.stamp(), []
+        for i, action in enumerate(actions):
+            self.wire.at_point(i)
+            receives, sends = messages_of(action, self.grid.pp_rank, self.p, self.v)
+            x = self.wire.receive(receives) if receives is not None else None
+            start = clock.stamp()
+            out = self._forward(action, x) if action.kind == "F" else self._backward(action, x)
+            stamps.append((action, start, clock.stamp()))
+            if sends is not None:
+                self.wire.send(sends, out)
+                _free_output(out)
+        self.wire.at_point(len(actions))
+        self.wire.finish()
+        zero = clock.seconds(origin)
+        timeline = [(a, clock.seconds(s) - zero, clock.seconds(e) - zero) for a, s, e in stamps]
+        return PipelineResult(self._loss(), timeline, self.boundary.peak)
+
+    def _stage(self, action: Action) -> int:
+        return action.chunk * self.p + self.grid.pp_rank
+
+    def _forward(self, action: Action, x: torch.Tensor | None) -> torch.Tensor:
+        stage, mb, c = self._stage(action), action.microbatch, action.chunk
+        last = stage == self.v * self.p - 1
+        if x is None:
+            x = self.ids[mb]                                   # virtual stage 0: token ids
         else:
-            x, out = saved.pop((action.microbatch, c))
-            grad = (None if stage == v * p - 1 else
-                    mailbox.receive(_Message("grad", action.microbatch, stage),
-                                    (stage + 1) % p))
-            start = time.perf_counter()
-            backwards_left[c] -= 1
-            with (grad_sync(c, backwards_left[c] == 0) if grad_sync else nullcontext()):
-                torch.autograd.backward(out, grad)
-            if stage > 0:
-                mailbox.send(x.grad, (stage - 1) % p, "grad")
-        timeline.append((action, start - origin, time.perf_counter() - origin))
-    mailbox.finish()
-    return PipelineResult(_mean_loss(losses, grid, dtype), timeline)
+            self.boundary.add(x)
+            x.requires_grad_(torch.is_grad_enabled())
+        b = len(self.ids[mb])
+        key = DropoutKey(self.step, tuple(range(self.first_sample + mb * b,
+                                                self.first_sample + (mb + 1) * b)))
+        if last:   # its share of the token mean: Σ token losses / all target tokens
+            out = self.chunks[c](x, self.targets[mb], dropout_key=key, loss_reduction="sum")
+            out = out / self.num_tokens
+            self.losses.append(out.detach())
+        else:
+            out = self.chunks[c](x, dropout_key=key)
+            self.boundary.add(out)
+        if torch.is_grad_enabled():
+            self.kept[mb, c] = (x if stage > 0 else None, out)
+        return out
+
+    def _backward(self, action: Action, grad: torch.Tensor | None) -> torch.Tensor | None:
+        x, out = self.kept.pop((action.microbatch, action.chunk))
+        if grad is not None:
+            self.boundary.add(grad)
+        self.backwards_left[action.chunk] -= 1
+        last_backward = self.backwards_left[action.chunk] == 0
+        with (self.grad_sync(action.chunk, last_backward) if self.grad_sync else nullcontext()):
+            _backward(out, grad)
+        if x is None:
+            return None
+        self.boundary.add(x.grad)
+        return x.grad
+
+    def _loss(self) -> torch.Tensor:
+        """The last stage's sum of microbatch shares, shared with every pipeline rank."""
+        loss = (torch.stack(self.losses).sum().float() if self.losses else
+                torch.zeros((), dtype=torch.float32, device=self.grid.device))
+        return comm.all_reduce(loss, self.grid.pp_group, label="pp loss")
 
 
-def _mean_loss(losses: list[torch.Tensor], grid: ParallelGrid, dtype) -> torch.Tensor:
-    """The last stage's mean microbatch loss, shared with every pipeline rank (for printing)."""
-    loss = (torch.stack(losses).mean() if losses else
-            torch.zeros((), dtype=dtype, device=grid.device))
-    return comm.all_reduce(loss, grid.pp_group, label="pp loss")
+# --- freeing a sent output, and the backward pass that still works after it ----------------------
+
+def _free_output(out: torch.Tensor) -> None:
+    """Free the values of a stage's output once sent; keep the tensor for its autograd node.
+
+    Safe only for a tensor that owns its memory and that autograd did not save: the stage's
+    last operation is a residual add, which saves nothing (Megatron-LM asserts the same).
+    """
+    if not out.requires_grad:
+        return  # no backward will come (evaluation): nothing is kept anyway
+    if out._base is not None:
+        raise ValueError("a stage's output must not be a view: its memory could not be freed")
+    out.data = torch.empty((1,), device=out.device, dtype=out.dtype)
+
+
+def _backward(out: torch.Tensor, grad: torch.Tensor | None) -> None:
+    """``torch.autograd.backward(out, grad)`` without its shape check, which a freed output
+    fails (Megatron-LM's ``custom_backward``): the graph itself is intact."""
+    if grad is None:
+        out.backward()  # the loss: a scalar that was never freed
+        return
+    Variable._execution_engine.run_backward(
+        tensors=(out,), grad_tensors=(grad,), keep_graph=False, create_graph=False, inputs=(),
+        allow_unreachable=True, accumulate_grad=True)
+
+
+class _LiveTensors:
+    """How many registered tensors still hold memory (counted by storage, freed ones drop)."""
+
+    def __init__(self) -> None:
+        self.storages: set[int] = set()
+        self.peak = 0
+
+    def add(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key in self.storages or storage.nbytes() == 0:
+            return
+        self.storages.add(key)
+        self.peak = max(self.peak, len(self.storages))
+        weakref.finalize(storage, self.storages.discard, key)

@@ -1,0 +1,358 @@
+"""Messages between pipeline stages, and the two ways of sending them: gloo's and NCCL's.
+
+Every message crossing a stage boundary has one key, ``Message(kind, microbatch, stage)``: an
+activation ("act") for virtual stage ``stage`` from the one before it, or a gradient ("grad") for
+it from the one after. Chunk c of pipeline rank r is virtual stage c·p + r (2104.04473 §2.2.2),
+so sender and receiver follow from the key, and with the interleaved schedule messages wrap from
+the last rank to rank 0. Every rank knows every schedule (they are data), so every rank knows
+which messages it will send and receive, in which order — nothing is negotiated at run time.
+
+The engine asks a transport three things: ``send(message, tensor)`` after an action produced it,
+``receive(message)`` before an action needs it, and ``at_point(i)`` before its i-th action (and
+once after its last). Two transports answer:
+
+**``MailboxTransport`` (gloo, CPU).** Sends start at once (``isend``) and each is released as soon
+as it completes (gloo tells only a ``wait()``, so a helper thread waits for each in turn and drops
+its tensor); each (kind, direction) has a two-rank channel of its own (``grid.p2p_channels``)
+whose next receive is always posted in advance, so a message lands while the receiver computes
+(bench (d): +0.6 % over the simulated bubble, was +1.9 % with blocking receives). A receiver takes
+each channel's messages in the order the sender sends them and keeps early arrivals until their
+action comes. Safe on gloo: a send completes into the peer's buffer without it, receives are plain
+buffers posted on a channel that carries nothing else, and a schedule that ``check_schedule``
+accepts reaches every receive.
+
+**``BatchedTransport`` (NCCL, GPU).** NCCL needs more: a send and its receive are one kernel pair
+that both sides must launch; a receive left posted spins on the GPU while the rank computes (and
+NCCL documents that a device synchronisation, such as the caching allocator freeing memory, can
+then deadlock); and an unbatched send or receive on a communicator not yet created makes one
+lazily, where two ranks touching their channels in different orders each wait for the other.
+So, as Megatron-LM's ``batch_isend_irecv`` p2p and ``torch.distributed.pipelining`` do, neighbours
+exchange in **batches that match one to one**: at a fixed point of both their schedules, both
+issue one ``batch_isend_irecv`` over the pipeline group (its communicator made eagerly, with the
+group: ``device_id`` in ``launch``) holding the same messages in the same order, and wait for it
+before computing on. Nothing stays posted across computation. Which messages go in which batch at
+which point is decided before the step by ``exchange_plan``, a pure function of the schedule that
+every rank computes alike (tests check both sides of every pair on every schedule).
+The plan makes each batch an exchange between a rank that has just produced messages and a
+neighbour standing between two actions — in 1F1B's steady state exactly Megatron's
+``send_forward_recv_backward`` / ``send_backward_recv_forward`` pairs.
+
+The scatter/gather optimisation (2104.04473 §4.1): with tensor parallelism the activation between
+stages is replicated on the tp ranks, so each sends only its 1/tp slice and the receiver
+all-gathers it over the fast intra-node tp group. Both transports share that wire format.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_edu import comm
+from megatron_edu.grid import ParallelGrid
+from megatron_edu.pipeline.schedules import Action, Schedule
+
+__all__ = ["Message", "messages_of", "Exchange", "exchange_plan", "format_plan", "MailboxTransport",
+           "BatchedTransport", "make_transport", "LABELS"]
+
+LABELS = {"act": "pp activation", "grad": "pp gradient"}  # as comm.record() names them
+
+
+@dataclass(frozen=True)
+class Message:
+    """An activation for virtual stage ``stage`` ("act"), or the gradient of its output ("grad")."""
+
+    kind: str
+    microbatch: int
+    stage: int  # the virtual stage that receives it
+
+    def src(self, p: int) -> int:
+        """The pipeline rank that sends it: the stage before (act) or after (grad)."""
+        return (self.stage - 1) % p if self.kind == "act" else (self.stage + 1) % p
+
+    def dst(self, p: int) -> int:
+        return self.stage % p
+
+
+def messages_of(action: Action, rank: int, p: int, num_chunks: int
+                ) -> tuple[Message | None, Message | None]:
+    """(what ``action`` on pipeline rank ``rank`` receives, what it sends); None for neither.
+
+    F of virtual stage s takes the activation of s (unless s is the first) and sends one to s+1
+    (unless s is the last, which computes the loss); B takes the gradient of s's output (unless
+    s is the last: it starts from the loss) and sends its input's gradient to s−1.
+    """
+    stage, last = action.chunk * p + rank, num_chunks * p - 1
+    mb = action.microbatch
+    if action.kind == "F":
+        return (Message("act", mb, stage) if stage > 0 else None,
+                Message("act", mb, stage + 1) if stage < last else None)
+    return (Message("grad", mb, stage) if stage < last else None,
+            Message("grad", mb, stage - 1) if stage > 0 else None)
+
+
+# --- the exchange plan: matched batches, decided before the step --------------------------------
+
+@dataclass(frozen=True)
+class Exchange:
+    """One batch between this rank and pipeline rank ``peer``. Both issue it with the same
+    ``messages``, in the same order (those the lower rank sends first, each direction in sending
+    order); each side sends the messages whose source it is and receives the others."""
+
+    peer: int
+    messages: tuple[Message, ...]
+
+
+Plan = list[list[list[Exchange]]]  # plan[rank][i]: the exchanges before rank's i-th action
+
+
+def exchange_plan(schedule: Schedule, num_chunks: int = 1) -> Plan:
+    """For every rank and every point of its list (before action i; i = len: after the last),
+    the exchanges it runs there, such that the two sides of each pair issue matching batches in
+    the same order and every rank receives each input before the action that needs it.
+
+    Played like the simulator, but with rendezvous: each rank runs its actions until it holds
+    unsent messages or waits for one; when no rank can move, every pair with messages pending
+    exchanges all of them at the points where both stand. Each rank does its exchanges in that
+    one global order, so the real run cannot deadlock: the earliest exchange not yet done always
+    has both sides ready for it. A schedule that ``check_schedule`` accepts always has a plan.
+    """
+    p = len(schedule)
+    plan: Plan = [[[] for _ in range(len(row) + 1)] for row in schedule]
+    position = [0] * p
+    inbox: list[set[Message]] = [set() for _ in range(p)]
+    outbox: list[list[Message]] = [[] for _ in range(p)]
+    while True:
+        for rank in range(p):
+            _run_until_blocked(schedule, rank, num_chunks, position, inbox, outbox)
+        pairs = sorted({tuple(sorted((r, m.dst(p)))) for r in range(p) for m in outbox[r]})
+        if not pairs:
+            stuck = [r for r in range(p) if position[r] < len(schedule[r])]
+            if stuck:
+                raise ValueError(f"deadlock: ranks {stuck} wait for messages nobody sends")
+            return plan
+        for a, b in pairs:
+            messages = (tuple(m for m in outbox[a] if m.dst(p) == b)
+                        + tuple(m for m in outbox[b] if m.dst(p) == a))
+            for rank, peer in ((a, b), (b, a)):
+                plan[rank][position[rank]].append(Exchange(peer, messages))
+                outbox[rank] = [m for m in outbox[rank] if m not in messages]
+            for m in messages:
+                inbox[m.dst(p)].add(m)
+
+
+def format_plan(schedule: Schedule, num_chunks: int = 1) -> str:
+    """Each rank's actions with its exchanges between them: 'F0 [⇄1 send act0>1] F1 …'."""
+    p, plan = len(schedule), exchange_plan(schedule, num_chunks)
+    lines = []
+    for rank, row in enumerate(schedule):
+        items = []
+        for i, action in enumerate([*row, None]):
+            for e in plan[rank][i]:
+                ops = ", ".join(("send " if m.src(p) == rank else "recv ")
+                                + f"{m.kind}{m.microbatch}>{m.stage}" for m in e.messages)
+                items.append(f"[⇄{e.peer} {ops}]")
+            if action is not None:
+                items.append(str(action))
+        lines.append(f"rank {rank}: " + " ".join(items))
+    return "\n".join(lines)
+
+
+def _run_until_blocked(schedule: Schedule, rank: int, num_chunks: int, position: list[int],
+                       inbox: list[set[Message]], outbox: list[list[Message]]) -> None:
+    """Advance ``rank`` while it has nothing to send and has the input of its next action."""
+    row = schedule[rank]
+    while position[rank] < len(row) and not outbox[rank]:
+        needs, sends = messages_of(row[position[rank]], rank, len(schedule), num_chunks)
+        if needs is not None and needs not in inbox[rank]:
+            return
+        inbox[rank].discard(needs)
+        outbox[rank] += [sends] if sends is not None else []
+        position[rank] += 1
+
+
+# --- the wire: what goes on it, shared by both transports ----------------------------------------
+
+class _Transport:
+    """The wire format (dtype, and §4.1's 1/tp slice) and the global ranks of neighbours."""
+
+    def __init__(self, grid: ParallelGrid, shape: tuple[int, ...], dtype: torch.dtype,
+                 scatter_gather: bool) -> None:
+        self.grid, self.dtype, self.scatter_gather = grid, dtype, scatter_gather
+        self.full_shape = torch.Size(shape)
+        numel, parts = self.full_shape.numel(), grid.tp if scatter_gather else 1
+        if numel % parts:
+            raise ValueError(f"scatter/gather needs the activation ({numel} elements) to divide "
+                             f"by tp={parts}")
+        self.wire_numel = numel // parts
+
+    def global_rank(self, pp_rank: int) -> int:
+        return self.grid.rank_of(self.grid.tp_rank, pp_rank, self.grid.dp_rank)
+
+    def to_wire(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The flat payload: the whole tensor, or this tp rank's slice (§4.1). A view: the
+        tensor's memory stays alive until the send that holds it is released."""
+        if tensor.dtype != self.dtype or tensor.shape != self.full_shape:
+            raise ValueError(f"a pipeline message is {tuple(tensor.shape)} {tensor.dtype}, but "
+                             f"the receiver expects {tuple(self.full_shape)} {self.dtype}")
+        payload = tensor.detach().reshape(-1)
+        return payload.chunk(self.grid.tp)[self.grid.tp_rank] if self.scatter_gather else payload
+
+    def buffer(self) -> torch.Tensor:
+        return torch.empty(self.wire_numel, dtype=self.dtype, device=self.grid.device)
+
+    def from_wire(self, payload: torch.Tensor) -> torch.Tensor:
+        if self.scatter_gather:
+            payload = comm.all_gather(payload, self.grid.tp_group, dim=0, label="pp all-gather")
+        return payload.view(self.full_shape)
+
+
+class MailboxTransport(_Transport):
+    """gloo: sends start at once; each channel's next receive is posted in advance."""
+
+    def __init__(self, schedule: Schedule, num_chunks: int, grid: ParallelGrid,
+                 shape: tuple[int, ...], dtype: torch.dtype, scatter_gather: bool) -> None:
+        super().__init__(grid, shape, dtype, scatter_gather)
+        if grid.pp > 1 and not grid.p2p_channels:
+            raise ValueError("the mailbox transport needs grid.p2p_channels (made on gloo only)")
+        p = grid.pp
+        incoming = [m for r in range(p) for m in _sent_by(schedule, r, num_chunks)
+                    if m.dst(p) == grid.pp_rank]
+        # Each channel (kind, sender) in the sender's order: the order gloo matches them in.
+        self.expected = {(kind, src): [m for m in incoming if (m.kind, m.src(p)) == (kind, src)]
+                         for kind in LABELS for src in range(p)}
+        self.posted: dict[tuple[str, int], tuple[Message, torch.Tensor, dist.Work]] = {}
+        self.arrived: dict[Message, torch.Tensor] = {}
+        self.sending = _SendReleaser()
+        for channel in self.expected:
+            self._post(channel)
+
+    def _channel(self, kind: str, src: int, dst: int) -> dist.ProcessGroup:
+        return self.grid.p2p_channels[kind, self.global_rank(src), self.global_rank(dst)]
+
+    def _post(self, channel: tuple[str, int]) -> None:
+        """Post the receive of the channel's next expected message, if any is left."""
+        if not self.expected[channel]:
+            return
+        kind, src = channel
+        message, buffer = self.expected[channel].pop(0), self.buffer()
+        work = comm.irecv(buffer, self.global_rank(src), LABELS[kind],
+                          self._channel(kind, src, self.grid.pp_rank))
+        self.posted[channel] = (message, buffer, work)
+
+    def send(self, message: Message, tensor: torch.Tensor) -> None:
+        p = self.grid.pp
+        self.sending.add(*comm.isend(self.to_wire(tensor), self.global_rank(message.dst(p)),
+                                     LABELS[message.kind],
+                                     self._channel(message.kind, self.grid.pp_rank,
+                                                   message.dst(p))))
+
+    def receive(self, message: Message) -> torch.Tensor:
+        channel = (message.kind, message.src(self.grid.pp))
+        while message not in self.arrived:  # earlier messages of the channel wait for later
+            earliest, buffer, work = self.posted.pop(channel)
+            work.wait()
+            self.arrived[earliest] = buffer
+            self._post(channel)
+        return self.from_wire(self.arrived.pop(message))
+
+    def at_point(self, index: int) -> None:
+        """Nothing to do between actions: receives are posted, sends released as they complete."""
+
+    def finish(self) -> None:
+        self.sending.finish()
+        assert not self.posted, "a message was expected that no action consumed"
+
+
+class _SendReleaser:
+    """Holds each gloo send's tensor until the send completes, then drops it. gloo reports a send
+    complete only to ``wait()`` (``is_completed()`` stays False until then), and waiting here,
+    between actions, could block on a peer that waits for us: a thread waits instead, in order."""
+
+    def __init__(self) -> None:
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._release, daemon=True)
+        self.thread.start()
+
+    def add(self, work: dist.Work, tensor: torch.Tensor) -> None:
+        self.queue.put((work, tensor))
+
+    def _release(self) -> None:
+        while (item := self.queue.get()) is not None:
+            try:
+                item[0].wait()
+            except BaseException as err:  # a peer died: reported by finish()
+                self.error = err
+            del item  # the tensor's last reference: its memory is freed now
+
+    def finish(self) -> None:
+        """Wait until every send has completed."""
+        self.queue.put(None)
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+
+
+class BatchedTransport(_Transport):
+    """NCCL: matched batches between neighbours at the points ``exchange_plan`` chose."""
+
+    def __init__(self, schedule: Schedule, num_chunks: int, grid: ParallelGrid,
+                 shape: tuple[int, ...], dtype: torch.dtype, scatter_gather: bool) -> None:
+        super().__init__(grid, shape, dtype, scatter_gather)
+        self.points = exchange_plan(schedule, num_chunks)[grid.pp_rank]
+        self.outbox: dict[Message, torch.Tensor] = {}   # produced, not yet exchanged
+        self.inbox: dict[Message, torch.Tensor] = {}    # exchanged, not yet consumed
+
+    def send(self, message: Message, tensor: torch.Tensor) -> None:
+        self.outbox[message] = self.to_wire(tensor)
+
+    def receive(self, message: Message) -> torch.Tensor:
+        return self.from_wire(self.inbox.pop(message))
+
+    def at_point(self, index: int) -> None:
+        for exchange in self.points[index]:
+            self._exchange(exchange)
+
+    def _exchange(self, exchange: Exchange) -> None:
+        p, ops, received = self.grid.pp, [], {}
+        for m in exchange.messages:
+            if m.src(p) == self.grid.pp_rank:
+                ops.append(comm.P2POp("send", self.outbox.pop(m),
+                                      self.global_rank(exchange.peer), LABELS[m.kind]))
+            else:
+                received[m] = self.buffer()
+                ops.append(comm.P2POp("recv", received[m], self.global_rank(exchange.peer),
+                                      LABELS[m.kind]))
+        for work in comm.batch_isend_irecv(ops, self.grid.pp_group):
+            work.wait()  # nothing stays posted while this rank computes
+        self.inbox.update(received)
+
+    def finish(self) -> None:
+        assert not self.outbox and not self.inbox, "the exchange plan left a message behind"
+
+
+def _sent_by(schedule: Schedule, rank: int, num_chunks: int) -> Iterator[Message]:
+    """The messages pipeline rank ``rank`` sends, in its order."""
+    for action in schedule[rank]:
+        _, sends = messages_of(action, rank, len(schedule), num_chunks)
+        if sends is not None:
+            yield sends
+
+
+TRANSPORTS = {"mailbox": MailboxTransport, "batched": BatchedTransport}
+
+
+def make_transport(name: str, schedule: Schedule, num_chunks: int, grid: ParallelGrid,
+                   shape: tuple[int, ...], dtype: torch.dtype,
+                   scatter_gather: bool) -> MailboxTransport | BatchedTransport:
+    """``name``: "mailbox", "batched", or "auto" — batched on NCCL, the mailbox elsewhere."""
+    if name == "auto":
+        name = "batched" if dist.get_backend() == "nccl" else "mailbox"
+    if name not in TRANSPORTS:
+        raise ValueError(f"unknown transport {name!r}; choose one of auto, {', '.join(TRANSPORTS)}")
+    return TRANSPORTS[name](schedule, num_chunks, grid, shape, dtype, scatter_gather)

@@ -1,0 +1,95 @@
+"""What a pipeline schedule holds in memory, measured on real ranks (2104.04473 §2.2.1): 1F1B
+keeps at most p microbatches' activations on stage 0 where GPipe keeps all m, and nothing is
+kept longer than the schedule says (sent tensors and sent outputs are freed)."""
+
+import pytest
+import torch
+
+from megatron_edu.grid import ParallelGrid
+from megatron_edu.launch import run
+from megatron_edu.model import GPTConfig
+from megatron_edu.perf.measure import MemoryMeter
+from megatron_edu.pipeline.engine import build_chunks, run_schedule
+from megatron_edu.pipeline.schedules import make_schedule
+from megatron_edu.tensor_parallel.random import DropoutKey
+
+P, M, MICRO = 4, 8, 2
+CONFIG = GPTConfig(vocab_size=64, seq_len=64, num_layers=8, hidden=64, num_heads=4, dropout=0.1)
+SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved": 2}
+
+
+def _batch():
+    ids = torch.randint(0, 64, (M * MICRO, 65), generator=torch.Generator().manual_seed(0))
+    return ids[:, :-1], ids[:, 1:]
+
+
+def _one_microbatch_bytes(chunks):
+    """Per chunk: the bytes one microbatch's forward leaves alive until its backward — what it
+    saved, and its input (received from the previous stage), without its output (sent, freed)."""
+    sizes = []
+    for chunk in chunks:
+        with MemoryMeter() as meter:
+            x = (_batch()[0][:MICRO].clone() if chunk.first else
+                 torch.randn(MICRO, CONFIG.seq_len, CONFIG.hidden, requires_grad=True))
+            out = chunk(x, dropout_key=DropoutKey.first(MICRO))
+            out.data = torch.empty(1)
+        sizes.append(meter.current)
+    return sizes
+
+
+def _memory(name):
+    grid = ParallelGrid(pp=P)
+    v = SCHEDULES[name]
+    chunks = build_chunks(CONFIG, grid, v)
+    per_microbatch = _one_microbatch_bytes(chunks)
+    schedule = make_schedule(name, P, M, v)
+    with MemoryMeter() as meter:
+        result = run_schedule(schedule, chunks, grid, *_batch(), M, CONFIG.hidden)
+    grads = sum(p.numel() * p.element_size() for c in chunks for p in c.parameters())
+    actions = schedule[grid.pp_rank]
+    return dict(peak=meter.peak, grads=grads, boundary=result.peak_boundary_tensors,
+                expected=_held_by_schedule(actions, per_microbatch),
+                in_flight=_held_by_schedule(actions, [1] * v), per_microbatch=per_microbatch)
+
+
+def _held_by_schedule(actions, per_microbatch):
+    """The peak of what the rank holds, walking its list: F adds its chunk's share, B frees it."""
+    held = peak = 0
+    for action in actions:
+        held += per_microbatch[action.chunk] * (1 if action.kind == "F" else -1)
+        peak = max(peak, held)
+    return peak
+
+
+@pytest.fixture(scope="module")
+def measured():
+    return {name: run(_memory, P, name) for name in SCHEDULES}
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_each_rank_holds_what_its_schedule_says(measured, name):
+    for rank, m in enumerate(measured[name]):
+        # peak = the schedule's activations, plus at most the gradients and one microbatch's
+        # transient tensors (a forward's temporaries, received buffers)
+        assert 0.9 * m["expected"] <= m["peak"], rank
+        assert m["peak"] <= m["expected"] + m["grads"] + max(m["per_microbatch"]), rank
+
+
+def test_1f1b_holds_p_microbatches_on_stage_0_where_gpipe_holds_m(measured):
+    one = measured["1f1b"][0]["per_microbatch"][0]
+    assert measured["1f1b"][0]["expected"] == P * one
+    assert measured["gpipe"][0]["expected"] == M * one
+    assert measured["1f1b"][0]["peak"] < (P + 1) * one + measured["1f1b"][0]["grads"]
+    assert measured["gpipe"][0]["peak"] > (M - 0.5) * one
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_sent_tensors_do_not_outlive_their_send(measured, name):
+    # Boundary tensors alive: the received inputs of the microbatches in flight, and a few
+    # more in transit (before the fix, every sent tensor lived until the step's end: M·v more).
+    for m in measured[name]:
+        assert m["boundary"] <= m["in_flight"] + 3
+
+
+def test_1f1b_stage_0_frees_each_output_once_sent(measured):
+    assert measured["1f1b"][0]["boundary"] <= 2  # not M: no output outlives its send
