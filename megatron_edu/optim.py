@@ -13,12 +13,14 @@ and must be counted once (Megatron-LM's ``param_is_not_tensor_parallel_duplicate
 
 * replicated across tp (``param.tp_dim is None``: layer norms, row-parallel biases, positions):
   every tp rank holds the same gradient — counted on tp rank 0 only;
-* a copy of a parameter held by another pipeline stage (``param.shared = True``: the last
-  stage's copy of the tied word embedding) — never counted; its first-stage original is.
+* a copy of a parameter held by another pipeline stage (the last stage's copy of the tied word
+  embedding; the caller names them in ``tied_copies``) — never counted; its original is.
 
 After the dp all-reduce every dp replica holds the same gradients, so no sum over dp is needed.
 Under ZeRO-1 each dp rank holds only its 1/dp shard of them: then the sums are also added over
-``grid.dp_group`` (``dp_sharded=True``). Either way the returned norm is equal on every rank.
+``grid.dp_group`` (``dp_sharded=True``). Either way the returned norm is equal on every rank —
+also when it is not finite: a NaN or inf on any rank makes it inf on all of them, so that every
+rank skips the step together (a replica that stepped alone would drift from the others).
 """
 
 from __future__ import annotations
@@ -32,42 +34,63 @@ from torch import nn
 from megatron_edu import comm
 from megatron_edu.grid import ParallelGrid
 
-__all__ = ["clip_grad_norm_", "build_param_groups", "warmup_cosine", "optimizer_state_bytes"]
+__all__ = ["clip_grad_norm_", "global_grad_norm", "counted_in_norm", "scale_grads",
+           "build_param_groups", "warmup_cosine", "optimizer_state_bytes"]
 
 EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_: max_norm / (norm + 1e-6)
 
 
-def _counted_here(param: torch.Tensor, tp_rank: int) -> bool:
-    """Is this rank the one that counts ``param`` in the global norm? (see module docstring)"""
-    if getattr(param, "shared", False):
-        return False
+def counted_in_norm(param: torch.Tensor, tp_rank: int) -> bool:
+    """Does this tp rank count ``param`` in the global norm? (split: yes; replicated: rank 0)"""
     return getattr(param, "tp_dim", None) is not None or tp_rank == 0
 
 
 @torch.no_grad()
+def global_grad_norm(grads: Iterable[torch.Tensor], grid: ParallelGrid | None = None,
+                     dp_sharded: bool = False) -> float:
+    """The norm of the whole model's gradient from the gradients this rank counts (a collective
+    over ``grid.mp_group``, and ``grid.dp_group``; see the module docstring)."""
+    device = grid.device if grid is not None else torch.device("cpu")
+    squares = torch.zeros((), dtype=torch.float32, device=device)
+    for grad in grads:
+        squares += grad.float().pow(2).sum()
+    if grid is None:
+        return squares.sqrt().item()
+    squares = comm.all_reduce(squares, grid.mp_group, "grad norm")
+    if dp_sharded:
+        squares = comm.all_reduce(squares, grid.dp_group, "grad norm")
+    elif grid.dp > 1:  # replicas agree on a non-finite norm, whichever rank saw it
+        bad = torch.tensor(float(not torch.isfinite(squares)), device=device)
+        if comm.all_reduce(bad, grid.dp_group, "grad norm") > 0:
+            return math.inf
+    return squares.sqrt().item()
+
+
+@torch.no_grad()
+def scale_grads(grads: Iterable[torch.Tensor], norm: float, max_norm: float) -> None:
+    """Scale by max_norm / norm if that is below 1 (as torch: ``max_norm / (norm + 1e-6)``);
+    a non-finite norm leaves the gradients alone: that step is skipped, not clipped."""
+    scale = max_norm / (norm + EPS)
+    if math.isfinite(norm) and scale < 1.0:
+        for grad in grads:
+            grad.mul_(scale)
+
+
 def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float,
-                    grid: ParallelGrid | None = None, dp_sharded: bool = False) -> float:
+                    grid: ParallelGrid | None = None,
+                    tied_copies: Iterable[torch.Tensor] = ()) -> float:
     """Scale the gradients so that the global norm is at most ``max_norm``; return that norm.
 
-    ``grid`` None: one serial process. A collective over ``grid.mp_group`` (and ``grid.dp_group``
-    when ``dp_sharded``): every rank must call it. Parameters without a gradient are skipped.
+    ``grid`` None: one serial process. A collective over ``grid.mp_group`` (and over
+    ``grid.dp_group`` when dp > 1): every rank must call it. Parameters without a gradient are
+    skipped; ``tied_copies`` are not counted (their originals are, on another stage).
     """
     params = list({id(p): p for p in params if p.grad is not None}.values())
     tp_rank = grid.tp_rank if grid is not None else 0
-    device = grid.device if grid is not None else torch.device("cpu")
-    squares = torch.zeros((), dtype=torch.float32, device=device)
-    for p in params:
-        if _counted_here(p, tp_rank):
-            squares += p.grad.float().pow(2).sum()
-    if grid is not None:
-        squares = comm.all_reduce(squares, grid.mp_group, "grad norm")
-        if dp_sharded:
-            squares = comm.all_reduce(squares, grid.dp_group, "grad norm")
-    norm = squares.sqrt().item()
-    scale = max_norm / (norm + EPS)
-    if scale < 1.0:
-        for p in params:
-            p.grad.mul_(scale)
+    copies = {id(p) for p in tied_copies}
+    norm = global_grad_norm([p.grad for p in params
+                             if counted_in_norm(p, tp_rank) and id(p) not in copies], grid)
+    scale_grads([p.grad for p in params], norm, max_norm)
     return norm
 
 

@@ -12,18 +12,28 @@ The three parallelisms compose without knowing much of each other:
 
 What only the composition has to do, in ``train_step``:
 
-1. the **tied embedding** (GPT-2's output layer is the input embedding): the first and the last
+1. **the loss of the step** is the mean over the target tokens (labels ≠ −100) of the whole
+   global batch: each replica's pipeline adds up its tokens' losses divided by the global count
+   (one all-reduce of the count over dp), so its gradients are its *share* — summed over dp, not
+   averaged — and a padded microbatch weighs by its tokens, not as a whole one;
+2. the **tied embedding** (GPT-2's output layer is the input embedding): the first and the last
    pipeline stage each hold a copy, which must stay equal, so their gradients are summed over
-   ``grid.embedding_group`` before the update (Megatron-LM's ``_allreduce_word_embedding_grads``);
-2. **gradient clipping by the global norm** across tp, pp and dp, counting every parameter once
-   (``optim.clip_grad_norm_``);
-3. the optimizer step, identical on every replica.
+   ``grid.embedding_group`` before the update (Megatron-LM's ``_allreduce_word_embedding_grads``)
+   — under ZeRO-1 only the shard this rank updates;
+3. **gradient clipping by the global norm** across tp, pp and dp, counting every parameter once
+   (``optim.clip_grad_norm_``); a non-finite norm (an overflow, a NaN) skips the step on every
+   rank together;
+4. the optimizer step, identical on every replica.
+
+Every rank counts the steps (``iteration``): with each sample's position in the global batch it
+seeds the dropout masks, so that every layout draws the serial model's masks.
 
 Started from the same seed, every layout takes the serial model's steps (tests/test_ptdp.py).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +42,7 @@ from megatron_edu import comm
 from megatron_edu.data_parallel import DataParallel, DistributedOptimizer
 from megatron_edu.grid import ParallelGrid
 from megatron_edu.model import GPTConfig
+from megatron_edu.model.gpt import IGNORE_INDEX
 from megatron_edu.optim import build_param_groups, clip_grad_norm_
 from megatron_edu.pipeline.engine import build_chunks, run_schedule
 from megatron_edu.pipeline.schedules import Action, forward_only, make_schedule
@@ -59,8 +70,9 @@ class PTDPOptions:
 
 @dataclass
 class StepResult:
-    loss: float                      # mean over the global batch (equal on every rank)
-    grad_norm: float                 # the global norm before clipping
+    loss: float                      # mean over the global batch's tokens (equal on every rank)
+    grad_norm: float                 # the global norm before clipping (inf: not finite)
+    skipped: bool = False            # the norm was not finite: no rank updated its weights
     timeline: list[tuple[Action, float, float]] = field(default_factory=list)
 
 
@@ -73,8 +85,15 @@ class PTDP:
         self.schedule = make_schedule(options.schedule, grid.pp, options.num_microbatches,
                                       options.num_chunks)
         self.chunks = build_chunks(config, grid, options.num_chunks)
+        self.iteration = 0                # optimizer steps taken (skipped ones included)
+        tied = [c.embedding.word.weight for c in self.chunks if c.first or c.last]
+        self.tied = tied if grid.pp * options.num_chunks > 1 else []
+        # the last stage's copy: its original, on the first stage, is the one the norm counts
+        self.tied_copies = [c.embedding.word.weight for c in self.chunks
+                            if c.last and not c.first and self.tied]
         self.ddp = DataParallel(self.chunks, grid.dp_group, options.bucket_mb, options.overlap,
-                                sharded=options.zero1)
+                                sharded=options.zero1, average=False,
+                                alone=self.tied if options.zero1 else ())
         groups = build_param_groups(self.chunks, options.weight_decay)
         adamw = dict(lr=options.lr, betas=options.betas, eps=options.eps)
         self.optimizer = (DistributedOptimizer(groups, self.ddp, torch.optim.AdamW, **adamw)
@@ -89,43 +108,58 @@ class PTDP:
             group["lr"] = lr
         result = self._run(self.schedule, input_ids, labels,
                            grad_sync=lambda chunk, last: self.ddp.sync(last))
-        self.ddp.finish_grad_sync()                      # dp average, once per step (§2.1)
+        self.ddp.finish_grad_sync()                      # dp sum, once per step (§2.1)
         self._sum_tied_embedding_grads()
         grad_norm = self._clip()
-        self.optimizer.step()
+        skipped = not math.isfinite(grad_norm)
+        if not skipped:
+            self.optimizer.step()
         self.ddp.zero_grad()
-        return StepResult(self._dp_mean(result.loss), grad_norm, result.timeline)
+        self.iteration += 1
+        return StepResult(self._dp_sum(result.loss), grad_norm, skipped, result.timeline)
 
     @torch.no_grad()
     def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor) -> float:
-        """The mean loss of a batch, forward passes only."""
+        """The mean loss over the target tokens of a global batch, forward passes only."""
         result = self._run(forward_only(self.schedule), input_ids, labels)
-        return self._dp_mean(result.loss)
+        return self._dp_sum(result.loss)
 
     def _run(self, schedule, input_ids, labels, grad_sync=None):
-        device = self.grid.device
+        device, b = self.grid.device, input_ids.shape[0]
+        tokens = comm.all_reduce(torch.tensor(float((labels != IGNORE_INDEX).sum()),
+                                              device=device), self.grid.dp_group, "dp tokens")
         return run_schedule(schedule, self.chunks, self.grid, input_ids.to(device),
                             labels.to(device), self.options.num_microbatches, self.config.hidden,
                             scatter_gather=self.options.scatter_gather and self.grid.tp > 1,
-                            grad_sync=grad_sync)
+                            grad_sync=grad_sync, num_tokens=int(tokens.item()),
+                            step=self.iteration, first_sample=self.grid.dp_rank * b)
 
     @torch.no_grad()
     def _sum_tied_embedding_grads(self) -> None:
         """Both copies of the word embedding get the sum of their gradients (the serial model's
-        gradient of the one shared matrix), so that they stay equal after the step."""
-        copies = [c.embedding.word.weight for c in self.chunks if c.first or c.last]
-        if self.grid.pp * self.options.num_chunks == 1 or not copies:
-            return  # one stage holds both ends: one matrix, nothing to tie
-        total = comm.all_reduce(sum(p.grad for p in copies), self.grid.embedding_group,
+        gradient of the one shared matrix), so that they stay equal after the step. Under ZeRO-1
+        each copy has a bucket of its own, laid out alike on both stages: only the shard this
+        rank updates is summed — 1/dp of the bytes."""
+        if not self.tied:
+            return
+        if self.options.zero1:
+            for p in self.tied:
+                bucket = self.ddp.bucket_of(p)
+                start, end = bucket.shard(self.grid.dp_rank)
+                bucket.grad_data[start:end] = comm.all_reduce(
+                    bucket.grad_data[start:end], self.grid.embedding_group, "embedding grads")
+            return
+        total = comm.all_reduce(sum(p.grad for p in self.tied), self.grid.embedding_group,
                                 "embedding grads")
-        for p in copies:
+        for p in self.tied:
             p.grad.copy_(total)
 
     def _clip(self) -> float:
         max_norm = self.options.clip if self.options.clip > 0 else float("inf")
         if self.options.zero1:
-            return self.optimizer.clip_grad_norm_(max_norm, self.grid)
-        return clip_grad_norm_(self.parameters(), max_norm, self.grid)
+            return self.optimizer.clip_grad_norm_(max_norm, self.grid, self.tied_copies)
+        return clip_grad_norm_(self.parameters(), max_norm, self.grid, self.tied_copies)
 
-    def _dp_mean(self, loss: torch.Tensor) -> float:
-        return comm.all_reduce(loss, self.grid.dp_group, "dp loss").item() / self.grid.dp
+    def _dp_sum(self, loss: torch.Tensor) -> float:
+        """The replicas' shares of the token mean, added up: the global batch's mean."""
+        return comm.all_reduce(loss, self.grid.dp_group, "dp loss").item()

@@ -167,19 +167,20 @@ def test_accumulated_gradients_equal_the_serial_global_batch_gradient(dp):
         assert (grads - serial).abs().max().item() < TOL
 
 
-def _bucket_sizes(sharded: bool) -> list[int]:
+def _bucket_sizes(alone) -> list[int]:
     model = _mlp()
-    model[2].weight.shared_embedding = True       # as if tied to a copy on another stage
-    ddp = DataParallel(model, comm.CommGroup("dp", (0,)), bucket_mb=1000.0, sharded=sharded)
+    ddp = DataParallel(model, comm.CommGroup("dp", (0,)), bucket_mb=1000.0, sharded=True,
+                       alone=[model[i].weight for i in alone])
     return [len(b.params) for b in ddp.buckets]
 
 
-def test_zero1_gives_a_tied_embedding_a_bucket_of_its_own():
-    assert _bucket_sizes(sharded=True) == [5, 1, 2]
+def test_a_parameter_named_alone_gets_a_bucket_of_its_own():
+    # ZeRO-1's tied embedding: its shards must line up with its copy's on another stage
+    assert _bucket_sizes(alone=[2]) == [5, 1, 2]
 
 
-def test_plain_dp_buckets_a_tied_embedding_with_its_neighbours():
-    assert _bucket_sizes(sharded=False) == [8]
+def test_otherwise_parameters_share_buckets():
+    assert _bucket_sizes(alone=[]) == [8]
 
 
 def _early_sync():
@@ -336,6 +337,34 @@ def test_zero1_optimizer_state_per_rank_is_one_dp_th_of_plain(dp):
         assert ranks["zero1"][2] * dp / plain == pytest.approx(1.0, abs=0.01)
 
 
+def _state_of_a_tiny_model(dp, sharded):
+    """One AdamW step of a model smaller than dp (3 numbers): under ZeRO-1 some ranks hold no
+    piece and no optimizer state at all; every rank still assembles the whole state."""
+    grid = ParallelGrid(dp=dp)
+    torch.manual_seed(0)
+    model = nn.Linear(2, 1)
+    ddp = DataParallel(model, grid.dp_group, sharded=sharded)
+    opt = (DistributedOptimizer(model.parameters(), ddp, lr=0.1) if sharded else
+           torch.optim.AdamW(model.parameters(), lr=0.1))
+    model(torch.ones(4, 2)).sum().backward()
+    ddp.finish_grad_sync()
+    opt.step()
+    states = opt.param_states() if sharded else {p: opt.state[p] for p in model.parameters()}
+    return [{k: v.clone() for k, v in states[p].items()} for p in model.parameters()], \
+        len(opt.state)
+
+
+def test_zero1_state_assembles_on_every_rank_even_one_without_a_piece():
+    plain, _ = run(_state_of_a_tiny_model, 1, 1, False)[0]
+    out = run(_state_of_a_tiny_model, 4, 4, True)
+    assert min(pieces for _, pieces in out) == 0   # a rank with no state took part
+    for states, _ in out:
+        for mine, reference in zip(states, plain, strict=True):
+            assert mine.keys() == reference.keys()
+            for key in reference:
+                torch.testing.assert_close(mine[key].float(), reference[key].float())
+
+
 # --- 6. the global gradient norm -----------------------------------------------------------------
 
 def _clipped(dp):
@@ -368,27 +397,22 @@ def _whole_model_grads() -> dict[str, torch.Tensor]:
             [("embedding", (8, 6)), ("w0", (4, 6)), ("ln0", (6,)), ("w1", (4, 6)), ("ln1", (6,))]}
 
 
-def _param(grad: torch.Tensor, tp_dim, **marks) -> nn.Parameter:
+def _param(grad: torch.Tensor, tp_dim) -> nn.Parameter:
     p = nn.Parameter(torch.zeros_like(grad))
     p.grad, p.tp_dim = grad.clone(), tp_dim
-    for mark, value in marks.items():
-        setattr(p, mark, value)
     return p
 
 
 def _tp_pp_norm():
     """tp=2 × pp=2: split tensors are this tp rank's rows; the last stage holds a copy of the
-    embedding (``shared``) besides its own W and layer norm."""
+    embedding (a tied copy) besides its own W and layer norm."""
     grid = ParallelGrid(tp=2, pp=2)
     full = _whole_model_grads()
     mine = {k: v.chunk(2)[grid.tp_rank] for k, v in full.items() if k in ("embedding", "w0", "w1")}
     stage = grid.pp_rank
-    params = [
-        _param(mine["embedding"], 0, shared=stage == 1, shared_embedding=True),
-        _param(mine[f"w{stage}"], 0),
-        _param(full[f"ln{stage}"], None),
-    ]
-    return clip_grad_norm_(params, 1e9, grid)
+    params = [_param(mine["embedding"], 0), _param(mine[f"w{stage}"], 0),
+              _param(full[f"ln{stage}"], None)]
+    return clip_grad_norm_(params, 1e9, grid, tied_copies=params[:1] if stage == 1 else [])
 
 
 def test_global_norm_counts_tp_replicas_and_the_pipeline_embedding_copy_once():

@@ -1,14 +1,18 @@
 """PTD-P: every layout of the grid takes the serial model's optimizer steps (2104.04473 §3)."""
 
+import dataclasses
+
 import pytest
 import torch
 
 from megatron_edu import comm
-from megatron_edu.grid import GridLayout, ParallelGrid, all_layouts
+from megatron_edu.grid import ParallelGrid, all_layouts
 from megatron_edu.launch import run
 from megatron_edu.model import GPT, GPTConfig
+from megatron_edu.model.gpt import IGNORE_INDEX
 from megatron_edu.optim import build_param_groups
 from megatron_edu.ptdp import PTDP, PTDPOptions
+from megatron_edu.tensor_parallel.random import DropoutKey
 
 CONFIG = GPTConfig(vocab_size=100, seq_len=8, num_layers=8, hidden=64, num_heads=8, dropout=0.0)
 GLOBAL_BATCH, STEPS, LR, CLIP = 16, 3, 1e-2, 0.5
@@ -19,20 +23,27 @@ GLOBAL_BATCH, STEPS, LR, CLIP = 16, 3, 1e-2, 0.5
 EPS = 1e-4
 
 
-def _batches():
+def _batches(masked=False):
+    """STEPS global batches; ``masked``: sequence i ignores its first 2·i targets (−100), so
+    microbatches and replicas hold different numbers of target tokens."""
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, CONFIG.vocab_size, (STEPS, GLOBAL_BATCH, CONFIG.seq_len + 1),
                         generator=g)
-    return [(step[:, :-1], step[:, 1:]) for step in ids]
+    batches = [(step[:, :-1], step[:, 1:].clone()) for step in ids]
+    if masked:
+        for _, labels in batches:
+            for i in range(GLOBAL_BATCH):
+                labels[i, :min(2 * i, CONFIG.seq_len - 1)] = IGNORE_INDEX
+    return batches
 
 
-def _serial():
-    model = GPT(CONFIG)
+def _serial(config=CONFIG, masked=False):
+    model = GPT(config)
     optimizer = torch.optim.AdamW(build_param_groups(model, 0.1), lr=LR, betas=(0.9, 0.95),
                                   eps=EPS)
     losses, norms = [], []
-    for ids, labels in _batches():
-        loss = model(ids, labels)
+    for step, (ids, labels) in enumerate(_batches(masked)):
+        loss = model(ids, labels, dropout_key=DropoutKey.first(GLOBAL_BATCH, step))
         loss.backward()
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
         optimizer.step()
@@ -41,12 +52,12 @@ def _serial():
     return losses, norms, model.full_state_dict()
 
 
-def _ptdp(tp, pp, dp, options):
+def _ptdp(tp, pp, dp, options, config=CONFIG, masked=False):
     grid = ParallelGrid(tp=tp, pp=pp, dp=dp)
-    trainer = PTDP(CONFIG, grid, options)
+    trainer = PTDP(config, grid, options)
     losses, norms = [], []
     with comm.record() as log:
-        for ids, labels in _batches():
+        for ids, labels in _batches(masked):
             mine = slice(grid.dp_rank * GLOBAL_BATCH // dp, (grid.dp_rank + 1) * GLOBAL_BATCH // dp)
             result = trainer.train_step(ids[mine], labels[mine], LR)
             losses.append(result.loss)
@@ -64,18 +75,19 @@ def serial():
     return losses, norms, params
 
 
-def _check_equal_to_serial(serial, out, layout):
+def _check_equal_to_serial(serial, out):
+    """Every rank — every tp rank of every replica, both stages holding the tied embedding —
+    reports the serial losses and norms and holds the serial weights."""
     serial_losses, serial_norms, serial_params = serial
-    for losses, norms, _, _ in out:
-        assert losses == pytest.approx(serial_losses, abs=1e-5)
-        assert norms == pytest.approx(serial_norms, abs=1e-5)
-    merged = {}
-    for rank, (_, _, params, _) in enumerate(out):
-        if layout.coords(rank)[0] == 0 and layout.coords(rank)[2] == 0:  # tp 0 of replica 0
-            merged.update(params)
-    assert merged.keys() == serial_params.keys()
-    for name, value in serial_params.items():
-        torch.testing.assert_close(merged[name], value, atol=1e-5, rtol=0, msg=name)
+    held = set()
+    for rank, (losses, norms, params, _) in enumerate(out):
+        assert losses == pytest.approx(serial_losses, abs=1e-5), rank
+        assert norms == pytest.approx(serial_norms, abs=1e-5), rank
+        for name, value in params.items():
+            torch.testing.assert_close(value, serial_params[name], atol=1e-5, rtol=0,
+                                       msg=f"rank {rank}: {name}")
+        held |= params.keys()
+    assert held == serial_params.keys()
 
 
 def _options(**overrides):
@@ -85,7 +97,7 @@ def _options(**overrides):
 @pytest.mark.parametrize("layout", all_layouts(8), ids=lambda g: f"tp{g.tp}-pp{g.pp}-dp{g.dp}")
 def test_every_layout_of_8_ranks_takes_the_serial_steps(serial, layout):
     out = run(_ptdp, 8, layout.tp, layout.pp, layout.dp, _options())
-    _check_equal_to_serial(serial, out, layout)
+    _check_equal_to_serial(serial, out)
 
 
 @pytest.mark.parametrize(("tp", "pp", "dp", "overrides"), [
@@ -98,7 +110,7 @@ def test_every_layout_of_8_ranks_takes_the_serial_steps(serial, layout):
 ], ids=["interleaved", "gpipe-tp", "zero1-dp4", "zero1-tp2", "zero1-buckets", "one-bucket"])
 def test_schedules_zero1_and_buckets_take_the_serial_steps(serial, tp, pp, dp, overrides):
     out = run(_ptdp, tp * pp * dp, tp, pp, dp, _options(**overrides))
-    _check_equal_to_serial(serial, out, GridLayout(tp, pp, dp))
+    _check_equal_to_serial(serial, out)
 
 
 def test_dp_gradients_are_all_reduced_once_per_step_not_per_microbatch():
@@ -114,3 +126,81 @@ def test_scatter_gather_divides_the_bytes_between_stages_by_tp():
     for (losses_a, *_, log_a), (losses_b, *_, log_b) in zip(plain, split, strict=True):
         assert losses_a == pytest.approx(losses_b, abs=1e-6)
         assert log_a.total_bytes("send") == 2 * log_b.total_bytes("send") > 0
+
+
+# --- dropout on: every tp = 1 layout draws the serial model's masks -----------------------------
+
+DROPOUT = dataclasses.replace(CONFIG, dropout=0.1)
+
+
+@pytest.fixture(scope="module")
+def serial_with_dropout():
+    return run(_serial, 1, DROPOUT)[0]
+
+
+@pytest.mark.parametrize(("pp", "dp", "overrides"), [
+    (1, 1, {}), (2, 1, {}), (4, 1, {}), (2, 1, dict(schedule="interleaved", num_chunks=2)),
+    (1, 2, {}), (1, 4, {}), (2, 2, dict(zero1=True)),
+], ids=["serial-ptdp", "pp2", "pp4", "interleaved", "dp2", "dp4", "pp2-dp2-zero1"])
+def test_with_dropout_every_tp1_layout_takes_the_serial_steps(serial_with_dropout, pp, dp,
+                                                              overrides):
+    out = run(_ptdp, pp * dp, 1, pp, dp, _options(**overrides), DROPOUT)
+    _check_equal_to_serial(serial_with_dropout, out)
+
+
+def test_dropout_changes_the_steps(serial, serial_with_dropout):
+    assert serial[0][0] != pytest.approx(serial_with_dropout[0][0], abs=1e-3)
+
+
+# --- the loss is the mean over the global batch's target tokens ---------------------------------
+
+@pytest.mark.parametrize(("tp", "pp", "dp"), [(1, 2, 2), (2, 1, 2), (1, 1, 4)])
+def test_a_masked_batch_gives_the_global_token_mean_on_every_layout(tp, pp, dp):
+    serial = run(_serial, 1, CONFIG, True)[0]
+    out = run(_ptdp, tp * pp * dp, tp, pp, dp, _options(num_microbatches=2), CONFIG, True)
+    _check_equal_to_serial(serial, out)
+
+
+# --- a non-finite gradient skips the step on every rank -----------------------------------------
+
+def _inf_on_one_rank(tp, pp, dp, zero1, bad_rank):
+    grid = ParallelGrid(tp=tp, pp=pp, dp=dp)
+    trainer = PTDP(CONFIG, grid, _options(zero1=zero1))
+    (ids, labels), *_ = _batches()
+    mine = slice(grid.dp_rank * GLOBAL_BATCH // dp, (grid.dp_rank + 1) * GLOBAL_BATCH // dp)
+    before = {k: v.clone() for c in trainer.chunks for k, v in c.state_dict().items()}
+    sum_tied = trainer._sum_tied_embedding_grads
+
+    def poison():  # after the dp reduction: only this rank's gradient is bad
+        sum_tied()
+        if grid.rank == bad_rank:
+            grad = (next(piece.tensor.grad for piece in trainer.optimizer.pieces  # its shard
+                         if piece.param.tp_dim is not None) if zero1 else
+                    next(iter(trainer.chunks[0].blocks.values())).mlp.fc.weight.grad)
+            grad.view(-1)[0] = float("inf")
+
+    trainer._sum_tied_embedding_grads = poison
+    result = trainer.train_step(ids[mine], labels[mine], LR)
+    unchanged = all(torch.equal(v, before[k]) for c in trainer.chunks
+                    for k, v in c.state_dict().items())
+    trainer._sum_tied_embedding_grads = sum_tied
+    after = trainer.train_step(ids[mine], labels[mine], LR)  # the next step goes on
+    return result.skipped, unchanged, after.skipped, trainer.iteration
+
+
+@pytest.mark.parametrize(("tp", "pp", "dp", "zero1", "bad_rank"), [
+    (1, 2, 2, False, 3), (2, 1, 2, True, 1), (1, 1, 4, False, 2)])
+def test_an_inf_gradient_on_one_rank_skips_the_step_on_every_rank(tp, pp, dp, zero1, bad_rank):
+    for skipped, unchanged, next_skipped, iteration in run(_inf_on_one_rank, tp * pp * dp, tp,
+                                                           pp, dp, zero1, bad_rank):
+        assert skipped and unchanged and not next_skipped and iteration == 2
+
+
+# --- ZeRO-1 sums only the shard of the tied embedding it updates --------------------------------
+
+def test_zero1_sums_a_dp_th_of_the_tied_embedding():
+    def embedding_bytes(zero1):
+        return run(_ptdp, 4, 1, 2, 2, _options(zero1=zero1))[0][3].total_bytes(
+            label="embedding grads")
+
+    assert embedding_bytes(True) * 2 == embedding_bytes(False) > 0
