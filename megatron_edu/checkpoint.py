@@ -5,21 +5,31 @@ A checkpoint is a folder ``OUT/checkpoints/step_000100/`` holding
 * ``model_tp{t}_pp{p}.pt`` — written by data-parallel rank 0 of each (tp, pp) position: that
   rank's parameter shards and their AdamW moments, by parameter name, with the dimension each is
   split along (``tp_dim``). Under ZeRO-1 the moments are first assembled over dp.
-* ``rng_rank{r}.pt`` — every rank's random-number state (torch and the dropout streams), so a
-  resumed run on the same layout continues bit for bit.
 * ``tokenizer.model`` — the sentencepiece model the run trained with, so that the folder
   stands on its own (generation, export).
 * ``meta.json`` — written last: step, model config, layout, training state (data sampler
-  position, ...), and the size of every file above, checked on load.
+  position, ...), Adam's step count, the size of every file above (checked on load) and an
+  ``index`` of the shard files: for each parameter name, the pipeline stages whose files hold
+  it (two for the tied embedding), its ``tp_dim`` and the shape of its shards.
 
 **Atomic.** Ranks write into ``step_000100.tmp/``; after a barrier rank 0 writes ``meta.json``,
 renames the folder in one step and then points ``OUT/checkpoints/latest`` at it (also by rename).
 A crash at any moment leaves the previous checkpoint and ``latest`` as they were.
 
-**Reshardable.** A checkpoint stores shards, but a reader can rebuild every tensor whole
-(concatenate the tp shards along ``tp_dim``, trim the vocabulary padding) and cut it again for
-any other tp × pp × dp — so a run saved at tp=2, pp=2 resumes at tp=1, pp=4 (2104.04473 trains
-at one layout; a learner tries several).
+**Reshardable, read in slices.** A checkpoint stores shards, yet loads into any other
+tp × pp × dp — so a run saved at tp=2, pp=2 resumes at tp=1, pp=4 (2104.04473 trains at one
+layout; a learner tries several) — and no rank ever builds a whole tensor. Think of the whole
+tensor (the tp shards joined along ``tp_dim``, the vocabulary trimmed to ``vocab_size`` rows):
+a rank at tp rank r holds its elements ``[r·n, (r+1)·n)`` along ``tp_dim``, n being its
+shard's length. Knowing from the index which stage's files hold a name and how long the saved
+shards are, it memory-maps just those files (opening one reads no tensor data) and copies out
+of the one or few saved shards that intersect its range only the intersection (views of the
+mapped tensors); rows past the vocabulary are padding, zeros, never read. Of a tensor saved
+more than once (not split over tp; the tied embedding of the first and last stage) it reads
+the copy nearest to its own place in the grid: its own file, on the same layout. Parameters
+and AdamW moments alike. ``record_reads`` lists every slice copied (tests/test_checkpoint.py
+proves that a rank reads only its own). ``load_full_model_state`` (export, generation) is the
+same read of the range ``[0, whole)`` of every tensor.
 """
 
 from __future__ import annotations
@@ -27,20 +37,24 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
+from megatron_edu.grid import ParallelGrid
 from megatron_edu.model import GPTConfig
 from megatron_edu.model.gpt import WORD_EMBEDDING
 from megatron_edu.ptdp import PTDP
-from megatron_edu.tensor_parallel.init import shard
 
-__all__ = ["save_checkpoint", "load_checkpoint", "read_metadata", "load_full_model_state",
-           "resolve_checkpoint", "check_model", "export_hf", "CheckpointError"]
+__all__ = ["save_checkpoint", "load_checkpoint", "load_model_chunks", "read_metadata",
+           "load_full_model_state",
+           "resolve_checkpoint", "check_model", "export_hf", "record_reads", "Read",
+           "CheckpointError"]
 
 FORMAT = 1
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -71,7 +85,6 @@ def save_checkpoint(out_dir: str | Path, step: int, trainer: PTDP,
     shards = _local_shards(trainer)                  # collective over tp (and dp for ZeRO-1)
     if grid.dp_rank == 0:
         torch.save(shards, staging / f"model_tp{grid.tp_rank}_pp{grid.pp_rank}.pt")
-    torch.save(_rng_state(trainer), staging / f"rng_rank{grid.rank}.pt")
     dist.barrier()
     if grid.rank == 0:
         if tokenizer is not None:
@@ -81,6 +94,7 @@ def save_checkpoint(out_dir: str | Path, step: int, trainer: PTDP,
                            "num_chunks": trainer.options.num_chunks},
                 "state": state or {},
                 "tokenizer": TOKENIZER if tokenizer is not None else None,
+                **_describe(staging, grid.pp),
                 "files": {f.name: f.stat().st_size for f in sorted(staging.iterdir())}}
         (staging / "meta.json").write_text(json.dumps(meta, indent=1))
         if final.exists():                          # saving the same step again
@@ -108,14 +122,6 @@ def _local_shards(trainer: PTDP) -> dict[str, Any]:
                 steps.append(float(state["step"]))
     return {"params": params, "moments": moments, "tp_dim": tp_dims,
             "adam_step": max(steps, default=0.0)}
-
-
-def _rng_state(trainer: PTDP) -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state(),
-             "trackers": [chunk.rng.get_states() for chunk in trainer.chunks]}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
 
 
 def _write_atomically(path: Path, text: str) -> None:
@@ -170,71 +176,187 @@ def read_metadata(path: str | Path) -> dict[str, Any]:
 
 
 def _load(file: Path) -> Any:
+    """A shard file, memory-mapped: its tensors are read from disk only where sliced."""
     try:
-        return torch.load(file, map_location="cpu", weights_only=False)
+        return torch.load(file, map_location="cpu", mmap=True, weights_only=True)
     except Exception as err:  # a truncated or overwritten file: name it
         raise CheckpointError(f"corrupt checkpoint file {file}: {err}") from err
 
 
-# --- loading: whole tensors, then this rank's cut ------------------------------------------
+def _describe(path: Path, pp: int) -> dict[str, Any]:
+    """The ``index`` of a checkpoint's shard files and Adam's step count, from tp rank 0's file
+    of every stage (memory-mapped: only their pickled structure is read, no tensor data)."""
+    index: dict[str, dict[str, Any]] = {}
+    for stage in range(pp):
+        saved = _load(path / f"model_tp0_pp{stage}.pt")
+        for name, tensor in saved["params"].items():
+            entry = index.setdefault(name, {"stages": [], "tp_dim": saved["tp_dim"][name],
+                                            "shard": list(tensor.shape)})
+            entry["stages"].append(stage)                # two for the tied embedding
+    return {"index": index, "adam_step": saved["adam_step"]}
+
+
+# --- loading: each rank reads only its slices ----------------------------------------------------
+
+@dataclass(frozen=True)
+class Read:
+    """One slice copied out of a shard file: ``span`` = elements [lo, hi) along ``tp_dim`` of
+    the whole tensor (None: a tensor not split over tp, read whole); ``numel`` elements."""
+
+    file: str
+    name: str
+    kind: str                        # "param", "exp_avg" or "exp_avg_sq"
+    span: tuple[int, int] | None
+    numel: int
+
+
+_active_reads: list[list[Read]] = []
+
+
+@contextmanager
+def record_reads() -> Iterator[list[Read]]:
+    """Record every slice this process copies out of shard files inside the block."""
+    log: list[Read] = []
+    _active_reads.append(log)
+    try:
+        yield log
+    finally:
+        _active_reads.remove(log)
+
+
+class _Shards:
+    """A checkpoint's shard files, each memory-mapped on first use, and the slicing of them.
+
+    ``grid``: the reader's place, to pick of a tensor saved twice or more the copy nearest to it
+    (the saved tp rank and stage at its relative position: its own on the same layout).
+    """
+
+    def __init__(self, meta: dict[str, Any], grid: ParallelGrid | None = None) -> None:
+        self.path, self.vocab = Path(meta["path"]), meta["config"]["vocab_size"]
+        self.tp, pp = meta["layout"]["tp"], meta["layout"]["pp"]
+        described = meta if "index" in meta else _describe(self.path, pp)
+        self.index, self.adam_step = described["index"], described["adam_step"]
+        self.near_tp = 0 if grid is None else grid.tp_rank * self.tp // grid.tp
+        self.near_pp = 0 if grid is None else grid.pp_rank * pp // grid.pp
+        self._files: dict[str, dict[str, Any]] = {}
+
+    def read(self, name: str, kind: str, out: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """Fill ``out`` with the elements [start, start + n) along ``tp_dim`` of the whole
+        tensor ``name`` (its parameter or a moment, ``kind``), copied from the saved tp shards
+        that intersect that range; zeros past the vocabulary (padding)."""
+        entry = self._entry(name)
+        d, stage = entry["tp_dim"], self._stage(entry)
+        if d is None:                      # not split: every tp shard is a whole copy
+            self._copy(out, self.near_tp, stage, name, kind)
+            return out
+        m, n = entry["shard"][d], out.shape[d]               # saved and wanted lengths
+        stop = max(start, min(start + n, self._length(name, entry)))
+        for t in range(self.tp):                             # saved shard t: [t·m, (t+1)·m)
+            lo, hi = max(start, t * m), min(stop, (t + 1) * m)
+            if lo < hi:
+                self._copy(out.narrow(d, lo - start, hi - lo), t, stage, name, kind, (d, lo, hi))
+        out.narrow(d, stop - start, start + n - stop).zero_()  # vocabulary padding
+        return out
+
+    def whole(self, name: str) -> torch.Tensor:
+        """The parameter ``name`` whole, vocabulary trimmed: the range [0, whole) of it."""
+        entry = self._entry(name)
+        shape = list(entry["shard"])
+        if entry["tp_dim"] is not None:
+            shape[entry["tp_dim"]] = self._length(name, entry)
+        like = self._saved(f"model_tp0_pp{self._stage(entry)}.pt", name, "param")
+        return self.read(name, "param", like.new_empty(shape))
+
+    def _length(self, name: str, entry: dict[str, Any]) -> int:
+        """The whole tensor's length along ``tp_dim``: the saved shards' sum, but the
+        vocabulary's ``vocab_size`` rows (the padding of the saved layout trimmed)."""
+        return self.vocab if name == WORD_EMBEDDING else entry["shard"][entry["tp_dim"]] * self.tp
+
+    def _stage(self, entry: dict[str, Any]) -> int:
+        """Of the saved stages holding a tensor, the one nearest to the reader's."""
+        return min(entry["stages"], key=lambda stage: abs(stage - self.near_pp))
+
+    def _entry(self, name: str) -> dict[str, Any]:
+        if name not in self.index:
+            raise CheckpointError(f"checkpoint {self.path} holds no parameter {name}")
+        return self.index[name]
+
+    def _copy(self, out: torch.Tensor, tp_rank: int, stage: int, name: str, kind: str,
+              piece: tuple[int, int, int] | None = None) -> None:
+        """Copy saved shard ``tp_rank`` into ``out``: whole, or ``piece`` = (dim, lo, hi), the
+        range [lo, hi) of the whole tensor, which lies inside that shard."""
+        file = f"model_tp{tp_rank}_pp{stage}.pt"
+        saved = self._saved(file, name, kind)
+        if piece is not None:
+            d, lo, hi = piece
+            saved = saved.narrow(d, lo - tp_rank * saved.shape[d], hi - lo)  # a view: no read
+        out.copy_(saved)                                     # reads these pages only
+        for log in _active_reads:
+            log.append(Read(file, name, kind, None if piece is None else piece[1:],
+                            saved.numel()))
+
+    def _saved(self, file: str, name: str, kind: str) -> torch.Tensor:
+        if file not in self._files:
+            self._files[file] = _load(self.path / file)
+        saved = self._files[file]
+        try:
+            return saved["params"][name] if kind == "param" else saved["moments"][name][kind]
+        except KeyError:
+            raise CheckpointError(f"corrupt checkpoint file {self.path / file}: it holds no "
+                                  f"{kind} of {name}") from None
+
 
 def load_full_model_state(path: str | Path) -> dict[str, torch.Tensor]:
-    """Every parameter whole (tp shards joined, vocabulary padding trimmed), by name."""
-    full, _ = _load_full(read_metadata(path))
-    return full
-
-
-def _load_full(meta: dict[str, Any]):
-    """(parameters, moments) whole, by name, from every shard file of the checkpoint."""
-    layout, path = meta["layout"], Path(meta["path"])
-    vocab = meta["config"]["vocab_size"]
-    params: dict[str, torch.Tensor] = {}
-    moments: dict[str, dict[str, torch.Tensor]] = {}
-    for pp_rank in range(layout["pp"]):
-        files = [_load(path / f"model_tp{t}_pp{pp_rank}.pt") for t in range(layout["tp"])]
-        for name, tp_dim in files[0]["tp_dim"].items():
-            params[name] = _join(name, [f["params"][name] for f in files], tp_dim, vocab)
-            if name in files[0]["moments"]:
-                moments[name] = {k: _join(name, [f["moments"][name][k] for f in files], tp_dim,
-                                          vocab) for k in MOMENTS}
-    return params, (moments, files[0]["adam_step"])
-
-
-def _join(name: str, shards: list[torch.Tensor], tp_dim: int | None, vocab: int) -> torch.Tensor:
-    whole = shards[0] if tp_dim is None else torch.cat(shards, dim=tp_dim)
-    return whole[:vocab] if name == WORD_EMBEDDING else whole
+    """Every parameter whole (tp shards joined, vocabulary padding trimmed), by name: for one
+    process that needs the whole model (export to Hugging Face)."""
+    shards = _Shards(read_metadata(path))
+    return {name: shards.whole(name) for name in shards.index}
 
 
 def load_checkpoint(path: str | Path, trainer: PTDP) -> dict[str, Any]:
     """Load a checkpoint into ``trainer`` (any layout); return its metadata (step, state).
 
-    Same layout: also every rank's random state, so the run continues bit for bit. Another
-    layout: weights and moments are cut anew; dropout streams start afresh (documented).
+    Each rank reads only the slices of the shard files that its parameters and their moments
+    hold. The trainer's step count comes back too: it keys the dropout masks with each
+    sample's index (``tensor_parallel/random.py``), the only randomness of a step, so a resumed
+    run continues bit for bit — on another layout as well, up to rounding (and, at another tp,
+    the attention-probability masks, which are seeded per tp rank).
     """
     meta = read_metadata(path)
     check_model(meta, trainer.config)
-    params, (moments, adam_step) = _load_full(meta)
-    by_param: dict[torch.nn.Parameter, dict[str, torch.Tensor]] = {}
-    with torch.no_grad():
-        for chunk in trainer.chunks:
-            chunk.load_full_state_dict(params)
-            for name, p in chunk.named_parameters():
-                if name in moments:
-                    by_param[p] = {k: _cut(moments[name][k], name, p, trainer)
-                                   for k in MOMENTS}
-                    by_param[p]["step"] = torch.tensor(adam_step)
+    by_param = _read_chunks(_Shards(meta, trainer.grid), trainer.chunks, trainer.grid,
+                            moments=True)
     _load_optimizer(trainer, by_param)
-    if _same_layout(meta, trainer):
-        _load_rng(_load(Path(meta["path"]) / f"rng_rank{trainer.grid.rank}.pt"), trainer)
+    trainer.iteration = meta["step"]
     return meta
 
 
-def _cut(full: torch.Tensor, name: str, p: torch.nn.Parameter, trainer: PTDP) -> torch.Tensor:
-    """This rank's slice of a whole tensor shaped like parameter ``name``."""
-    group = trainer.grid.tp_group
-    if name == WORD_EMBEDDING:
-        full = F.pad(full, (0, 0, 0, trainer.config.padded_vocab(group.size) - full.shape[0]))
-    return shard(full.to(p.device, p.dtype), p.tp_dim, group).clone()
+def load_model_chunks(path: str | Path, chunks: list[torch.nn.Module],
+                      grid: ParallelGrid) -> dict[str, Any]:
+    """Load a checkpoint's parameters into this rank's model chunks (any layout, reading only
+    their slices: evaluation, generation); return its metadata."""
+    meta = read_metadata(path)
+    check_model(meta, chunks[0].config)
+    _read_chunks(_Shards(meta, grid), chunks, grid, moments=False)
+    return meta
+
+
+@torch.no_grad()
+def _read_chunks(shards: _Shards, chunks, grid: ParallelGrid,
+                 moments: bool) -> dict[torch.nn.Parameter, dict[str, torch.Tensor]]:
+    """Fill every parameter of ``chunks`` with its slice; with ``moments``, return their
+    AdamW states (none if the checkpoint was saved before the first step)."""
+    tp_rank = grid.tp_group.rank
+    by_param: dict[torch.nn.Parameter, dict[str, torch.Tensor]] = {}
+    for chunk in chunks:
+        for name, p in chunk.named_parameters():
+            start = 0 if p.tp_dim is None else tp_rank * p.shape[p.tp_dim]
+            shards.read(name, "param", p, start)
+            if moments and shards.adam_step:
+                by_param[p] = {k: shards.read(name, k, torch.empty_like(p), start)
+                               for k in MOMENTS}
+                by_param[p]["step"] = torch.tensor(shards.adam_step)
+    return by_param
 
 
 def _load_optimizer(trainer: PTDP, by_param: dict) -> None:
@@ -245,20 +367,6 @@ def _load_optimizer(trainer: PTDP, by_param: dict) -> None:
     else:
         for p, state in by_param.items():
             trainer.optimizer.state[p] = state
-
-
-def _load_rng(state: dict[str, Any], trainer: PTDP) -> None:
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-    for chunk, tracker_state in zip(trainer.chunks, state["trackers"], strict=True):
-        chunk.rng.set_states(tracker_state)
-
-
-def _same_layout(meta: dict[str, Any], trainer: PTDP) -> bool:
-    grid = trainer.grid
-    return meta["layout"] == {"tp": grid.tp, "pp": grid.pp, "dp": grid.dp,
-                              "num_chunks": trainer.options.num_chunks}
 
 
 def check_model(meta: dict[str, Any], config: GPTConfig) -> None:

@@ -3,10 +3,11 @@
     python -m megatron_edu.evaluate --checkpoint runs/default --nproc 2 --tp 2
 
 Perplexity is exp(mean cross entropy per token), the measure of 1909.08053 §5.1 (WikiText-103).
-The checkpoint is read whole and cut for any layout (``checkpoint.load_full_model_state``); the
-text is the validation split of the corpus the run trained on (or ``--data``), tokenized with
-the checkpoint's own tokenizer. Forward passes only: the pipeline runs the forward half of its
-1F1B schedule (``schedules.forward_only``), each data-parallel replica its slice of each batch.
+Each rank reads only its slices of the checkpoint, for any layout
+(``checkpoint.load_model_chunks``); the text is the validation split of the corpus the run
+trained on (or ``--data``), tokenized with the checkpoint's own tokenizer. Forward passes only:
+the pipeline runs the forward half of its 1F1B schedule (``schedules.forward_only``), each
+data-parallel replica its slice of each batch.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 
 from megatron_edu import comm
-from megatron_edu.checkpoint import load_full_model_state, read_metadata
+from megatron_edu.checkpoint import load_model_chunks, read_metadata
 from megatron_edu.data import prepare_data
 from megatron_edu.grid import ParallelGrid, validate_layout
 from megatron_edu.launch import RankError, run
@@ -68,9 +69,8 @@ def evaluate(args: argparse.Namespace, meta: dict[str, Any]) -> dict[str, float]
     grid = ParallelGrid(args.tp, args.pp, args.dp)
     config = GPTConfig(**meta["config"])
     chunks = build_chunks(config, grid)
-    state = load_full_model_state(meta["path"])
+    load_model_chunks(meta["path"], chunks, grid)
     for chunk in chunks:
-        chunk.load_full_state_dict(state)
         chunk.eval()
     source = args.data or meta["state"].get("data", ["default"])
     _, _, val = prepare_data(source[0] if source[0] in ("default", "wikitext103") else source,

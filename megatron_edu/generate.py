@@ -37,11 +37,7 @@ from pathlib import Path
 import torch
 
 from megatron_edu import comm
-from megatron_edu.checkpoint import (
-    load_full_model_state,
-    read_metadata,
-    resolve_checkpoint,
-)
+from megatron_edu.checkpoint import load_model_chunks, read_metadata, resolve_checkpoint
 from megatron_edu.data.tokenizer import Tokenizer
 from megatron_edu.grid import ParallelGrid
 from megatron_edu.launch import run
@@ -253,9 +249,7 @@ def _generate_on_rank(path: Path, config: GPTConfig, tp: int, pp: int, prompt: l
                       eos_id: int) -> list[int]:
     grid = ParallelGrid(tp=tp, pp=pp)
     chunks = build_chunks(config, grid)
-    state = load_full_model_state(path)
-    for chunk in chunks:
-        chunk.load_full_state_dict(state)
+    load_model_chunks(path, chunks, grid)
     return generate(chunks, grid, prompt, max_new_tokens, seed=seed, eos_id=eos_id,
                     **asdict(sampling))
 

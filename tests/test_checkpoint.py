@@ -1,0 +1,213 @@
+"""Checkpoint loading that scales: each rank reads only the slices its new layout holds, and gets
+the values of the whole-tensor path (every shard joined, trimmed, cut again)."""
+
+import json
+import shutil
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron_edu import checkpoint
+from megatron_edu.checkpoint import MOMENTS, load_full_model_state
+from megatron_edu.grid import ParallelGrid
+from megatron_edu.launch import run
+from megatron_edu.model import GPTConfig
+from megatron_edu.model.gpt import WORD_EMBEDDING
+from megatron_edu.ptdp import PTDP, PTDPOptions
+from megatron_edu.tensor_parallel.init import shard
+
+# vocab 200 is padded to 256 rows at tp 1 and 2, to 512 at tp 4: padding on every layout
+CONFIG = GPTConfig(vocab_size=200, seq_len=8, num_layers=4, hidden=32, num_heads=4, dropout=0.0)
+KINDS = ("param", *MOMENTS)
+
+
+def _trainer(tp, pp, dp=1, zero1=False):
+    return PTDP(CONFIG, ParallelGrid(tp=tp, pp=pp, dp=dp), PTDPOptions(zero1=zero1, lr=1e-2))
+
+
+def _save(out, tp, pp, dp, zero1):
+    """In a rank: one optimizer step (so that there are moments), then a checkpoint."""
+    trainer = _trainer(tp, pp, dp, zero1)
+    ids = torch.randint(0, CONFIG.vocab_size, (4, CONFIG.seq_len + 1),
+                        generator=torch.Generator().manual_seed(0))
+    mine = slice(trainer.grid.dp_rank * 4 // dp, (trainer.grid.dp_rank + 1) * 4 // dp)
+    trainer.train_step(ids[mine, :-1], ids[mine, 1:], 1e-2)
+    return checkpoint.save_checkpoint(out, 1, trainer)
+
+
+def _whole_path(path):
+    """The loader this one replaced, as the oracle: every shard file read whole, the tp shards
+    joined along tp_dim, the vocabulary trimmed; by kind, then name."""
+    meta = json.loads((path / "meta.json").read_text())
+    whole = {kind: {} for kind in KINDS}
+    for stage in range(meta["layout"]["pp"]):
+        files = [torch.load(path / f"model_tp{t}_pp{stage}.pt")
+                 for t in range(meta["layout"]["tp"])]
+        for name, d in files[0]["tp_dim"].items():
+            for kind in KINDS:
+                shards = [f["params"][name] if kind == "param" else f["moments"][name][kind]
+                          for f in files]
+                joined = shards[0] if d is None else torch.cat(shards, dim=d)
+                whole[kind][name] = joined[:CONFIG.vocab_size] if name == WORD_EMBEDDING else joined
+    return whole
+
+
+def _cut(whole, name, p, group):
+    if name == WORD_EMBEDDING:
+        whole = F.pad(whole, (0, 0, 0, CONFIG.padded_vocab(group.size) - whole.shape[0]))
+    return shard(whole, p.tp_dim, group)
+
+
+def _held(name, p, tp_rank):
+    """Elements of this rank's shard that are not vocabulary padding."""
+    if name != WORD_EMBEDDING:
+        return p.numel()
+    rows = p.shape[0]
+    return p.shape[1] * len(range(tp_rank * rows, min((tp_rank + 1) * rows, CONFIG.vocab_size)))
+
+
+def _load(path, tp, pp, dp, zero1):
+    """In a rank: load into a trainer whose weights are NaN; what it read, what differs from
+    the whole-tensor path, and what it holds."""
+    trainer = _trainer(tp, pp, dp, zero1)
+    with torch.no_grad():
+        for p in trainer.parameters():
+            p.fill_(float("nan"))
+    with checkpoint.record_reads() as reads:
+        checkpoint.load_checkpoint(path, trainer)
+    states = trainer.optimizer.param_states() if zero1 else trainer.optimizer.state
+    whole, group = _whole_path(path), trainer.grid.tp_group
+    wrong, held = [], {}
+    for chunk in trainer.chunks:
+        for name, p in chunk.named_parameters():
+            held[name] = _held(name, p, group.rank)
+            got = {"param": p, **{k: states[p][k] for k in MOMENTS}}
+            wrong += [(name, kind) for kind in KINDS
+                      if not torch.equal(got[kind], _cut(whole[kind][name], name, p, group))]
+            wrong += [(name, "step")] if float(states[p]["step"]) != 1.0 else []
+    return {"reads": reads, "wrong": wrong, "held": held,
+            "coords": (trainer.grid.tp_rank, trainer.grid.pp_rank)}
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory):
+    """saved(layout) -> checkpoint folder; loaded(saved layout, new layout) -> rank results.
+    A layout is (tp, pp, dp, zero1); each is saved and each pair loaded once."""
+    root, folders, results = tmp_path_factory.mktemp("checkpoints"), {}, {}
+
+    def saved(layout):
+        if layout not in folders:
+            tp, pp, dp, _ = layout
+            folders[layout] = run(_save, tp * pp * dp, root / "_".join(map(str, layout)),
+                                  *layout)[0]
+        return folders[layout]
+
+    def loaded(source, target):
+        if (source, target) not in results:
+            tp, pp, dp, _ = target
+            results[source, target] = run(_load, tp * pp * dp, saved(source), *target)
+        return results[source, target]
+
+    return saved, loaded
+
+
+TP2PP2 = (2, 2, 1, False)
+
+
+def _read(result):
+    """Elements read by (name, kind), summed over the slices."""
+    total = Counter()
+    for r in result["reads"]:
+        total[r.name, r.kind] += r.numel
+    return total
+
+
+def _needed(result):
+    """Elements by (name, kind) that the rank's shards hold outside the vocabulary padding."""
+    return Counter({(name, kind): n for name, n in result["held"].items() for kind in KINDS
+                    if n})
+
+
+def test_a_rank_of_the_same_layout_reads_exactly_its_own_file(layouts):
+    _, loaded = layouts
+    for result in loaded(TP2PP2, TP2PP2):
+        tp_rank, pp_rank = result["coords"]
+        assert {r.file for r in result["reads"]} == {f"model_tp{tp_rank}_pp{pp_rank}.pt"}
+        assert _read(result) == _needed(result)
+
+
+def test_a_stage_of_another_pipeline_reads_only_its_names(layouts):
+    _, loaded = layouts
+    for result in loaded(TP2PP2, (1, 4, 1, False)):
+        stage = result["coords"][1]             # its layers are in saved stage stage // 2
+        assert {r.name for r in result["reads"]} == set(result["held"])
+        assert {r.file for r in result["reads"]} == {                 # the embedding included
+            f"model_tp0_pp{stage // 2}.pt", f"model_tp1_pp{stage // 2}.pt"}
+        assert _read(result) == _needed(result)          # tp 1: both saved halves, once
+
+
+def test_a_tp4_rank_reads_only_its_quarter_of_each_split_tensor(layouts):
+    _, loaded = layouts
+    results = loaded(TP2PP2, (4, 1, 1, False))
+    for result in results:
+        tp_rank = result["coords"][0]           # its quarter lies in saved half tp_rank // 2
+        assert {r.file for r in result["reads"] if r.name != WORD_EMBEDDING} == {
+            f"model_tp{tp_rank // 2}_pp0.pt", f"model_tp{tp_rank // 2}_pp1.pt"}
+        assert _read(result) == _needed(result)
+    qkv = "blocks.0.attn.qkv.weight"
+    assert _read(results[0])[qkv, "param"] == 3 * CONFIG.hidden ** 2 // 4   # a quarter
+    # the vocabulary is padded per layout: 256 rows saved at tp 2 (128 a shard), 512 at tp 4
+    # (128 a rank): rank 1's rows [128, 200) are in saved shard 1; ranks 2 and 3 hold padding
+    spans = [[(r.file, r.span) for r in result["reads"]
+              if (r.name, r.kind) == (WORD_EMBEDDING, "param")] for result in results]
+    assert spans == [[("model_tp0_pp0.pt", (0, 128))], [("model_tp1_pp0.pt", (128, 200))], [], []]
+
+
+@pytest.mark.parametrize(("source", "target"), [
+    (TP2PP2, (1, 4, 1, False)),
+    (TP2PP2, (4, 1, 1, False)),
+    (TP2PP2, (1, 1, 1, False)),
+    ((1, 4, 1, False), TP2PP2),
+    ((4, 1, 1, False), (1, 2, 2, True)),
+    ((2, 1, 2, True), (4, 1, 1, False)),
+    ((1, 1, 1, False), TP2PP2),
+])
+def test_loaded_values_equal_the_whole_tensor_path(layouts, source, target):
+    _, loaded = layouts
+    results = loaded(source, target)
+    assert [result["wrong"] for result in results] == [[]] * len(results)
+
+
+def _save_untrained_then_load(out):
+    """In a rank: a checkpoint saved before the first step (no moments) loads too."""
+    saved, trainer = _trainer(1, 1), _trainer(1, 1)
+    with torch.no_grad():
+        for p in trainer.parameters():
+            p.fill_(float("nan"))
+    checkpoint.load_checkpoint(checkpoint.save_checkpoint(out, 0, saved), trainer)
+    return (all(map(torch.equal, saved.parameters(), trainer.parameters())),
+            trainer.optimizer.state)
+
+
+def test_a_checkpoint_saved_before_the_first_step_loads_without_moments(tmp_path):
+    assert run(_save_untrained_then_load, 1, tmp_path) == [(True, {})]
+
+
+def test_load_full_model_state_is_the_whole_tensor_path(layouts):
+    saved, _ = layouts
+    for layout in (TP2PP2, (4, 1, 1, False)):
+        full, expected = load_full_model_state(saved(layout)), _whole_path(saved(layout))["param"]
+        assert full.keys() == expected.keys()
+        assert all(torch.equal(full[name], expected[name]) for name in full)
+
+
+def test_a_checkpoint_without_the_index_still_loads(layouts, tmp_path):
+    saved, _ = layouts
+    old = tmp_path / "old"
+    shutil.copytree(saved(TP2PP2), old)
+    meta = json.loads((old / "meta.json").read_text())
+    del meta["index"], meta["adam_step"]                  # as format 1 wrote it at first
+    (old / "meta.json").write_text(json.dumps(meta))
+    assert [result["wrong"] for result in run(_load, 4, old, 1, 4, 1, False)] == [[]] * 4
