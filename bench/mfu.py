@@ -20,14 +20,12 @@ import torch
 from bench.common import DTYPES, Device, Spread, alternate, device_arguments, report, require_device
 from bench.overhead import GPU_MODEL, random_batch, training_step
 from megatron_edu.model import GPT, GPTConfig
-from megatron_edu.perf import A100_BF16_PEAK, H100_SXM_BF16_PEAK, training_flops
+from megatron_edu.perf import datasheet_peak_flops, training_flops
 
 CPU_MODEL = dict(vocab_size=8192, seq_len=256, num_layers=4, hidden=512, num_heads=8)
 BATCH = {"cpu": 2, "cuda": 8}  # short steps, many rounds: each pair sees the same machine
 # Square matmul size and how many make one timed call (about a training step's duration).
 MATMUL = {"cpu": (2048, 3), "cuda": (8192, 30)}
-# Dense bf16 datasheet peaks (SXM parts), matched against torch.cuda.get_device_name().
-DATASHEET = {"H100": H100_SXM_BF16_PEAK, "H200": H100_SXM_BF16_PEAK, "A100": A100_BF16_PEAK}
 TARGET_PERCENT = 60.0
 
 
@@ -46,10 +44,8 @@ def matmuls(device: Device) -> tuple[Callable[[], None], float]:
 
 
 def datasheet_peak(device: Device) -> float | None:
-    if device.type != "cuda" or device.dtype != "bf16":
-        return None
-    name = torch.cuda.get_device_name()
-    return next((peak for key, peak in DATASHEET.items() if key in name), None)
+    """The GPU's dense bf16 datasheet peak (perf.DATASHEET_BF16_PEAKS), for bf16 runs only."""
+    return datasheet_peak_flops(device.torch) if device.dtype == "bf16" else None
 
 
 def main(argv: list[str] | None = None) -> dict:

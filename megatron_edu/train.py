@@ -39,8 +39,8 @@ from megatron_edu.model import GPTConfig
 from megatron_edu.model.config import PRESETS
 from megatron_edu.optim import warmup_cosine
 from megatron_edu.perf import model_flops_utilization, training_flops
-from megatron_edu.perf.flops import measure_matmul_flops
-from megatron_edu.ptdp import PTDP, PTDPOptions
+from megatron_edu.perf.flops import datasheet_peak_flops, measure_matmul_flops
+from megatron_edu.ptdp import PTDP, PTDPOptions, StepResult
 
 __all__ = ["parse_args", "validate", "main", "train"]
 
@@ -92,8 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
     run_.add_argument("--resume", nargs="?", const="auto", default=None,
                       help="resume from OUT's latest checkpoint, or from the given one (any "
                       "layout; the lr schedule follows this run's --steps)")
-    run_.add_argument("--peak-tflops", type=float, help="per-rank peak for MFU (default: "
-                      "measured matmul rate)")
+    run_.add_argument("--peak-tflops", type=_peak_tflops, help="per-rank peak for MFU: TFLOP/s, "
+                      "or 'measured' (a matmul timed on every rank); default: the GPU's "
+                      "datasheet dense bf16 peak (A100, H100, H200), measured where none applies "
+                      "(a CPU)")
     run_.add_argument("--sample-tokens", type=int, default=60, help="text to generate at the end")
     run_.add_argument("--no-progress", action="store_true", help="no progress bar")
     run_.add_argument("--backend", default="auto")
@@ -175,14 +177,14 @@ def train(args: argparse.Namespace, plan: Plan) -> dict[str, Any]:
     sampler = BatchSampler(len(train_set), args.global_batch, grid.dp_rank, grid.dp, args.seed)
     start = _resume(args, trainer, sampler)
     log = _Log(args.out / "log.jsonl", grid.rank == 0, start)
-    meter = _Meter(args, config, grid, plan, log, start)
+    meter = _Meter(args, config, grid, log, start)
     autocast = _autocast(args, grid)
     for step in range(start, args.steps):
         ids, labels = train_set.batch(next(sampler))
         lr = warmup_cosine(step, args.warmup, args.steps, args.lr, args.min_lr)
         with autocast:
             result = trainer.train_step(ids, labels, lr)
-        meter.step(step + 1, result.loss, result.grad_norm, lr)
+        meter.step(step + 1, result, lr)
         if (step + 1) % args.eval_interval == 0 or step + 1 == args.steps:
             with autocast:
                 meter.validation(step + 1, _validate(args, trainer, val_set, grid))
@@ -245,14 +247,22 @@ class _Log:
 
 
 class _Meter:
-    """Tokens/s and MFU per step (2104.04473 §5.1 FLOPs), a tqdm bar and the log records."""
+    """Tokens/s, MFU and HFU per step (2104.04473 §5.1 FLOPs), a tqdm bar and the log records.
 
-    def __init__(self, args, config: GPTConfig, grid: ParallelGrid, plan: Plan, log: _Log,
+    MFU counts the model's FLOPs (no recomputation, whatever the run does); HFU the FLOPs the run
+    executes (with ``--recompute``, the forward once more): equal without recomputation.
+    """
+
+    def __init__(self, args, config: GPTConfig, grid: ParallelGrid, log: _Log,
                  start: int) -> None:
         self.log, self.tokens = log, args.global_batch * config.seq_len
-        self.flops = training_flops(args.global_batch, config.seq_len, config.num_layers,
-                                    config.hidden, config.vocab_size, recompute=config.recompute)
-        self.peak_total = _peak_flops(args, grid) * (plan.world_size if args.peak_tflops else 1)
+        self.skipped = sum(bool(r.get("skipped")) for r in log.records)  # before a resume
+        shape = (args.global_batch, config.seq_len, config.num_layers, config.hidden,
+                 config.vocab_size)
+        self.model_flops = training_flops(*shape, recompute=False)
+        self.hardware_flops = training_flops(*shape, recompute=config.recompute)
+        self.recompute = config.recompute
+        self.peak_total = _peak_flops(args, grid)
         self.bar = None
         if log.active and not args.no_progress:
             from tqdm.auto import tqdm
@@ -260,15 +270,26 @@ class _Meter:
                             file=sys.stdout, dynamic_ncols=True)
         self.last = time.perf_counter()
 
-    def step(self, step: int, loss: float, grad_norm: float, lr: float) -> None:
+    def step(self, step: int, result: StepResult, lr: float) -> None:
+        """One record per step; a step skipped for a non-finite gradient norm says so, and every
+        record counts the steps skipped so far."""
         now = time.perf_counter()
         seconds, self.last = now - self.last, now
-        mfu = model_flops_utilization(self.flops, seconds, self.peak_total)
-        self.log.write({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                        "tokens_per_s": self.tokens / seconds, "mfu": mfu})
+        mfu = model_flops_utilization(self.model_flops, seconds, self.peak_total)
+        hfu = model_flops_utilization(self.hardware_flops, seconds, self.peak_total)
+        self.skipped += result.skipped
+        self.log.write({"step": step, "loss": result.loss, "lr": lr,
+                        "grad_norm": None if result.skipped else result.grad_norm,
+                        "skipped": result.skipped, "skipped_steps": self.skipped,
+                        "tokens_per_s": self.tokens / seconds, "mfu": mfu, "hfu": hfu})
         if self.bar is not None:
-            self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{self.tokens / seconds:,.0f}",
-                                 mfu=f"{mfu:.0%}", refresh=False)
+            shown = dict(loss=f"{result.loss:.3f}", tok_s=f"{self.tokens / seconds:,.0f}",
+                         mfu=f"{mfu:.0%}")
+            if self.recompute:
+                shown["hfu"] = f"{hfu:.0%}"
+            if self.skipped:
+                shown["skipped"] = self.skipped
+            self.bar.set_postfix(shown, refresh=False)
             self.bar.update()
 
     def validation(self, step: int, val_loss: float) -> None:
@@ -283,15 +304,34 @@ class _Meter:
             self.bar.close()
 
 
+def _peak_tflops(text: str) -> float | str:
+    """``--peak-tflops``: a positive number, or 'measured'."""
+    if text == "measured":
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected TFLOP/s > 0 or 'measured', got {text!r}")
+    return value
+
+
 def _peak_flops(args, grid: ParallelGrid) -> float:
-    """Per rank ``--peak-tflops``; else every rank times a matmul at the same moment and the sum
-    is the machine's: honest when ranks share cores (a laptop), exact with a GPU each."""
-    if args.peak_tflops:
-        return args.peak_tflops * 1e12
-    dtype = torch.bfloat16 if grid.device.type == "cuda" else torch.float32
+    """The machine's peak FLOP/s, the sum of every rank's: ``--peak-tflops N``; by default its
+    GPU's datasheet dense bf16 peak (``perf.datasheet_peak_flops``); with ``--peak-tflops
+    measured``, or where no datasheet applies (a CPU), the rate of a matmul that every rank
+    times at the same moment: honest when ranks share cores (a laptop)."""
+    if isinstance(args.peak_tflops, float):
+        mine = args.peak_tflops * 1e12
+    else:
+        mine = None if args.peak_tflops == "measured" else datasheet_peak_flops(grid.device)
     torch.distributed.barrier()
-    mine = torch.tensor(measure_matmul_flops(grid.device, dtype), device=grid.device)
-    return comm.all_reduce(mine, comm.world(), "peak flops").item()
+    if mine is None:
+        dtype = torch.bfloat16 if grid.device.type == "cuda" else torch.float32
+        mine = measure_matmul_flops(grid.device, dtype)
+    total = torch.tensor(mine, dtype=torch.float64, device=grid.device)
+    return comm.all_reduce(total, comm.world(), "peak flops").item()
 
 
 def _finish(args, trainer: PTDP, tokenizer, log: _Log, train_set: TokenDataset) -> dict:
@@ -307,6 +347,7 @@ def _finish(args, trainer: PTDP, tokenizer, log: _Log, train_set: TokenDataset) 
         "unigram_entropy": unigram_entropy(train_set.tokens),
         "tokens_per_s": _median([r["tokens_per_s"] for r in records if "tokens_per_s" in r]),
         "mfu": _median([r["mfu"] for r in records if "mfu" in r]),
+        "hfu": _median([r["hfu"] for r in records if "hfu" in r]),
         "sample": tokenizer.decode(prompt + sample),
     }
     if log.active:
@@ -357,7 +398,9 @@ def _report(s: dict[str, Any]) -> None:
     print(f"\nfinal training loss {s['final_loss']:.3f}, validation loss "
           f"{s['final_val_loss']:.3f} (perplexity {math.exp(s['final_val_loss']):.1f}); "
           f"unigram entropy of the corpus {s['unigram_entropy']:.3f}")
-    print(f"throughput {s['tokens_per_s']:,.0f} tokens/s (median), MFU {s['mfu']:.0%}")
+    recomputed = s["hfu"] is not None and s["hfu"] > s["mfu"]
+    hfu = f", HFU {s['hfu']:.0%} (with the recomputed forward)" if recomputed else ""
+    print(f"throughput {s['tokens_per_s']:,.0f} tokens/s (median), MFU {s['mfu']:.0%}{hfu}")
     print(f"\nsample: {s['sample']!r}\n")
     print(f"log         {s['out']}/log.jsonl\nloss curve  {s['out']}/loss.png\n"
           f"checkpoints {s['out']}/checkpoints/")

@@ -29,6 +29,8 @@ from megatron_edu.perf import (
     ModelShape,
     activation_bytes_per_layer,
     advise,
+    datasheet_bf16_peak,
+    datasheet_peak_flops,
     forwards_in_flight,
     memory_per_rank,
     model_flops_utilization,
@@ -124,6 +126,35 @@ def test_table1_percent_of_peak_is_against_312_tflops(row):
     step_time = flops / (row["gpus"] * row["tflops_per_gpu"] * 1e12)
     mfu = model_flops_utilization(flops, step_time, A100_BF16_PEAK, int(row["gpus"]))
     assert 100 * mfu == pytest.approx(row["percent_of_peak"], abs=0.6)
+
+
+def test_hardware_flops_of_a_recomputing_run_are_a_third_more_than_the_model_flops():
+    # the transformer layers run 4 forwards instead of 3; the logit layer is not recomputed,
+    # which holds GPT-2 medium's ratio (a large V/(12lh) = 0.17) down to 1.29
+    b, s, l, h, v = 8, 1024, 24, 1024, 50257
+    ratio = training_flops(b, s, l, h, v, recompute=True) / training_flops(b, s, l, h, v, False)
+    assert 1.28 < ratio < 4 / 3
+
+
+@pytest.mark.parametrize(("name", "tflops"), [
+    ("NVIDIA A100-SXM4-80GB", 312),
+    ("NVIDIA A100-PCIE-40GB", 312),
+    ("NVIDIA H100 80GB HBM3", 989),      # the SXM part: its name gives no form factor
+    ("NVIDIA H100 PCIe", 756),
+    ("NVIDIA H100 NVL", 835),
+    ("NVIDIA H200", 989),
+    ("NVIDIA H200 NVL", 835),
+    ("NVIDIA GeForce RTX 4090", None),
+    ("Tesla V100-SXM2-32GB", None),      # no bf16 tensor cores
+])
+def test_datasheet_bf16_peak_by_the_name_cuda_reports(name, tflops):
+    peak = datasheet_bf16_peak(name)
+    assert (None if peak is None else peak / 1e12) == tflops
+
+
+def test_a_cpu_has_no_datasheet_peak():
+    assert datasheet_peak_flops("cpu") is None
+    assert datasheet_peak_flops(torch.device("cpu")) is None
 
 
 # ---- memory: a plain PyTorch GPT (pre-LN, fp32, no fused kernels), counted byte for byte ----

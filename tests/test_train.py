@@ -9,7 +9,8 @@ import torch
 from megatron_edu import checkpoint
 from megatron_edu.checkpoint import CheckpointError, read_metadata
 from megatron_edu.launch import RankError, run
-from megatron_edu.train import main, parse_args, validate
+from megatron_edu.perf import training_flops
+from megatron_edu.train import _data, main, parse_args, train, validate
 
 TINY = ["--layers", "4", "--hidden", "64", "--heads", "4", "--seq-len", "32",
         "--vocab-size", "512", "--global-batch", "8", "--micro-batch", "2", "--lr", "3e-3",
@@ -38,8 +39,53 @@ def test_loss_decreases_and_everything_is_written(tmp_path, cache):
     assert sorted(losses) == list(range(1, 13))
     assert losses[12] < losses[1] - 0.5
     assert [r["step"] for r in records if "val_loss" in r] == [6, 12]
+    steps = [r for r in records if "loss" in r]
+    assert all(0 < r["mfu"] == r["hfu"] for r in steps)  # no recomputation: the same FLOPs
     assert (tmp_path / "loss.png").exists()
     assert read_metadata(tmp_path)["step"] == 12
+
+
+def test_with_recompute_hfu_counts_the_recomputed_forward(tmp_path, cache):
+    records = _train(tmp_path, cache, "--nproc", "1", "--steps", "2", "--recompute")
+    shape = (8, 32, 4, 64, 512)  # TINY's global batch, sequence, layers, hidden, vocabulary
+    ratio = training_flops(*shape, recompute=True) / training_flops(*shape, recompute=False)
+    assert 1.25 < ratio < 4 / 3  # 4 forwards instead of 3, the logit layer not recomputed
+    for r in (r for r in records if "loss" in r):
+        assert r["hfu"] == pytest.approx(r["mfu"] * ratio, rel=1e-12)
+
+
+@pytest.mark.parametrize(("value", "peak"), [("989", 989.0), ("measured", "measured")])
+def test_peak_tflops_is_a_number_or_measured(value, peak):
+    assert parse_args(["--peak-tflops", value]).peak_tflops == peak
+    assert parse_args([]).peak_tflops is None  # the datasheet's on a known GPU, else measured
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "fast"])
+def test_a_bad_peak_tflops_is_refused(value, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--peak-tflops", value])
+    assert "expected TFLOP/s > 0 or 'measured'" in capsys.readouterr().err
+
+
+def _train_with_an_overflow_at_step_2(args, plan):
+    from megatron_edu.ptdp import PTDP
+
+    clip = PTDP._clip
+    PTDP._clip = lambda self: float("inf") if self.iteration == 1 else clip(self)
+    return train(args, plan)
+
+
+def test_a_non_finite_step_is_skipped_and_counted_in_the_log(tmp_path, cache):
+    args = parse_args([*TINY, "--out", str(tmp_path), "--cache-dir", str(cache), "--nproc", "2",
+                       "--dp", "2", "--steps", "4", "--eval-interval", "4"])
+    plan = validate(args)
+    _data(args, plan.config)
+    run(_train_with_an_overflow_at_step_2, 2, args, plan)
+    steps = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()
+             if '"loss"' in line]
+    assert [(r["skipped"], r["skipped_steps"]) for r in steps] == [
+        (False, 0), (True, 1), (False, 1), (False, 1)]
+    assert steps[1]["grad_norm"] is None and steps[2]["grad_norm"] > 0
 
 
 def test_resume_continues_bit_for_bit(tmp_path, cache):

@@ -15,8 +15,11 @@ from .advisor import (
 )
 from .flops import (
     A100_BF16_PEAK,
+    H100_PCIE_BF16_PEAK,
     H100_SXM_BF16_PEAK,
     V100_FP16_PEAK,
+    datasheet_bf16_peak,
+    datasheet_peak_flops,
     model_flops_utilization,
     num_parameters,
     training_flops,
@@ -41,10 +44,12 @@ from .memory import (
 )
 
 __all__ = [
-    "A100_BF16_PEAK", "DGX2H_V100", "DGX_H100", "FP32", "H100_SXM_BF16_PEAK", "MIXED",
+    "A100_BF16_PEAK", "DGX2H_V100", "DGX_H100", "FP32", "H100_PCIE_BF16_PEAK",
+    "H100_SXM_BF16_PEAK", "MIXED",
     "MIXED_FP32_GRADS", "SELENE_A100", "V100_FP16_PEAK", "Hardware", "Layout", "MemoryEstimate",
     "ModelShape", "Precision", "Prediction", "TimeBreakdown", "activation_bytes_per_layer",
-    "activation_bytes_per_rank", "advise", "candidate_layouts", "embedding_activation_bytes",
+    "activation_bytes_per_rank", "advise", "candidate_layouts", "datasheet_bf16_peak",
+    "datasheet_peak_flops", "embedding_activation_bytes",
     "forwards_in_flight", "layout_error", "memory_per_rank", "model_flops_utilization",
     "num_parameters", "output_layer_activation_bytes", "parameters_per_rank", "predict",
     "rejection_reason", "training_flops", "training_time_seconds",

@@ -8,7 +8,14 @@ References
 Notation (the paper's): l transformer layers, h hidden size, V vocabulary, s sequence length,
 B global batch (sequences), T tokens, n GPUs, X achieved FLOP/s per GPU.
 
-Peaks are plain numbers you pass in; the constants below only name the usual ones.
+Model FLOPs and hardware FLOPs: ``training_flops(..., recompute=False)`` counts what the model
+needs (3 passes: forward, and a backward of twice its cost), the numerator of model FLOPs
+utilization (MFU); ``recompute=True`` counts what a recomputing run executes (the forward once
+more), the numerator of hardware FLOPs utilization (HFU), which 2104.04473 reports as "percent
+of peak". Without recomputation the two are equal.
+
+Peaks are plain numbers you pass in; the constants below name the datasheets' dense 16-bit ones,
+and ``datasheet_peak_flops`` looks up a CUDA device's by the name it reports.
 """
 
 import time
@@ -18,7 +25,22 @@ import torch
 # Dense 16-bit tensor-core peaks (FLOP/s per GPU), no sparsity.
 A100_BF16_PEAK = 312e12
 H100_SXM_BF16_PEAK = 989e12
+H100_PCIE_BF16_PEAK = 756e12
+NVL_BF16_PEAK = 835e12           # H100 NVL and H200 NVL: 1,671 with 2:4 sparsity, halved
 V100_FP16_PEAK = 125e12
+
+# Dense bf16 peaks by a fragment of the name CUDA reports (torch.cuda.get_device_name(), e.g.
+# "NVIDIA A100-SXM4-80GB", "NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA H200"); the first
+# fragment found wins, so the PCIe and NVL parts come before the SXM name that says no form factor.
+# An H200 (SXM) has the H100 SXM's tensor cores and more memory: the same peak.
+DATASHEET_BF16_PEAKS: tuple[tuple[str, float], ...] = (
+    ("H100 PCIe", H100_PCIE_BF16_PEAK),
+    ("H100 NVL", NVL_BF16_PEAK),
+    ("H200 NVL", NVL_BF16_PEAK),
+    ("H100", H100_SXM_BF16_PEAK),
+    ("H200", H100_SXM_BF16_PEAK),
+    ("A100", A100_BF16_PEAK),
+)
 
 
 def num_parameters(layers: int, hidden: int, vocab: int, seq_len: int) -> int:
@@ -46,6 +68,9 @@ def training_flops(
     Without recomputation the transformer layers cost 3 forwards instead of 4:
     72·B·s·l·h² + 12·B·s²·l·h, while the logit term stays 6·B·s·h·V; so
     F = 72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h)).
+
+    ``recompute=False`` is therefore the model's FLOPs (the numerator of MFU, for any run);
+    ``recompute=True`` the hardware FLOPs of a run that recomputes (the numerator of its HFU).
     """
     b, s, l, h = batch, seq_len, layers, hidden
     forwards = 4 if recompute else 3
@@ -71,11 +96,30 @@ def model_flops_utilization(
 ) -> float:
     """Achieved fraction of peak: F / (t · n · peak).
 
-    What F counts decides the name: `training_flops(..., recompute=True)` counts the recomputed
-    forward, as 2104.04473's "percent of peak" does (later called hardware FLOPs utilization);
-    `recompute=False` counts only the model's own FLOPs (model FLOPs utilization, MFU).
+    What F counts decides the name: `training_flops(..., recompute=False)` counts only the model's
+    own FLOPs, whatever the run executes: model FLOPs utilization (MFU). `recompute=True` counts
+    the recomputed forward too, as 2104.04473's "percent of peak" does: for a recomputing run
+    that is hardware FLOPs utilization (HFU, 2204.02311 Appendix B), 4/3 of its MFU or a little
+    less (the logit layer is not recomputed).
     """
     return flops_per_step / (step_time_s * num_gpus * peak_flops)
+
+
+def datasheet_bf16_peak(gpu_name: str) -> float | None:
+    """The dense bf16 peak (FLOP/s) of the GPU called ``gpu_name`` (any case), or None for one
+    not in ``DATASHEET_BF16_PEAKS``."""
+    name = gpu_name.lower()
+    return next((peak for fragment, peak in DATASHEET_BF16_PEAKS if fragment.lower() in name),
+                None)
+
+
+def datasheet_peak_flops(device: torch.device | str) -> float | None:
+    """The datasheet's dense bf16 peak of the GPU ``device`` names; None on a CPU (no datasheet
+    applies: measure instead, ``measure_matmul_flops``) or on a GPU not in the table."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return datasheet_bf16_peak(torch.cuda.get_device_name(device))
 
 
 def measure_matmul_flops(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,

@@ -1,0 +1,135 @@
+"""The same tests on CPUs (gloo) and on GPUs (NCCL): ``pytest tests/test_device.py --device cuda``
+(``make gpu-check`` runs them so); the default ``--device cpu`` runs them on gloo.
+
+Each checks the device against the serial model on the CPU, the one serial truth (DESIGN
+principle 1): a GPT's forward and backward, bf16 autocast against fp32, PTD-P training steps at
+world size 1 and over a two-stage pipeline (1F1B, interleaved) on two devices. TF32 is off, so a
+GPU's fp32 matmuls are fp32.
+"""
+
+import pytest
+import torch
+from helpers import batch, tiny_config
+
+from megatron_edu.grid import ParallelGrid
+from megatron_edu.launch import run
+from megatron_edu.model import GPT, GPTConfig
+from megatron_edu.optim import build_param_groups
+from megatron_edu.ptdp import PTDP, PTDPOptions
+
+BACKEND = {"cpu": "gloo", "cuda": "nccl"}
+# fp32 on both sides. A GPU's kernels sum in other orders than the CPU's, hence its looser bound
+# (a guess until measured: the machine these tests were written on has no GPU).
+TOL = {"cpu": 1e-5, "cuda": 1e-4}
+
+CONFIG = GPTConfig(vocab_size=100, seq_len=8, num_layers=4, hidden=32, num_heads=4, dropout=0.0)
+GLOBAL_BATCH, STEPS, LR, CLIP = 4, 2, 1e-2, 0.5
+EPS = 1e-4  # Adam's ε above rounding noise, as in tests/test_ptdp.py
+
+
+def _exact_fp32() -> None:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
+# ---- one GPT, forward and backward ----
+
+
+def _forward_backward(config: GPTConfig, ids: torch.Tensor, labels: torch.Tensor) -> dict:
+    """In a rank: the loss and gradients of the GPT on this rank's device and of the serial GPT
+    on the CPU, as CPU tensors, and the device the first one ran on."""
+    _exact_fp32()
+    on_rank, serial = GPT(config, ParallelGrid()), GPT(config)
+    out = {"device": next(on_rank.parameters()).device.type}
+    for where, model in (("rank", on_rank), ("serial", serial)):
+        on = next(model.parameters()).device
+        loss = model(ids.to(on), labels.to(on))
+        loss.backward()
+        out[where] = {"loss": loss.detach().cpu(),
+                      **{name: p.grad.cpu() for name, p in model.named_parameters()}}
+    return out
+
+
+def test_gpt_forward_and_backward_on_the_device_equal_the_cpu(device):
+    config = tiny_config()
+    out = run(_forward_backward, 1, config, *batch(config), backend=BACKEND[device])[0]
+    assert out["device"] == device
+    torch.testing.assert_close(out["rank"], out["serial"], atol=TOL[device], rtol=0)
+
+
+# ---- bf16 autocast ----
+
+
+def test_bf16_autocast_forward_is_finite_and_close_to_fp32(device):
+    config = tiny_config()
+    model = GPT(config).to(device).eval()
+    ids, labels = (t.to(device) for t in batch(config))
+    with torch.no_grad():
+        fp32, fp32_loss = model(ids), model(ids, labels)
+        with torch.autocast(device, dtype=torch.bfloat16):
+            bf16, bf16_loss = model(ids), model(ids, labels)
+    real = slice(0, config.vocab_size)   # the padded vocabulary's logits are −inf
+    assert bf16.dtype == torch.bfloat16
+    assert torch.isfinite(bf16[..., real]).all() and torch.isfinite(bf16_loss)
+    torch.testing.assert_close(bf16[..., real].float(), fp32[..., real], atol=1e-2, rtol=1e-2)
+    assert bf16_loss.item() == pytest.approx(fp32_loss.item(), rel=1e-2)
+
+
+# ---- PTD-P steps: world size 1, and pp = 2 over two devices ----
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, CONFIG.vocab_size, (STEPS, GLOBAL_BATCH, CONFIG.seq_len + 1),
+                        generator=g)
+    return [(step[:, :-1], step[:, 1:]) for step in ids]
+
+
+def _serial() -> tuple[list[float], dict[str, torch.Tensor]]:
+    model = GPT(CONFIG)
+    optimizer = torch.optim.AdamW(build_param_groups(model, 0.1), lr=LR, betas=(0.9, 0.95),
+                                  eps=EPS)
+    losses = []
+    for ids, labels in _batches():
+        loss = model(ids, labels)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, model.full_state_dict()
+
+
+def _ptdp(pp: int, options: PTDPOptions) -> tuple[str, list[float], dict[str, torch.Tensor]]:
+    """In a rank: this rank's device, the losses of ``STEPS`` steps and its stage's parameters."""
+    _exact_fp32()
+    grid = ParallelGrid(pp=pp)
+    trainer = PTDP(CONFIG, grid, options)
+    losses = [trainer.train_step(ids, labels, LR).loss for ids, labels in _batches()]
+    params = {name: value.cpu() for chunk in trainer.chunks
+              for name, value in chunk.full_state_dict().items()}
+    return grid.device.type, losses, params
+
+
+@pytest.fixture(scope="module")
+def serial():
+    return run(_serial, 1, backend="gloo")[0]
+
+
+@pytest.mark.parametrize(("pp", "schedule", "chunks"), [
+    (1, "1f1b", 1), (2, "1f1b", 1), (2, "interleaved", 2),
+], ids=["world1", "pp2-1f1b", "pp2-interleaved"])
+def test_ptdp_steps_on_the_device_equal_the_serial_cpu_steps(device, serial, pp, schedule,
+                                                             chunks):
+    if device == "cuda" and torch.cuda.device_count() < pp:
+        pytest.skip(f"pp = {pp} needs {pp} GPUs, this machine has {torch.cuda.device_count()}")
+    options = PTDPOptions(schedule=schedule, num_chunks=chunks, num_microbatches=2, lr=LR,
+                          clip=CLIP, eps=EPS)
+    out = run(_ptdp, pp, pp, options, backend=BACKEND[device])
+    serial_losses, serial_params = serial
+    merged = {}
+    for on, losses, params in out:
+        assert on == device
+        assert losses == pytest.approx(serial_losses, abs=TOL[device])
+        merged.update(params)
+    torch.testing.assert_close(merged, serial_params, atol=TOL[device], rtol=0)
