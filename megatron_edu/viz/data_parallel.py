@@ -35,7 +35,8 @@ PARTS = ("weights", "grads", "optimizer", "activations")
 PART_COLOURS = ("#4c72b0", "#dd8452", "#c44e52", "#8c8c8c")
 BACKWARD_COLOUR, BUCKET_COLOUR = "#4c72b0", "#dd8452"
 PURPOSES = ("tp", "pp", "dp", "embedding", "scalars")
-SCALAR_LABELS = ("dp loss", "pp loss", "grad norm")  # losses and norms shared for printing/clipping
+SCALAR_LABELS = ("dp loss", "pp loss", "dp tokens", "grad norm")  # shared for printing,
+# weighting the loss by target tokens, and clipping
 
 
 def format_bytes(n: float) -> str:

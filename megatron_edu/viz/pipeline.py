@@ -6,7 +6,7 @@ interleaved 1F1B), drawn here from a `Timeline` — simulated, or measured by th
 draw_schedule: a Gantt chart, one row per rank (rank 0 on top); each microbatch has its own hue,
 forward light and backward dark; chunks ≥ 1 hatched; idle time left blank — the blank is the bubble.
 draw_measured_vs_simulated: a measured run above its simulation.
-draw_peak_activations: memory in flight per rank, one bar group per schedule.
+draw_peak_activations: memory in flight per rank, one bar group per schedule (and measured peaks).
 draw_bubble_vs_latency: how send latency eats the interleaved schedule's gain.
 measured_costs / simulate_measured: a measured run's mean costs per rank, and the simulation
 that uses them (free sends, no noise); draw_measured_run draws the two on one time axis.
@@ -78,10 +78,12 @@ def draw_measured_vs_simulated(measured: Timeline | list, simulated: Timeline | 
     return fig
 
 
-def draw_peak_activations(timelines: dict[str, Timeline], ax: Axes | None = None) -> Axes:
+def draw_peak_activations(timelines: dict[str, Timeline], ax: Axes | None = None,
+                          measured: dict[str, Sequence[float]] | None = None) -> Axes:
     """Per rank, the most microbatches' activations held at once, in whole-stage units.
 
     An interleaved chunk holds 1/v of a stage's layers, so its count is divided by v.
+    ``measured``: per schedule, the peaks a run measured in the same unit, drawn as dots.
     """
     if ax is None:
         _, ax = plt.subplots(figsize=(7, 3.2))
@@ -89,6 +91,9 @@ def draw_peak_activations(timelines: dict[str, Timeline], ax: Axes | None = None
     for i, (name, timeline) in enumerate(timelines.items()):
         peaks = np.array(timeline.peak_activations) / timeline.num_chunks
         ax.bar(np.arange(len(peaks)) + i * width, peaks, width, label=name)
+        if measured is not None and name in measured:
+            ax.plot(np.arange(len(peaks)) + i * width, measured[name], "o", color="black",
+                    label="measured" if i == 0 else None, gid=f"measured {name}")
     ranks = range(len(next(iter(timelines.values())).ranks))
     ax.set_xticks(np.array(ranks) + 0.4 - width / 2, [f"rank {r}" for r in ranks])
     ax.set_ylabel("microbatches in flight")
