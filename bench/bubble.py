@@ -70,11 +70,14 @@ class SleepStage(nn.Module):
         self.first, self.last, self.forward_s = first, last, forward_s
         self.scale = nn.Parameter(torch.ones(hidden))
 
-    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None, *,
+                dropout_key=None, loss_reduction: str = "mean") -> torch.Tensor:
         if self.first:
             x = x.float().unsqueeze(-1)  # ids [b, s] -> [b, s, 1], broadcast to [b, s, h]
         y = _Sleep.apply(x * self.scale, self.forward_s, 2 * self.forward_s)
-        return y.mean() if self.last else y
+        if not self.last:
+            return y
+        return y.sum() if loss_reduction == "sum" else y.mean()
 
 
 def stages(kind: str, grid: ParallelGrid) -> tuple[list[nn.Module], int]:

@@ -108,6 +108,9 @@ def run_schedule(
 ) -> PipelineResult:
     """Run this rank's list of ``schedule`` over ``chunks``: one forward-backward of the batch.
 
+    ``chunks`` are called as GPT stages are: ``chunk(x, dropout_key=key)`` returns the next
+    stage's input [b, s, hidden] (in the parameters' dtype), and on the last virtual stage
+    ``chunk(x, labels, dropout_key=key, loss_reduction="sum")`` the summed token losses.
     ``input_ids`` and ``labels`` are this data-parallel replica's batch [b, s] (every pipeline
     rank may pass it; only the first and last stage read it), cut into ``num_microbatches``.
     Gradients accumulate in the chunks' parameters. ``num_tokens``: the target tokens the loss
