@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 PIP    := $(PY) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: install test lint lab train bench gpu-check clean
+.PHONY: install test lint lab train bench gpu-check student-notebooks clean
 
 install: $(VENV)/.installed
 
@@ -21,9 +21,10 @@ lint: install
 	$(PY) -m ruff check .
 
 # Unit tests and every notebook (nbval compares the committed outputs), in one pytest run.
+# notebooks/[0-9]*.ipynb: the solution notebooks (not the generated student/ versions).
 test: lint
 	$(PY) -m pytest --nbval --nbval-current-env --nbval-sanitize-with notebooks/sanitize.cfg \
-		tests notebooks
+		tests notebooks/[0-9]*.ipynb
 
 lab: install
 	$(PY) -m jupyter lab notebooks
@@ -40,6 +41,10 @@ bench: install
 # MFU), the GPU benchmarks; one table. Makes .venv-gpu if .venv's torch sees no GPU. No GPU: says so.
 gpu-check:
 	@$(PYTHON) bench/gpu_check.py --torch-spec "$(TORCH_SPEC)"
+
+# The notebooks without their solutions (each a stub the checkers answer "not done yet").
+student-notebooks: install
+	$(PY) -m megatron_edu.exercises.student notebooks notebooks/student
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,116 @@
+"""How an exercise is checked: the learner's function against the reference, answered in words.
+
+A checker is a function registered with ``@exercise(id, title)``; it receives the learner's
+function, runs it (on several ranks where it matters, through ``on_ranks``) and either returns
+a sentence saying what was verified, or raises ``Hint`` saying what is wrong — a wrong shape, a
+slice on the wrong rank, a gradient missing its all-reduce, collective counts other than the
+paper's, a deadlock. ``check`` turns every outcome into a ``CheckResult``; it never raises for a
+wrong answer, and a learner's exception becomes a sentence too, not a bare traceback.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from megatron_edu.launch import RankError, run
+
+__all__ = ["CheckResult", "Hint", "exercise", "check", "on_ranks", "EXERCISES", "close"]
+
+EXERCISES: dict[str, str] = {}                     # id -> title, in registration order
+_CHECKERS: dict[str, Callable[[Callable], str]] = {}
+NOT_DONE = "not done yet"
+
+
+class Hint(Exception):
+    """Raised by a checker: the answer is wrong, and the message says how (in words)."""
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """``passed`` and a ``message`` in words; shown as one line in a notebook."""
+
+    exercise: str
+    passed: bool
+    message: str
+
+    def __repr__(self) -> str:
+        mark = "✓" if self.passed else "✗"
+        return f"{mark} {self.exercise} {EXERCISES[self.exercise]}: {self.message}"
+
+    __str__ = __repr__
+
+
+def exercise(exercise_id: str, title: str) -> Callable:
+    """Register the decorated checker as exercise ``exercise_id`` ("03.2")."""
+
+    def register(checker: Callable[[Callable], str]) -> Callable[[Callable], str]:
+        if exercise_id in EXERCISES:
+            raise ValueError(f"exercise {exercise_id} is registered twice")
+        EXERCISES[exercise_id] = title
+        _CHECKERS[exercise_id] = checker
+        return checker
+
+    return register
+
+
+def check(exercise_id: str, fn: Callable) -> CheckResult:
+    """Check the learner's ``fn`` for exercise ``exercise_id``; never raises for a wrong answer."""
+    if exercise_id not in EXERCISES:
+        raise KeyError(f"no exercise {exercise_id!r}; there are {', '.join(EXERCISES)}")
+    try:
+        return CheckResult(exercise_id, True, _CHECKERS[exercise_id](fn))
+    except Hint as hint:
+        return CheckResult(exercise_id, False, str(hint))
+    except NotImplementedError as err:
+        return CheckResult(exercise_id, False, _not_done(str(err)))
+    except Exception as err:  # the learner's code raised in this process
+        return CheckResult(exercise_id, False, f"your function raised {type(err).__name__}: "
+                                               f"{err}")
+
+
+def _not_done(detail: str) -> str:
+    return f"{NOT_DONE} — replace the `raise NotImplementedError` with your code" + (
+        f" ({detail})" if detail else "")
+
+
+def on_ranks(world_size: int, rank_fn: Callable[..., Any], *args: Any,
+             timeout: float = 30.0) -> list[Any]:
+    """``rank_fn(*args)`` on ``world_size`` gloo ranks; its per-rank results. A rank that raises
+    or does not finish becomes a ``Hint`` in words: the exception's last line and the rank, or
+    a likely deadlock (a send without its receive, a collective some rank never reaches)."""
+    try:
+        return run(rank_fn, world_size, *args, backend="gloo", timeout=timeout)
+    except TimeoutError as err:
+        ranks = re.search(r"ranks (\[[\d, ]*\])", str(err))
+        raise Hint(f"ranks {ranks.group(1) if ranks else '?'} did not finish within "
+                   f"{timeout:g} s: a deadlock? Every send needs a matching recv on the other "
+                   f"rank, and every rank must reach every collective, in the same order") from None
+    except RankError as err:
+        raise Hint(_rank_failure(str(err))) from None
+
+
+def _rank_failure(report: str) -> str:
+    """The launcher's report in one sentence: which rank raised what (or died)."""
+    raised = re.search(r"rank (\d+) raised:\n(.*?)(?:\n--- last output|\Z)", report, re.S)
+    if raised is None:
+        return report.splitlines()[0]
+    last = raised.group(2).strip().splitlines()[-1]
+    if last.startswith("NotImplementedError"):
+        return _not_done(last.partition(":")[2].strip())
+    return f"rank {raised.group(1)} raised {last}"
+
+
+def close(got: Any, expected: Any, what: str, atol: float = 1e-5) -> None:
+    """Raise a Hint unless ``got`` (a tensor) has ``expected``'s shape and values within atol."""
+    import torch
+
+    if not isinstance(got, torch.Tensor):
+        raise Hint(f"{what} should be a tensor, got {type(got).__name__}")
+    if got.shape != expected.shape:
+        raise Hint(f"{what} has shape {tuple(got.shape)}, expected {tuple(expected.shape)}")
+    diff = (got.detach().float() - expected.detach().float()).abs().max().item()
+    if not diff <= atol:
+        raise Hint(f"{what} differs from the reference by up to {diff:.3g} (tolerance {atol:g})")
