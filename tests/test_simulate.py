@@ -143,3 +143,39 @@ def test_measured_and_simulated_are_drawn_one_above_the_other():
     fig = draw_measured_vs_simulated(measured, simulated)
     assert [ax.get_title() for ax in fig.axes] == ["measured — bubble fraction 0.500",
                                                    "simulated — bubble fraction 0.500"]
+
+
+def test_every_setting_of_the_explorer_sliders_gives_a_schedule():
+    # the erratum: interleaved at p=6, m=8 printed an error instead of a chart
+    from megatron_edu.viz.pipeline import EXPLORER, explorer_setting
+
+    for name in EXPLORER["name"]:
+        for p in EXPLORER["p"]:
+            for m in EXPLORER["m"]:
+                for v in EXPLORER["v"]:
+                    drawn_m, drawn_v, note = explorer_setting(name, p, m, v)
+                    schedule = make_schedule(name, p, drawn_m, drawn_v)  # never a ValueError
+                    assert len(schedule) == p and (note == "") == (drawn_m == m)
+                    assert m <= drawn_m < m + p
+
+
+@pytest.mark.parametrize("name, p, m, v, ratio, latency", [
+    ("interleaved", 6, 8, 2, 2.0, 0.0),     # the erratum's setting: m moves to 12
+    ("interleaved", 7, 32, 2, 0.5, 1.0),    # m moves to 35, beyond the slider
+    ("interleaved", 1, 1, 4, 4.0, 0.05),
+    ("gpipe", 8, 32, 4, 4.0, 1.0),          # v is ignored by the one-chunk schedules
+    ("1f1b", 8, 1, 1, 0.5, 0.0),            # m < p
+])
+def test_the_explorer_draws_every_corner_and_says_when_it_moved_m(name, p, m, v, ratio, latency,
+                                                                  capsys):
+    import matplotlib.pyplot as plt
+
+    from megatron_edu.viz.pipeline import explorer_setting, show_explored
+
+    plt.close("all")
+    show_explored(name, p, m, v, ratio, latency)
+    out = capsys.readouterr().out
+    drawn_m = explorer_setting(name, p, m, v)[0]
+    assert ("drawn with m = " in out) == (drawn_m != m)
+    assert "simulated bubble" in out and len(plt.gcf().axes) == 1
+    plt.close("all")

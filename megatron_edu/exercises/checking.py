@@ -11,9 +11,12 @@ wrong answer, and a learner's exception becomes a sentence too, not a bare trace
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+import cloudpickle
 
 from megatron_edu.launch import RankError, run
 
@@ -81,6 +84,9 @@ def on_ranks(world_size: int, rank_fn: Callable[..., Any], *args: Any,
     """``rank_fn(*args)`` on ``world_size`` gloo ranks; its per-rank results. A rank that raises
     or does not finish becomes a ``Hint`` in words: the exception's last line and the rank, or
     a likely deadlock (a send without its receive, a collective some rank never reaches)."""
+    # A checker's rank function travels by value, as the learner's does: a rank then never
+    # imports megatron_edu.exercises (every checker module and what it imports) to run it.
+    cloudpickle.register_pickle_by_value(sys.modules[rank_fn.__module__])
     try:
         return run(rank_fn, world_size, *args, backend="gloo", timeout=timeout)
     except TimeoutError as err:
@@ -93,14 +99,24 @@ def on_ranks(world_size: int, rank_fn: Callable[..., Any], *args: Any,
 
 
 def _rank_failure(report: str) -> str:
-    """The launcher's report in one sentence: which rank raised what (or died)."""
-    raised = re.search(r"rank (\d+) raised:\n(.*?)(?:\n--- last output|\Z)", report, re.S)
-    if raised is None:
+    """The launcher's report in one sentence: which rank raised what (or died). Of several
+    failed ranks, the first whose error is its own, not a peer's "connection closed"."""
+    blocks = re.findall(r"rank (\d+) raised:\n(.*?)(?=\n\nrank \d+ (?:raised|exited)|\Z)",
+                        report, re.S)
+    if not blocks:
         return report.splitlines()[0]
-    last = raised.group(2).strip().splitlines()[-1]
+    failures = [(rank, _last_error_line(text)) for rank, text in blocks]
+    rank, last = next(((r, line) for r, line in failures if "Connection closed" not in line),
+                      failures[0])
     if last.startswith("NotImplementedError"):
         return _not_done(last.partition(":")[2].strip())
-    return f"rank {raised.group(1)} raised {last}"
+    return f"rank {rank} raised {last}"
+
+
+def _last_error_line(text: str) -> str:
+    """The exception line of a traceback (the rank's captured output may follow it)."""
+    traceback = text.split("\n--- last output")[0]
+    return traceback.strip().splitlines()[-1]
 
 
 def close(got: Any, expected: Any, what: str, atol: float = 1e-5) -> None:

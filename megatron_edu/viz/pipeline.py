@@ -10,7 +10,8 @@ draw_peak_activations: memory in flight per rank, one bar group per schedule (an
 draw_bubble_vs_latency: how send latency eats the interleaved schedule's gain.
 measured_costs / simulate_measured: a measured run's mean costs per rank, and the simulation
 that uses them (free sends, no noise); draw_measured_run draws the two on one time axis.
-show_schedule / explore: the notebook's static call and the ipywidgets explorer that calls it.
+show_schedule / explore: the notebook's static call and the ipywidgets explorer that calls it
+(through show_explored, which moves m to a valid value for the interleaved schedule and says so).
 """
 
 from __future__ import annotations
@@ -134,28 +135,61 @@ def show_schedule(name: str, p: int, m: int, v: int = 1, ratio: float = 2.0,
     print(f"point-to-point messages: {timeline.num_p2p_messages}")
 
 
+# The explorer's controls: every combination of these values is a setting it draws.
+EXPLORER = {
+    "name": list(SCHEDULES),
+    "p": list(range(1, 9)),
+    "m": list(range(1, 33)),
+    "v": list(range(1, 5)),
+    "ratio": [0.5 * k for k in range(1, 9)],          # t_b / t_f from 0.5 to 4
+    "latency": [round(0.05 * k, 2) for k in range(21)],  # 0 to 1 forward time
+}
+
+
+def explorer_setting(name: str, p: int, m: int, v: int) -> tuple[int, int, str]:
+    """The (m, v) the explorer draws for its sliders' values, and a note when it changed m.
+
+    GPipe and 1F1B have one chunk per rank (v is ignored). The interleaved schedule sends
+    microbatches through the chunks in groups of p, so m must be a multiple of p: m is raised to
+    the next multiple, and the note says so — no setting of the sliders is a dead end.
+    """
+    if name != "interleaved":
+        return m, 1, ""
+    if m % p == 0:
+        return m, v, ""
+    snapped = -(-m // p) * p
+    return snapped, v, (f"interleaved: microbatches go through the chunks in groups of p = {p}, "
+                        f"so m must be a multiple of p — drawn with m = {snapped} instead of {m}")
+
+
+def show_explored(name: str, p: int, m: int, v: int, ratio: float, latency: float) -> None:
+    """The explorer's callback: ``show_schedule`` at the nearest valid setting (said if moved)."""
+    m, v, note = explorer_setting(name, p, m, v)
+    if note:
+        print(note)
+    show_schedule(name, p, m, v, ratio, latency)
+
+
 def explore() -> None:
     """The ipywidgets explorer: schedule, p, m, v, backward/forward ratio, send latency."""
     import ipywidgets as widgets  # imported here: only the notebook's explorer needs it
 
-    def update(name, p, m, v, ratio, latency):
-        try:
-            show_schedule(name, p, m, v, ratio, latency)
-        except ValueError as error:  # e.g. interleaved with m not a multiple of p
-            print(error)
-
     style = {"description_width": "initial"}
+
+    def slider(kind, key: str, value, description: str, **step):
+        values = EXPLORER[key]
+        return kind(value=value, min=values[0], max=values[-1], description=description,
+                    style=style, **step)
+
     widgets.interact(
-        update,
-        name=widgets.Dropdown(options=list(SCHEDULES), value="interleaved",
+        show_explored,
+        name=widgets.Dropdown(options=EXPLORER["name"], value="interleaved",
                               description="schedule", style=style),
-        p=widgets.IntSlider(value=4, min=1, max=8, description="p (stages)", style=style),
-        m=widgets.IntSlider(value=8, min=1, max=32, description="m (microbatches)", style=style),
-        v=widgets.IntSlider(value=2, min=1, max=4, description="v (chunks)", style=style),
-        ratio=widgets.FloatSlider(value=2.0, min=0.5, max=4.0, step=0.5,
-                                  description="t_b / t_f", style=style),
-        latency=widgets.FloatSlider(value=0.0, min=0.0, max=1.0, step=0.05,
-                                    description="send latency", style=style),
+        p=slider(widgets.IntSlider, "p", 4, "p (stages)"),
+        m=slider(widgets.IntSlider, "m", 8, "m (microbatches)"),
+        v=slider(widgets.IntSlider, "v", 2, "v (chunks)"),
+        ratio=slider(widgets.FloatSlider, "ratio", 2.0, "t_b / t_f", step=0.5),
+        latency=slider(widgets.FloatSlider, "latency", 0.0, "send latency", step=0.05),
     )
 
 

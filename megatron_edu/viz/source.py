@@ -17,6 +17,7 @@ _PACKAGE = Path(__file__).resolve().parents[1]
 def show_source(*objects: object) -> None:
     """Print the source of each function, class or method, headed by its file and name."""
     for i, obj in enumerate(objects):
+        obj = inspect.unwrap(obj)  # a decorated function (@torch.no_grad()): the original
         path = Path(inspect.getsourcefile(obj)).resolve()
         name = getattr(obj, "__qualname__", getattr(obj, "__name__", repr(obj)))
         where = path.relative_to(_PACKAGE.parent) if path.is_relative_to(_PACKAGE) else path.name

@@ -1,0 +1,385 @@
+"""The checkers of notebooks 06 and 07: the reference solutions pass; typical wrong answers get
+the hint that names their mistake; a stub is "not done yet"; a deadlock is said to be one."""
+
+import pytest
+import torch
+
+from megatron_edu import comm
+from megatron_edu.exercises import check, nb06, nb07
+from megatron_edu.perf import ModelShape, parameters_per_rank
+
+
+def _verdict(exercise_id, fn, *expected):
+    result = check(exercise_id, fn)
+    assert result.passed is False, result
+    for words in expected:
+        assert words in result.message, result
+    return result
+
+
+def _stub(*args, **kwargs):
+    raise NotImplementedError("exercise NN.k: your code here")
+
+
+@pytest.mark.parametrize("exercise_id", ["06.1", "06.2", "06.3", "07.1", "07.2", "07.3"])
+def test_a_stub_is_not_done_yet(exercise_id):
+    result = check(exercise_id, _stub)
+    assert result.passed is False and "not done yet" in result.message, result
+
+
+# --- 06.1 one all-reduce per bucket --------------------------------------------------------------
+
+def average_gradients(buckets, group):
+    for grads in buckets:
+        flat = torch.cat([g.flatten() for g in grads])
+        comm.all_reduce_(flat, group, "dp grads")
+        flat /= group.size
+        for g, piece in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+            g.copy_(piece.view_as(g))
+
+
+def summed_not_averaged(buckets, group):
+    for grads in buckets:
+        flat = torch.cat([g.flatten() for g in grads])
+        comm.all_reduce_(flat, group)
+        for g, piece in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+            g.copy_(piece.view_as(g))
+
+
+def one_all_reduce_per_tensor(buckets, group):
+    for grads in buckets:
+        for g in grads:
+            comm.all_reduce_(g, group)
+            g /= group.size
+
+
+def reduced_but_not_copied_back(buckets, group):
+    for grads in buckets:
+        flat = torch.cat([g.flatten() for g in grads])
+        comm.all_reduce_(flat, group)
+        flat /= group.size
+
+
+def test_06_1_the_solution_passes():
+    result = check("06.1", average_gradients)
+    assert result.passed, result
+    assert "3 all-reduces" in result.message
+
+
+@pytest.mark.parametrize("wrong, words", [
+    (summed_not_averaged, "off by a factor dp = 2"),
+    (one_all_reduce_per_tensor, "6 all-reduces for 3 buckets: one per tensor"),
+    (reduced_but_not_copied_back, "still holds the rank's own gradient"),
+], ids=["no-division", "per-tensor", "not-copied-back"])
+def test_06_1_a_typical_mistake_gets_its_hint(wrong, words):
+    _verdict("06.1", wrong, words)
+
+
+# --- 06.2 gradient accumulation ------------------------------------------------------------------
+
+def accumulate(model, ddp, x, y, m):
+    for i, (xi, yi) in enumerate(zip(x.chunk(m), y.chunk(m), strict=True)):
+        with ddp.sync(i == m - 1):
+            (model(xi, yi) / m).backward()
+    ddp.finish_grad_sync()
+
+
+def loss_not_divided_by_m(model, ddp, x, y, m):
+    for i, (xi, yi) in enumerate(zip(x.chunk(m), y.chunk(m), strict=True)):
+        with ddp.sync(i == m - 1):
+            model(xi, yi).backward()
+    ddp.finish_grad_sync()
+
+
+def syncs_every_microbatch(model, ddp, x, y, m):
+    for xi, yi in zip(x.chunk(m), y.chunk(m), strict=True):
+        (model(xi, yi) / m).backward()
+    ddp.finish_grad_sync()
+
+
+def never_finishes(model, ddp, x, y, m):
+    for i, (xi, yi) in enumerate(zip(x.chunk(m), y.chunk(m), strict=True)):
+        with ddp.sync(i == m - 1):
+            (model(xi, yi) / m).backward()
+
+
+def communicates_after_backward(model, ddp, x, y, m):
+    for xi, yi in zip(x.chunk(m), y.chunk(m), strict=True):
+        with ddp.sync(False):
+            (model(xi, yi) / m).backward()
+    ddp.finish_grad_sync()
+
+
+def test_06_2_the_solution_passes():
+    result = check("06.2", accumulate)
+    assert result.passed, result
+    assert "3 all-reduces per step" in result.message and "not 12" in result.message
+
+
+@pytest.mark.parametrize("wrong, words", [
+    (loss_not_divided_by_m, "off by a factor m = 4"),
+    (syncs_every_microbatch, "ddp.sync(False)"),
+    (never_finishes, "finish_grad_sync() was not called"),
+    (communicates_after_backward, "no bucket was launched during backward"),
+], ids=["no-division", "every-microbatch", "no-finish", "no-overlap"])
+def test_06_2_a_typical_mistake_gets_its_hint(wrong, words):
+    _verdict("06.2", wrong, words)
+
+
+# --- 06.3 a ZeRO-1 step --------------------------------------------------------------------------
+
+def zero1_step(params, grads, state, group, lr=0.1, momentum=0.9):
+    dp, r = group.size, group.rank
+    n = params.numel() // dp
+    mine = slice(r * n, (r + 1) * n)
+    grad = comm.reduce_scatter(grads, group, dim=0) / dp
+    buf = state.setdefault("momentum", torch.zeros_like(grad))
+    buf.mul_(momentum).add_(grad)
+    params[mine] -= lr * buf
+    params.copy_(comm.all_gather(params[mine], group, dim=0))
+
+
+def zero1_not_divided(params, grads, state, group, lr=0.1, momentum=0.9):
+    r, n = group.rank, params.numel() // group.size
+    grad = comm.reduce_scatter(grads, group, dim=0)
+    buf = state.setdefault("momentum", torch.zeros_like(grad))
+    buf.mul_(momentum).add_(grad)
+    params[r * n:(r + 1) * n] -= lr * buf
+    params.copy_(comm.all_gather(params[r * n:(r + 1) * n], group, dim=0))
+
+
+def whole_buffer(params, grads, state, group, lr=0.1, momentum=0.9):
+    grad = comm.all_reduce(grads, group) / group.size
+    buf = state.setdefault("momentum", torch.zeros_like(grad))
+    buf.mul_(momentum).add_(grad)
+    params -= lr * buf
+
+
+def gathers_before_updating(params, grads, state, group, lr=0.1, momentum=0.9):
+    r, n = group.rank, params.numel() // group.size
+    grad = comm.reduce_scatter(grads, group, dim=0) / group.size
+    buf = state.setdefault("momentum", torch.zeros_like(grad))
+    params.copy_(comm.all_gather(params[r * n:(r + 1) * n], group, dim=0))
+    buf.mul_(momentum).add_(grad)
+    params[r * n:(r + 1) * n] -= lr * buf
+
+
+def reversed_shards(params, grads, state, group, lr=0.1, momentum=0.9):
+    r, n = group.size - 1 - group.rank, params.numel() // group.size  # the wrong offset
+    grad = comm.reduce_scatter(grads, group, dim=0) / group.size
+    buf = state.setdefault("momentum", torch.zeros_like(grad))
+    buf.mul_(momentum).add_(grad)
+    params[r * n:(r + 1) * n] -= lr * buf
+    params.copy_(comm.all_gather(params[r * n:(r + 1) * n], group, dim=0))
+
+
+def forgets_momentum(params, grads, state, group, lr=0.1, momentum=0.9):
+    r, n = group.rank, params.numel() // group.size
+    buf = comm.reduce_scatter(grads, group, dim=0) / group.size
+    params[r * n:(r + 1) * n] -= lr * buf
+    params.copy_(comm.all_gather(params[r * n:(r + 1) * n], group, dim=0))
+
+
+def gathers_on_rank_0_only(params, grads, state, group, lr=0.1, momentum=0.9):
+    r, n = group.rank, params.numel() // group.size
+    grad = comm.reduce_scatter(grads, group, dim=0) / group.size
+    params[r * n:(r + 1) * n] -= lr * grad
+    if r == 0:
+        params.copy_(comm.all_gather(params[:n], group, dim=0))
+
+
+def test_06_3_the_solution_passes():
+    result = check("06.3", zero1_step)
+    assert result.passed, result
+    assert "48 bytes at dp = 4" in result.message
+
+
+@pytest.mark.parametrize("wrong, words", [
+    (zero1_not_divided, "off by a factor dp = 2"),
+    (whole_buffer, "the momentum of the whole buffer"),
+    (gathers_before_updating, "the other shards still hold the old weights"),
+    (reversed_shards, "shard 0 holds shard 1 of the old weights moved by the gradient of shard 0"),
+    (forgets_momentum, "the momentum must survive between steps"),
+], ids=["no-division", "whole-buffer", "gather-first", "wrong-offset", "no-momentum"])
+def test_06_3_a_typical_mistake_gets_its_hint(wrong, words):
+    _verdict("06.3", wrong, words)
+
+
+def test_06_3_a_deadlock_is_named(monkeypatch):
+    monkeypatch.setattr(nb06, "TIMEOUT", 8.0)
+    _verdict("06.3", gathers_on_rank_0_only, "did not finish within 8 s: a deadlock?")
+
+
+# --- 07.1 the rank grid --------------------------------------------------------------------------
+
+def rank_groups(tp, pp, dp):
+    def rank(t, p, d):
+        return p * dp * tp + d * tp + t
+    groups = {
+        "tp": [[rank(t, p, d) for t in range(tp)] for p in range(pp) for d in range(dp)],
+        "dp": [[rank(t, p, d) for d in range(dp)] for p in range(pp) for t in range(tp)],
+        "pp": [[rank(t, p, d) for p in range(pp)] for d in range(dp) for t in range(tp)],
+    }
+    groups["embedding"] = [sorted({g[0], g[-1]}) for g in groups["pp"]]
+    return groups
+
+
+def _groups_in_order(tp, pp, dp, rank):
+    groups = {
+        "tp": [[rank(t, p, d) for t in range(tp)] for p in range(pp) for d in range(dp)],
+        "dp": [[rank(t, p, d) for d in range(dp)] for p in range(pp) for t in range(tp)],
+        "pp": [[rank(t, p, d) for p in range(pp)] for d in range(dp) for t in range(tp)],
+    }
+    groups["embedding"] = [sorted({g[0], g[-1]}) for g in groups["pp"]]
+    return groups
+
+
+def pp_before_dp(tp, pp, dp):
+    return _groups_in_order(tp, pp, dp, lambda t, p, d: d * pp * tp + p * tp + t)
+
+
+def tp_slowest(tp, pp, dp):
+    return _groups_in_order(tp, pp, dp, lambda t, p, d: t * pp * dp + p * dp + d)
+
+
+def first_and_last_even_when_one_stage(tp, pp, dp):
+    groups = rank_groups(tp, pp, dp)
+    groups["embedding"] = [[g[0], g[-1]] for g in groups["pp"]]
+    return groups
+
+
+def no_embedding(tp, pp, dp):
+    groups = rank_groups(tp, pp, dp)
+    del groups["embedding"]
+    return groups
+
+
+def test_07_1_the_solution_passes():
+    assert check("07.1", rank_groups).passed
+
+
+@pytest.mark.parametrize("wrong, words", [
+    (pp_before_dp, "your dp groups are the pp groups"),
+    (tp_slowest, "tp is the fastest coordinate"),
+    (first_and_last_even_when_one_stage, "with pp = 1 the first stage is also the last"),
+    (no_embedding, "missing: embedding"),
+], ids=["pp-before-dp", "tp-slowest", "one-stage", "missing-kind"])
+def test_07_1_a_typical_mistake_gets_its_hint(wrong, words):
+    _verdict("07.1", wrong, words)
+
+
+# --- 07.2 the tied embedding ---------------------------------------------------------------------
+
+def sum_tied_embedding_grads(grad, grid):
+    if grad is None:
+        return None
+    return comm.all_reduce(grad, grid.embedding_group)
+
+
+def keeps_its_own_part(grad, grid):
+    return grad
+
+
+def averages_the_copies(grad, grid):
+    if grad is None:
+        return None
+    return comm.all_reduce(grad, grid.embedding_group) / 2
+
+
+def sums_over_dp(grad, grid):
+    if grad is None:
+        return None
+    return comm.all_reduce(grad, grid.dp_group)
+
+
+def sums_over_the_pipeline(grad, grid):  # right at pp = 2; the middle stages never join at pp = 4
+    if grad is None:
+        return None
+    return comm.all_reduce(grad, grid.pp_group)
+
+
+def sums_on_the_first_stage_only(grad, grid):  # the last stage never joins: a deadlock
+    if grid.is_first_stage:
+        return comm.all_reduce(grad, grid.embedding_group)
+    return grad
+
+
+def test_07_2_the_solution_passes():
+    assert check("07.2", sum_tied_embedding_grads).passed
+
+
+@pytest.mark.parametrize("wrong, words", [
+    (keeps_its_own_part, "kept only its own part of ∇E"),
+    (averages_the_copies, "holds half the sum"),
+    (sums_over_dp, "summed over the data-parallel group"),
+    (sums_over_the_pipeline, "you summed over the pp group"),
+], ids=["no-sum", "mean", "dp-group", "pp-group"])
+def test_07_2_a_typical_mistake_gets_its_hint(wrong, words):
+    _verdict("07.2", wrong, words)
+
+
+def test_07_2_an_all_reduce_one_copy_never_joins_is_a_named_deadlock(monkeypatch):
+    monkeypatch.setattr(nb07, "TIMEOUT", 8.0)
+    _verdict("07.2", sums_on_the_first_stage_only, "a deadlock?", "grid.embedding_group")
+
+
+# --- 07.3 the bytes of a PTD-P step --------------------------------------------------------------
+
+def predict_bytes(config, tp, pp, dp, batch, microbatches, ring=True, scatter_gather=True,
+                  padding=True, per_microbatch=True):
+    t, p, d, m = tp, pp, dp, microbatches
+    b, s, h, layers = batch // (d * m), config.seq_len, config.hidden, config.num_layers
+    act = 4 * b * s * h
+
+    def all_reduce(g):
+        return 2 * (g - 1) / g if ring else float(g > 1)
+
+    def all_gather(g):
+        return (g - 1) / g if ring else float(g > 1)
+
+    vocab = config.padded_vocab(t) if padding else config.vocab_size
+    tp_bytes = t * p * d * (layers // p) * 4 * m * all_reduce(t) * act
+    tp_bytes += 2 * d * t * m * all_reduce(t) * act
+    tp_bytes += 2 * (p - 1) * d * t * m * all_gather(t) * act * scatter_gather
+    pp_bytes = 2 * (p - 1) * d * m * act * (1 if scatter_gather else t)
+    embedding = 2 * d * t * all_reduce(2) * 4 * vocab * h / t if p > 1 else 0
+    shape = ModelShape(layers, h, config.num_heads, vocab, s)
+    dp_bytes = d * t * sum(all_reduce(d) * 4 * parameters_per_rank(shape, t, p, stage)
+                           for stage in range(p))
+    scale = 1 if per_microbatch else 1 / m
+    return dict(tp=tp_bytes * scale, pp=pp_bytes * scale, dp=dp_bytes, embedding=embedding)
+
+
+def test_07_3_the_reference_counts_equal_the_measured_bytes_exactly():
+    for tp, pp, dp in nb07.BYTES_LAYOUTS:
+        reference = nb07.reference_bytes(nb07.BYTES_CONFIG, tp, pp, dp, nb07.BYTES_BATCH,
+                                         nb07.BYTES_MICROBATCHES)
+        measured = nb07.measured_bytes(tp, pp, dp)
+        assert {k: round(v) for k, v in reference.items()} == \
+            {k: measured[k] for k in nb07.PREDICTED}, (tp, pp, dp)
+
+
+def test_07_3_the_solution_passes():
+    result = check("07.3", predict_bytes)
+    assert result.passed, result
+
+
+@pytest.mark.parametrize("mistake, words", [
+    (dict(ring=False), "you counted the size of each buffer, not what a rank sends"),
+    (dict(scatter_gather=False), "§4.1's scatter/gather"),
+    (dict(padding=False), "the vocabulary padded to a multiple of 128·tp"),
+    (dict(per_microbatch=False), "for each of the m microbatches"),
+], ids=["no-ring-factor", "no-scatter-gather", "no-padding", "per-step"])
+def test_07_3_a_typical_mistake_gets_its_hint(mistake, words):
+    def wrong(*args):
+        return predict_bytes(*args, **mistake)
+
+    _verdict("07.3", wrong, words)
+
+
+def test_07_3_a_prediction_off_in_an_unknown_way_names_the_purpose_and_the_factor():
+    def wrong(*args):
+        return {**predict_bytes(*args), "pp": 3 * predict_bytes(*args)["pp"]}
+
+    _verdict("07.3", wrong, "tp=2 pp=2 dp=2: your pp bytes are 3× the measured 32,768",
+             "1/t of it from each tp rank")
