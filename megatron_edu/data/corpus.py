@@ -4,8 +4,12 @@ The papers train on large web corpora (1909.08053 §4.1: Wikipedia, CC-Stories, 
 OpenWebText; deduplicated, 174 GB). A laptop without internet has none of that, but every Python
 installation carries a few MB of English written for people: the docstrings of its standard
 library and the language reference topics behind `help()` (`pydoc_data.topics`). That is the
-default corpus here: read from source files with `ast` (nothing is imported), in sorted order so
-every machine with the same Python version builds the same documents, and cached as JSON.
+default corpus here, extracted once from CPython 3.11.7 (with `ast`: nothing is imported) and
+shipped in the package as `default_corpus.txt.gz` (600 KB), so that every machine — whatever its
+Python version — trains on the same documents, the same tokenizer and the same numbers. The text is
+the Python Software Foundation's, under the PSF License Agreement
+(`default_corpus.LICENSE.txt`, next to it). `write_default_corpus()` rebuilds the file from the
+running Python.
 
 Other sources, same shape (a list of documents, strings):
 - `load_text_files(paths)`: local `.txt` files, or folders of them (one document per file);
@@ -20,10 +24,9 @@ from __future__ import annotations
 
 import ast
 import gc
+import gzip
 import hashlib
-import json
 import os
-import platform
 import re
 import sysconfig
 import warnings
@@ -32,7 +35,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "megatron_edu"
-CORPUS_FORMAT = 1  # bump when the extraction below changes, so stale caches are not reused
+DEFAULT_CORPUS_PATH = Path(__file__).with_name("default_corpus.txt.gz")
+DEFAULT_CORPUS_SHA256 = (  # documents_sha256 of the shipped corpus: the same on every machine
+    "e832f7179fad494a30cb5cc15a7b938212f1b0575bffae601eb708fd82166162"
+)
+_SEPARATOR = "\n\x1e\n"  # between documents; `_clean` splits lines at \x1e, so none holds one
 
 # Tests and IDLE duplicate the library's own text; `encodings` holds ~100 generated codec
 # modules with one boilerplate docstring each; `pydoc_data` is added below as clean topics.
@@ -84,14 +91,24 @@ def documents_sha256(documents: Sequence[str]) -> str:
 
 
 def default_corpus(cache_dir: str | Path | None = None) -> list[str]:
-    """The built-in corpus as a list of documents, built once per Python version and cached."""
-    version = f"{platform.python_implementation()}-{platform.python_version()}".lower()
-    path = resolve_cache_dir(cache_dir) / "corpus" / f"python-docs-{version}-v{CORPUS_FORMAT}.json"
-    if path.exists():
-        return json.loads(path.read_text(encoding="utf-8"))
+    """The built-in corpus as a list of documents: Python's docs, read from the shipped file.
+
+    The same documents on every machine and Python version (their `documents_sha256` is
+    `DEFAULT_CORPUS_SHA256`). Reading takes a few hundredths of a second, so nothing is cached;
+    `cache_dir` is accepted, like every data function's, and unused.
+    """
+    text = gzip.decompress(DEFAULT_CORPUS_PATH.read_bytes()).decode("utf-8")
+    return text.split(_SEPARATOR)
+
+
+def write_default_corpus(path: str | Path = DEFAULT_CORPUS_PATH) -> list[str]:
+    """Extract the corpus from the running Python and write it to `path` (gzip, no timestamp,
+    so the same documents give the same bytes); return the documents."""
     documents = stdlib_docstrings() + pydoc_topics()
-    text = json.dumps(documents, ensure_ascii=False)
-    write_atomically(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+    if any(_SEPARATOR.strip("\n") in document for document in documents):
+        raise ValueError("a document holds the separator \\x1e")  # `_clean` makes it impossible
+    data = gzip.compress(_SEPARATOR.join(documents).encode("utf-8"), compresslevel=9, mtime=0)
+    write_atomically(Path(path), lambda tmp: tmp.write_bytes(data))
     return documents
 
 
@@ -244,3 +261,4 @@ def load_corpus(
         return load_wikitext103("train", cache_dir)
     paths = [source] if isinstance(source, (str, Path)) else list(source)
     return load_text_files(paths)
+
