@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -172,14 +174,35 @@ def _launch(payload, world_size, backend, timeout, threads, capture, tmp: Path) 
     ]
     for p in procs:
         p.start()
+    stop = _KillRanksOnSigterm()
     try:
         outcomes = _collect(procs, queue, timeout, logs if capture else None)
     finally:
         _reap(procs)
         queue.close()
+        stop.restore()
     if capture:
         _print_logs(logs)
     return [cloudpickle.loads(outcomes[r].payload) for r in range(world_size)]
+
+
+class _KillRanksOnSigterm:
+    """While ranks run, SIGTERM (a job scheduler, ``kill``) ends the parent through its normal
+    exit — whose ``finally`` kills the ranks — instead of leaving them running, orphaned.
+    Only the main thread can set a signal handler; elsewhere this does nothing."""
+
+    def __init__(self) -> None:
+        self.previous = None
+        if threading.current_thread() is threading.main_thread():
+            self.previous = signal.signal(signal.SIGTERM, self._exit)
+
+    @staticmethod
+    def _exit(signum, frame) -> None:
+        raise SystemExit(128 + signum)
+
+    def restore(self) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGTERM, self.previous)
 
 
 def _collect(procs, queue, timeout: float, logs) -> dict[int, _Outcome]:
@@ -227,9 +250,12 @@ def _failures(procs, outcomes: dict[int, _Outcome], logs) -> list[str]:
     return died + raised
 
 
-def _reap(procs) -> None:
+def _reap(procs, grace: float = 2.0) -> None:
+    """Join every rank within ``grace`` seconds in all (they exit on their own after reporting);
+    kill those still alive — a stuck rank after a failure or a timeout."""
+    deadline = time.monotonic() + grace
     for p in procs:
-        p.join(timeout=2.0)
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
     for p in procs:
         if p.is_alive():
             p.kill()

@@ -128,3 +128,28 @@ def test_a_failed_rendezvous_is_retried_then_reported_without_running_fn(tmp_pat
         run(touch, 2, backend="no-such-backend", timeout=30)
     assert "init_process_group" in str(err.value)
     assert not marker.exists()
+
+
+def test_sigterm_to_the_parent_stops_its_ranks_too(tmp_path):
+    """A scheduler's kill must not leave ranks running on their own."""
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, pathlib, time
+        from megatron_edu.launch import run
+        def wait():
+            pathlib.Path(r"{tmp_path}", f"pid{{os.getpid()}}").touch()
+            time.sleep(120)
+        if __name__ == "__main__":
+            run(wait, 2, timeout=300)
+    """))
+    parent = subprocess.Popen([sys.executable, str(script)])
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob("pid*"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    pids = [int(p.name[3:]) for p in tmp_path.glob("pid*")]
+    assert len(pids) == 2, "the ranks did not start"
+    parent.terminate()
+    assert parent.wait(timeout=30) != 0
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
