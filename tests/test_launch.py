@@ -94,7 +94,7 @@ def test_bad_world_size_is_rejected_before_launch(bad):
         run(_rank_and_args, bad, None)
 
 
-TORCHRUN_LAUNCHES = 6  # a rank aborting at exit was seen in ~1/3 of launches: 6 catch it 91 %
+TORCHRUN_LAUNCHES = 4  # a rank aborted at exit in ~1/3 of launches: 4 catch that 80 %
 
 
 def test_under_torchrun_it_initialises_gathers_and_exits_cleanly(tmp_path):
