@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -35,7 +36,7 @@ from megatron_edu import comm
 from megatron_edu.grid import ParallelGrid
 
 __all__ = ["clip_grad_norm_", "global_grad_norm", "counted_in_norm", "scale_grads",
-           "build_param_groups", "warmup_cosine", "optimizer_state_bytes"]
+           "build_param_groups", "warmup_cosine", "optimizer_state_bytes", "DynamicLossScale"]
 
 EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_: max_norm / (norm + 1e-6)
 
@@ -130,3 +131,29 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes held by the optimizer's state tensors (Adam: exp_avg, exp_avg_sq, step)."""
     return sum(t.numel() * t.element_size() for state in optimizer.state.values()
                for t in state.values() if torch.is_tensor(t))
+
+
+@dataclass
+class DynamicLossScale:
+    """fp16's dynamic loss scaling (Micikevicius et al. 2018; 1909.08053 trains so).
+
+    fp16 holds nothing below ~6e-8: small gradients of activations would flush to zero. So the
+    loss is multiplied by ``scale`` before backward (every gradient with it), and the gradients
+    divided by it again before the update. Too large a scale overflows to inf: then the step is
+    skipped — on every rank, since the global norm that sees the inf is agreed by all — and the
+    scale halved; after ``growth_interval`` clean steps in a row it doubles again.
+    """
+
+    scale: float = 2.0**16
+    growth_interval: int = 1000
+    factor: float = 2.0
+    clean_steps: int = 0
+
+    def update(self, overflow: bool) -> None:
+        """After a step: halve on an overflow, double after growth_interval clean steps."""
+        if overflow:
+            self.scale, self.clean_steps = self.scale / self.factor, 0
+            return
+        self.clean_steps += 1
+        if self.clean_steps == self.growth_interval:
+            self.scale, self.clean_steps = self.scale * self.factor, 0

@@ -20,10 +20,14 @@ What only the composition has to do, in ``train_step``:
    pipeline stage each hold a copy, which must stay equal, so their gradients are summed over
    ``grid.embedding_group`` before the update (Megatron-LM's ``_allreduce_word_embedding_grads``)
    — under ZeRO-1 only the shard this rank updates;
-3. **gradient clipping by the global norm** across tp, pp and dp, counting every parameter once
+3. under **sequence parallelism** (2205.05198), the replicated parameters' gradients — each tp
+   rank saw only its part of the sequence — are summed over tp;
+4. under **fp16 loss scaling** (1909.08053), the gradients are divided by the scale backward
+   started from (``optim.DynamicLossScale``);
+5. **gradient clipping by the global norm** across tp, pp and dp, counting every parameter once
    (``optim.clip_grad_norm_``); a non-finite norm (an overflow, a NaN) skips the step on every
-   rank together;
-4. the optimizer step, identical on every replica.
+   rank together — and halves the loss scale;
+6. the optimizer step, identical on every replica.
 
 Every rank counts the steps (``iteration``): with each sample's position in the global batch it
 seeds the dropout masks, so that every layout draws the serial model's masks.
@@ -43,9 +47,10 @@ from megatron_edu.data_parallel import DataParallel, DistributedOptimizer
 from megatron_edu.grid import ParallelGrid
 from megatron_edu.model import GPTConfig
 from megatron_edu.model.gpt import IGNORE_INDEX
-from megatron_edu.optim import build_param_groups, clip_grad_norm_
+from megatron_edu.optim import DynamicLossScale, build_param_groups, clip_grad_norm_
 from megatron_edu.pipeline.engine import build_chunks, run_schedule
 from megatron_edu.pipeline.schedules import Action, forward_only, make_schedule
+from megatron_edu.tensor_parallel.layers import sum_replicated_grads_
 
 __all__ = ["PTDPOptions", "PTDP", "StepResult"]
 
@@ -66,6 +71,7 @@ class PTDPOptions:
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8                # Adam's ε
     clip: float = 1.0                # max global gradient norm; 0 disables clipping
+    loss_scaling: bool = False       # fp16: dynamic loss scaling (optim.DynamicLossScale)
 
 
 @dataclass
@@ -73,6 +79,7 @@ class StepResult:
     loss: float                      # mean over the global batch's tokens (equal on every rank)
     grad_norm: float                 # the global norm before clipping (inf: not finite)
     skipped: bool = False            # the norm was not finite: no rank updated its weights
+    loss_scale: float = 1.0          # the loss scale this step used (fp16)
     timeline: list[tuple[Action, float, float]] = field(default_factory=list)
 
 
@@ -98,6 +105,8 @@ class PTDP:
         adamw = dict(lr=options.lr, betas=options.betas, eps=options.eps)
         self.optimizer = (DistributedOptimizer(groups, self.ddp, torch.optim.AdamW, **adamw)
                           if options.zero1 else torch.optim.AdamW(groups, **adamw))
+        self.loss_scale = DynamicLossScale() if options.loss_scaling else None
+        self.sequence_parts = grid.tp if config.sequence_parallel else 1
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return [p for chunk in self.chunks for p in chunk.parameters()]
@@ -106,17 +115,24 @@ class PTDP:
         """One optimizer step on this replica's slice [b/dp, s] of the global batch."""
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        result = self._run(self.schedule, input_ids, labels,
+        scale = self.loss_scale.scale if self.loss_scale else 1.0
+        result = self._run(self.schedule, input_ids, labels, scale,
                            grad_sync=lambda chunk, last: self.ddp.sync(last))
         self.ddp.finish_grad_sync()                      # dp sum, once per step (§2.1)
         self._sum_tied_embedding_grads()
+        self._sum_sequence_parallel_grads()
+        if scale != 1.0:
+            for bucket in self.ddp.buckets:              # every gradient lives in a bucket
+                bucket.grad_data.mul_(1.0 / scale)
         grad_norm = self._clip()
         skipped = not math.isfinite(grad_norm)
         if not skipped:
             self.optimizer.step()
+        if self.loss_scale:
+            self.loss_scale.update(overflow=skipped)
         self.ddp.zero_grad()
         self.iteration += 1
-        return StepResult(self._dp_sum(result.loss), grad_norm, skipped, result.timeline)
+        return StepResult(self._dp_sum(result.loss), grad_norm, skipped, scale, result.timeline)
 
     @torch.no_grad()
     def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor) -> float:
@@ -124,15 +140,17 @@ class PTDP:
         result = self._run(forward_only(self.schedule), input_ids, labels)
         return self._dp_sum(result.loss)
 
-    def _run(self, schedule, input_ids, labels, grad_sync=None):
+    def _run(self, schedule, input_ids, labels, loss_scale=1.0, grad_sync=None):
         device, b = self.grid.device, input_ids.shape[0]
         tokens = comm.all_reduce(torch.tensor(float((labels != IGNORE_INDEX).sum()),
                                               device=device), self.grid.dp_group, "dp tokens")
         return run_schedule(schedule, self.chunks, self.grid, input_ids.to(device),
                             labels.to(device), self.options.num_microbatches, self.config.hidden,
-                            scatter_gather=self.options.scatter_gather and self.grid.tp > 1,
+                            scatter_gather=(self.options.scatter_gather and self.grid.tp > 1
+                                            and self.sequence_parts == 1),
                             grad_sync=grad_sync, num_tokens=int(tokens.item()),
-                            step=self.iteration, first_sample=self.grid.dp_rank * b)
+                            step=self.iteration, first_sample=self.grid.dp_rank * b,
+                            loss_scale=loss_scale, sequence_parts=self.sequence_parts)
 
     @torch.no_grad()
     def _sum_tied_embedding_grads(self) -> None:
@@ -153,6 +171,18 @@ class PTDP:
                                 "embedding grads")
         for p in self.tied:
             p.grad.copy_(total)
+
+    def _sum_sequence_parallel_grads(self) -> None:
+        """Sequence parallelism: each tp rank has the replicated parameters' gradients of its
+        part of the sequence only; sum them over tp (under ZeRO-1, the shard this rank holds)."""
+        if self.sequence_parts == 1:
+            return
+        if self.options.zero1:
+            grads = [piece.tensor.grad for piece in self.optimizer.pieces
+                     if piece.param.tp_dim is None]
+        else:
+            grads = [p.grad for p in self.parameters() if p.tp_dim is None]
+        sum_replicated_grads_(grads, self.grid.tp_group)
 
     def _clip(self) -> float:
         max_norm = self.options.clip if self.options.clip > 0 else float("inf")

@@ -24,7 +24,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,9 +37,10 @@ from megatron_edu.grid import ParallelGrid, validate_layout
 from megatron_edu.launch import RankError, run, under_torchrun
 from megatron_edu.model import GPTConfig
 from megatron_edu.model.config import PRESETS
-from megatron_edu.optim import warmup_cosine
+from megatron_edu.optim import DynamicLossScale, warmup_cosine
 from megatron_edu.perf import model_flops_utilization, training_flops
 from megatron_edu.perf.flops import datasheet_peak_flops, measure_matmul_flops
+from megatron_edu.pipeline.engine import build_chunks
 from megatron_edu.ptdp import PTDP, PTDPOptions, StepResult
 
 __all__ = ["parse_args", "validate", "main", "train"]
@@ -67,7 +68,14 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("layers", "hidden", "heads", "seq-len", "vocab-size"):
         model.add_argument(f"--{name}", type=int, help="override the preset")
     model.add_argument("--dropout", type=float, default=0.0)
-    model.add_argument("--recompute", action="store_true", help="activation recomputation")
+    model.add_argument("--recompute", nargs="?", const="full", default="none",
+                       choices=["none", "selective", "full"],
+                       help="activation recomputation: the whole layer (full; the flag alone) or "
+                       "only the attention core (selective) (2104.04473 §3.5, 2205.05198 §5)")
+    model.add_argument("--sequence-parallel", action="store_true", help="split the sequence over "
+                       "tp outside the tensor-parallel regions (2205.05198 §4.2.2; needs tp > 1)")
+    model.add_argument("--fused", action="store_true", help="fused kernels: attention, bias+GeLU, "
+                       "bias+dropout+add (2104.04473 §4.2; torch.compile on first use)")
     opt = p.add_argument_group("optimisation")
     opt.add_argument("--steps", type=int, default=600)
     opt.add_argument("--micro-batch", type=int, default=4, help="sequences per microbatch (b)")
@@ -78,8 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     opt.add_argument("--weight-decay", type=float, default=0.1)
     opt.add_argument("--clip", type=float, default=1.0)
     opt.add_argument("--seed", type=int, default=1234)
-    opt.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto",
-                     help="auto: bf16 autocast on GPUs, fp32 on CPUs")
+    opt.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
+                     help="auto: bf16 autocast on GPUs, fp32 on CPUs; fp16: autocast with "
+                     "dynamic loss scaling (1909.08053); weights stay fp32")
     data = p.add_argument_group("data")
     data.add_argument("--data", nargs="+", default=["default"],
                       help="'default' (built-in corpus), 'wikitext103', or .txt files/folders")
@@ -113,6 +122,7 @@ def model_config(args: argparse.Namespace) -> GPTConfig:
     if "hidden" in overrides:
         overrides["ffn_hidden"] = 0  # back to 4h
     return GPTConfig.preset(args.preset, dropout=args.dropout, recompute=args.recompute,
+                            sequence_parallel=args.sequence_parallel, fused=args.fused,
                             seed=args.seed, **overrides)
 
 
@@ -136,6 +146,9 @@ def validate(args: argparse.Namespace, world_size: int | None = None) -> Plan:
     config = model_config(args)
     if args.schedule != "interleaved" and args.chunks != 1:
         raise ValueError(f"--chunks {args.chunks} needs --schedule interleaved")
+    if args.sequence_parallel and args.tp == 1:
+        raise ValueError("--sequence-parallel splits the sequence over the tensor-parallel "
+                         "ranks: it needs --tp > 1")
     if args.chunks > 1 and args.pp == 1:
         raise ValueError(f"--chunks {args.chunks} needs a pipeline (--pp ≥ 2): with one stage "
                          f"there is nothing to interleave")
@@ -173,7 +186,7 @@ def train(args: argparse.Namespace, plan: Plan) -> dict[str, Any]:
     trainer = PTDP(config, grid, PTDPOptions(
         schedule=args.schedule, num_chunks=args.chunks, num_microbatches=plan.num_microbatches,
         scatter_gather=not args.no_scatter_gather, zero1=args.zero1, lr=args.lr,
-        weight_decay=args.weight_decay, clip=args.clip))
+        weight_decay=args.weight_decay, clip=args.clip, loss_scaling=args.dtype == "fp16"))
     sampler = BatchSampler(len(train_set), args.global_batch, grid.dp_rank, grid.dp, args.seed)
     start = _resume(args, trainer, sampler)
     log = _Log(args.out / "log.jsonl", grid.rank == 0, start)
@@ -189,8 +202,9 @@ def train(args: argparse.Namespace, plan: Plan) -> dict[str, Any]:
             with autocast:
                 meter.validation(step + 1, _validate(args, trainer, val_set, grid))
         if (step + 1) % args.save_interval == 0 or step + 1 == args.steps:
-            save_checkpoint(args.out, step + 1, trainer,
-                            {"sampler": sampler.state_dict(), "data": args.data}, tokenizer.path)
+            scale = asdict(trainer.loss_scale) if trainer.loss_scale else None
+            save_checkpoint(args.out, step + 1, trainer, {"sampler": sampler.state_dict(),
+                            "data": args.data, "loss_scale": scale}, tokenizer.path)
     meter.close()
     return _finish(args, trainer, tokenizer, log, train_set)
 
@@ -208,6 +222,8 @@ def _resume(args, trainer: PTDP, sampler: BatchSampler) -> int:
         return 0  # nothing saved yet: start afresh
     meta = load_checkpoint(path, trainer)
     sampler.load_state_dict(meta["state"]["sampler"])
+    if trainer.loss_scale and meta["state"].get("loss_scale"):  # fp16: where the scale was
+        trainer.loss_scale = DynamicLossScale(**meta["state"]["loss_scale"])
     return meta["step"]
 
 
@@ -220,8 +236,9 @@ def _validate(args, trainer: PTDP, val_set: TokenDataset, grid: ParallelGrid) ->
 
 def _autocast(args, grid: ParallelGrid):
     device = grid.device.type
-    bf16 = args.dtype == "bf16" or (args.dtype == "auto" and device == "cuda")
-    return torch.autocast(device, dtype=torch.bfloat16, enabled=bf16)
+    dtype = "bf16" if args.dtype == "auto" and device == "cuda" else args.dtype
+    return torch.autocast(device, dtype=torch.float16 if dtype == "fp16" else torch.bfloat16,
+                          enabled=dtype in ("bf16", "fp16"))
 
 
 # --- what rank 0 shows and writes ----------------------------------------------------------------
@@ -261,7 +278,8 @@ class _Meter:
                  config.vocab_size)
         self.model_flops = training_flops(*shape, recompute=False)
         self.hardware_flops = training_flops(*shape, recompute=config.recompute)
-        self.recompute = config.recompute
+        self.recompute = config.recompute != "none"
+        self.fp16 = args.dtype == "fp16"
         self.peak_total = _peak_flops(args, grid)
         self.bar = None
         if log.active and not args.no_progress:
@@ -278,10 +296,13 @@ class _Meter:
         mfu = model_flops_utilization(self.model_flops, seconds, self.peak_total)
         hfu = model_flops_utilization(self.hardware_flops, seconds, self.peak_total)
         self.skipped += result.skipped
-        self.log.write({"step": step, "loss": result.loss, "lr": lr,
-                        "grad_norm": None if result.skipped else result.grad_norm,
-                        "skipped": result.skipped, "skipped_steps": self.skipped,
-                        "tokens_per_s": self.tokens / seconds, "mfu": mfu, "hfu": hfu})
+        record = {"step": step, "loss": result.loss, "lr": lr,
+                  "grad_norm": None if result.skipped else result.grad_norm,
+                  "skipped": result.skipped, "skipped_steps": self.skipped,
+                  "tokens_per_s": self.tokens / seconds, "mfu": mfu, "hfu": hfu}
+        if self.fp16:
+            record["loss_scale"] = result.loss_scale
+        self.log.write(record)
         if self.bar is not None:
             shown = dict(loss=f"{result.loss:.3f}", tok_s=f"{self.tokens / seconds:,.0f}",
                          mfu=f"{mfu:.0%}")
@@ -359,13 +380,20 @@ def _finish(args, trainer: PTDP, tokenizer, log: _Log, train_set: TokenDataset) 
 
 
 def _sample(args, trainer: PTDP, prompt: list[int]) -> list[int]:
-    """A few tokens from the trained model (top-k sampling), on the training layout."""
+    """A few tokens from the trained model (top-k sampling), on the training layout (without
+    sequence parallelism, which a KV cache cannot use: the same weights in twin chunks)."""
     room = trainer.config.seq_len - len(prompt)  # the KV cache holds at most seq_len tokens
     if min(args.sample_tokens, room) <= 0:
         return []
     from megatron_edu.generate import generate
-    return generate(trainer.chunks, trainer.grid, prompt, min(args.sample_tokens, room),
-                    top_k=20, seed=args.seed)
+    chunks = trainer.chunks
+    if trainer.config.sequence_parallel:
+        chunks = build_chunks(replace(trainer.config, sequence_parallel=False), trainer.grid,
+                              len(chunks))
+        for twin, chunk in zip(chunks, trainer.chunks, strict=True):
+            twin.load_state_dict(chunk.state_dict())
+    return generate(chunks, trainer.grid, prompt, min(args.sample_tokens, room), top_k=20,
+                    seed=args.seed)
 
 
 def _median(values: list[float]) -> float | None:

@@ -14,13 +14,26 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["GPTConfig", "PRESETS"]
+__all__ = ["GPTConfig", "PRESETS", "RECOMPUTE"]
+
+RECOMPUTE = ("none", "selective", "full")
 
 
 @dataclass
 class GPTConfig:
     """A GPT-2-style model. ``ffn_hidden`` = 0 means 4·hidden, resolved at construction (so
-    ``dataclasses.replace(config, hidden=…)`` keeps the old value: pass ``ffn_hidden=0`` too)."""
+    ``dataclasses.replace(config, hidden=…)`` keeps the old value: pass ``ffn_hidden=0`` too).
+
+    How activations are kept (Korthikanti et al. 2022, arXiv 2205.05198; ``perf.memory`` counts
+    them): ``recompute`` "full" keeps only each block's input and runs the block again in the
+    backward pass (2104.04473 §3.5); "selective" recomputes only the attention core — softmax,
+    its dropout and the product with V, the 5·a·s²·b part that grows with s²; "none" keeps
+    everything. ``sequence_parallel`` splits the activations along the sequence over the tp ranks
+    wherever they would be replicated (layer norms, dropouts, residual adds). ``fused``: the
+    attention core as one kernel (``scaled_dot_product_attention``), bias+GeLU and
+    bias+dropout+add compiled into one each (``torch.compile``); off, every operation runs on its
+    own, as the papers count them. (``True``/``False`` for ``recompute`` mean "full"/"none".)
+    """
 
     vocab_size: int = 50257
     seq_len: int = 1024
@@ -31,7 +44,9 @@ class GPTConfig:
     dropout: float = 0.1
     layernorm_eps: float = 1e-5
     seed: int = 1234
-    recompute: bool = False              # activation recomputation per block (2104.04473 §3.5)
+    recompute: str = "none"              # "none" | "selective" | "full" (see below)
+    sequence_parallel: bool = False      # split the sequence outside the tp regions (2205.05198)
+    fused: bool = False                  # fused kernels (2104.04473 §4.2; see below)
     init_std: float = 0.02
     make_vocab_size_divisible_by: int = 128  # Megatron's padding unit, times tp
 
@@ -46,6 +61,10 @@ class GPTConfig:
                              f"num_heads = {self.num_heads}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if isinstance(self.recompute, bool):  # the older on/off flag (checkpoints keep it)
+            self.recompute = "full" if self.recompute else "none"
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
 
     @property
     def head_dim(self) -> int:
@@ -67,6 +86,9 @@ class GPTConfig:
             if getattr(self, name) % tp:
                 raise ValueError(f"{name} = {getattr(self, name)} is not divisible by the "
                                  f"tensor-parallel size tp = {tp}")
+        if self.sequence_parallel and self.seq_len % tp:
+            raise ValueError(f"sequence parallelism splits the sequence over tp: seq_len = "
+                             f"{self.seq_len} is not divisible by tp = {tp}")
         if self.num_layers % (pp * chunks):
             raise ValueError(f"num_layers = {self.num_layers} is not divisible by pp·chunks = "
                              f"{pp}·{chunks} = {pp * chunks} (every virtual pipeline stage "

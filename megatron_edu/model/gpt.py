@@ -49,6 +49,7 @@ from torch import nn
 from megatron_edu import comm
 from megatron_edu.comm import CommGroup
 from megatron_edu.grid import ParallelGrid
+from megatron_edu.model import fused
 from megatron_edu.model.config import GPTConfig
 from megatron_edu.tensor_parallel.cross_entropy import (
     mask_padded_vocab,
@@ -67,6 +68,7 @@ from megatron_edu.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    sequence_gather_linear,
     serial_group,
 )
 from megatron_edu.tensor_parallel.random import Dropout, DropoutKey, checkpoint, per_sample
@@ -136,23 +138,41 @@ def _layer_norm(config: GPTConfig) -> nn.LayerNorm:
     return ln
 
 
+def _sequence_part(config: GPTConfig, group: CommGroup) -> tuple[int, int]:
+    """(this rank's part, parts) of the sequence outside the tp regions: (r, t) under sequence
+    parallelism (2205.05198 §4.2.2), else the whole sequence (0, 1)."""
+    if config.sequence_parallel and group.size > 1:
+        return group.rank, group.size
+    return 0, 1
+
+
 class Embedding(nn.Module):
-    """Word embedding (split by vocabulary) + learned positions (replicated), then dropout."""
+    """Word embedding (split by vocabulary) + learned positions (replicated), then dropout.
+
+    Under sequence parallelism the rank's output is its part of the sequence, [b, s/t, h].
+    """
 
     def __init__(self, config: GPTConfig, group: CommGroup, *, positions: bool = True) -> None:
         super().__init__()
+        self.part = _sequence_part(config, group)
         self.word = VocabParallelEmbedding(config.vocab_size, config.hidden, group,
                                            padded_vocab=config.padded_vocab(group.size),
-                                           init_std=config.init_std)
+                                           init_std=config.init_std,
+                                           sequence_parallel=config.sequence_parallel)
         if positions:  # a last stage's copy of the embedding needs the word table only
             self.position = nn.Embedding(config.seq_len, config.hidden)
             mark(self.position.weight, None, normal(config.init_std))
-        self.dropout = Dropout(config.dropout, config.seed, -1, "embedding")  # same on every rank
+        self.dropout = Dropout(config.dropout, config.seed, -1, "embedding",
+                               sequence_part=self.part)  # the same mask on every tp rank
 
     def forward(self, ids: torch.Tensor, offset: int = 0,
                 dropout_key: DropoutKey | None = None) -> torch.Tensor:
-        seq = torch.arange(offset, offset + ids.shape[1], device=ids.device)  # positions
-        return self.dropout(self.word(ids) + self.position(seq), dropout_key)  # [b, s, h]
+        part, parts = self.part
+        if ids.shape[1] % parts:
+            raise ValueError(f"sequence parallelism splits the sequence over {parts} ranks: "
+                             f"{ids.shape[1]} tokens do not divide")
+        seq = torch.arange(offset, offset + ids.shape[1], device=ids.device).chunk(parts)[part]
+        return self.dropout(self.word(ids) + self.position(seq), dropout_key)  # [b, s/parts, h]
 
 
 class Attention(nn.Module):
@@ -160,42 +180,61 @@ class Attention(nn.Module):
 
     ``layer``: the block's global index, which (with this tp rank) seeds the dropout masks of
     the attention probabilities — a different mask on each tp rank (Appendix B.2).
+    The attention core — softmax(q·kᵀ/√d, causal)·v with dropout on the probabilities — runs
+    op by op (what 2205.05198 counts: 5·a·s²·b saved per layer), or fused into one kernel
+    (``config.fused``); ``config.recompute == "selective"`` keeps none of it for backward and
+    runs it again there (2205.05198 §5).
     """
 
     def __init__(self, config: GPTConfig, group: CommGroup, layer: int = 0) -> None:
         super().__init__()
         self.local_heads = config.num_heads // group.size
         self.head_dim = config.head_dim
+        self.fused, self.selective = config.fused, config.recompute == "selective"
         self.dropout = Dropout(config.dropout, config.seed, layer, "attention probs",
                                tp_rank=group.rank if group.size > 1 else 0)
         residual_std = config.init_std / math.sqrt(2 * config.num_layers)  # GPT-2 §2.3
+        sp = config.sequence_parallel
         self.qkv = ColumnParallelLinear(config.hidden, 3 * config.hidden, group,
-                                        init_std=config.init_std)
-        self.proj = RowParallelLinear(config.hidden, config.hidden, group, init_std=residual_std)
+                                        init_std=config.init_std, sequence_parallel=sp)
+        self.proj = RowParallelLinear(config.hidden, config.hidden, group, init_std=residual_std,
+                                      sequence_parallel=sp)
 
     def forward(self, x: torch.Tensor, kv: LayerKV | None = None,
-                dropout_key: DropoutKey | None = None) -> torch.Tensor:
-        b, s, _ = x.shape
+                dropout_key: DropoutKey | None = None, add_bias: bool = True) -> torch.Tensor:
         qkv = self.qkv(x)                                        # [b, s, 3h/t], f inside
+        b, s, _ = qkv.shape                                      # (s: the whole sequence)
         qkv = qkv.view(b, s, self.local_heads, 3, self.head_dim)  # per head: q | k | v
         q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)          # each [b, heads/t, s, d]
         if kv is not None:
             k, v = kv.extend(k, v)                               # [b, heads/t, t, d], t ≥ s
-        t = k.shape[2]
-        # The s queries are the last positions t−s … t−1: query i sees keys 0 … t−s+i.
-        mask = None if t == s else torch.ones(s, t, dtype=torch.bool, device=x.device).tril(t - s)
-
-        def attend(q, k, v, p=0.0):
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
-                                                  is_causal=mask is None)
-
-        if self.training and self.dropout.p > 0:   # each sample's mask from its own seed
-            y = per_sample(lambda *qkv: attend(*qkv, self.dropout.p),
-                           self.dropout.seeds(dropout_key), q, k, v)
+        if self.selective and torch.is_grad_enabled():
+            y = checkpoint(self.core, q, k, v, dropout_key)      # 2205.05198 §5
         else:
-            y = attend(q, k, v)                                  # [b, heads/t, s, d]
+            y = self.core(q, k, v, dropout_key)                  # [b, heads/t, s, d]
         y = y.transpose(1, 2).reshape(b, s, -1)                  # [b, s, h/t]
-        return self.proj(y)                                      # [b, s, h], g inside
+        return self.proj(y, add_bias)                            # [b, s, h], g inside
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             dropout_key: DropoutKey | None) -> torch.Tensor:
+        """softmax(q·kᵀ/√d + causal mask)·v, dropout on the probabilities; [b, heads/t, s, d].
+        The s queries are the last of the t keys' positions: query i sees keys 0 … t−s+i."""
+        s, t = q.shape[2], k.shape[2]
+        drop = self.training and self.dropout.p > 0
+        if self.fused:
+            mask = None if t == s else torch.ones(s, t, dtype=torch.bool,
+                                                  device=q.device).tril(t - s)
+
+            def attend(q, k, v):
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=t == s,
+                                                      dropout_p=self.dropout.p if drop else 0.0)
+            # the kernel draws its own mask: from each sample's seed (seeded per sample)
+            return per_sample(attend, self.dropout.seeds(dropout_key), q, k, v) if drop \
+                else attend(q, k, v)
+        scores = q @ k.transpose(-2, -1) * (1.0 / math.sqrt(self.head_dim))  # [b, a/t, s, t]
+        future = torch.ones(s, t, dtype=torch.bool, device=q.device).triu(t - s + 1)
+        probs = scores.masked_fill(future, float("-inf")).softmax(-1)
+        return self.dropout(probs, dropout_key) @ v
 
 
 class MLP(nn.Module):
@@ -204,36 +243,58 @@ class MLP(nn.Module):
     def __init__(self, config: GPTConfig, group: CommGroup) -> None:
         super().__init__()
         residual_std = config.init_std / math.sqrt(2 * config.num_layers)
+        sp = config.sequence_parallel
+        self.fused = config.fused
         self.fc = ColumnParallelLinear(config.hidden, config.ffn_hidden, group,
-                                       init_std=config.init_std)
+                                       init_std=config.init_std, sequence_parallel=sp)
         self.proj = RowParallelLinear(config.ffn_hidden, config.hidden, group,
-                                      init_std=residual_std)
+                                      init_std=residual_std, sequence_parallel=sp)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.gelu(self.fc(x), approximate="tanh")   # [b, s, ffn/t], f inside; GPT-2's gelu_new
-        return self.proj(y)                          # [b, s, h], g inside
+    def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
+        if self.fused:                                   # bias + GeLU in one kernel (§4.2)
+            y = fused.bias_gelu(self.fc(x, add_bias=False), self.fc.bias)
+        else:
+            y = F.gelu(self.fc(x), approximate="tanh")   # [b, s, ffn/t], f inside; gelu_new
+        return self.proj(y, add_bias)                    # [b, s, h], g inside
 
 
 class Block(nn.Module):
     """A pre-LN transformer block: x + attn(ln(x)), then x + mlp(ln(x)) (Figure 2).
 
     ``layer``: its global index (dropout masks depend on it, not on the stage holding it).
+    Under sequence parallelism x is this rank's part of the sequence, [b, s/t, h]: the layer
+    norms, dropouts and residual adds run on it; attention and the MLP gather the sequence in.
     """
 
     def __init__(self, config: GPTConfig, group: CommGroup, layer: int = 0) -> None:
         super().__init__()
+        self.fused = config.fused
         self.ln1 = _layer_norm(config)
         self.attn = Attention(config, group, layer)
         self.ln2 = _layer_norm(config)
         self.mlp = MLP(config, group)
         # Outside the split regions: the same masks on every tp rank.
-        self.attn_dropout = Dropout(config.dropout, config.seed, layer, "attention output")
-        self.mlp_dropout = Dropout(config.dropout, config.seed, layer, "mlp output")
+        part = _sequence_part(config, group)
+        self.attn_dropout = Dropout(config.dropout, config.seed, layer, "attention output",
+                                    sequence_part=part)
+        self.mlp_dropout = Dropout(config.dropout, config.seed, layer, "mlp output",
+                                   sequence_part=part)
 
     def forward(self, x: torch.Tensor, kv: LayerKV | None = None,
                 dropout_key: DropoutKey | None = None) -> torch.Tensor:
+        if self.fused:                                   # bias + dropout + add in one kernel
+            x = self._fused_residual(self.attn(self.ln1(x), kv, dropout_key, add_bias=False),
+                                     self.attn.proj.bias, self.attn_dropout, dropout_key, x)
+            return self._fused_residual(self.mlp(self.ln2(x), add_bias=False),
+                                        self.mlp.proj.bias, self.mlp_dropout, dropout_key, x)
         x = x + self.attn_dropout(self.attn(self.ln1(x), kv, dropout_key), dropout_key)
         return x + self.mlp_dropout(self.mlp(self.ln2(x)), dropout_key)  # [b, s, h]
+
+    @staticmethod
+    def _fused_residual(y, bias, dropout: Dropout, key, residual) -> torch.Tensor:
+        drop = dropout.training and dropout.p > 0
+        keep = dropout.keep(key, y) if drop else None
+        return fused.bias_dropout_add(y, bias, keep, 1.0 / (1.0 - dropout.p), residual)
 
 
 class GPT(nn.Module):
@@ -243,6 +304,7 @@ class GPT(nn.Module):
     ``first``: holds the embeddings and takes input ids [b, s]; otherwise hidden states [b, s, h].
     ``last``: holds the final layer norm and the output layer (tied to the word embedding).
     Parameters are initialised from ``config.seed`` by name, the same at any tp and pp.
+    With ``config.sequence_parallel`` the hidden states between stages are [b, s/t, h].
     """
 
     def __init__(self, config: GPTConfig, grid: ParallelGrid | None = None, *,
@@ -251,6 +313,7 @@ class GPT(nn.Module):
         self.tp_group = grid.tp_group if grid is not None else serial_group()
         config.validate(self.tp_group.size)
         self.config, self.first, self.last = config, first, last
+        self.sequence_parallel = _sequence_part(config, self.tp_group)[1] > 1
         self.layers = range(config.num_layers) if layers is None else layers
         if not all(0 <= i < config.num_layers for i in self.layers):
             raise ValueError(f"layers {self.layers} are not all in 0..{config.num_layers - 1}")
@@ -275,6 +338,9 @@ class GPT(nn.Module):
         keys and values the cache holds; x's own are appended to it.
         ``dropout_key``: the step and global samples that seed the dropout masks (a pipeline
         passes it); without one, a model in training numbers its calls as steps."""
+        if cache is not None and self.sequence_parallel:
+            raise ValueError("generation with a KV cache runs without sequence parallelism: "
+                             "build the model with sequence_parallel=False (the same weights)")
         if dropout_key is None and self.training:
             dropout_key = DropoutKey.first(x.shape[0], step=self.training_calls)
             self.training_calls += 1
@@ -283,7 +349,7 @@ class GPT(nn.Module):
         for name, block in self.blocks.items():
             if cache is not None:
                 h = block(h, cache.layer(name))
-            elif self.config.recompute and torch.is_grad_enabled():
+            elif self.config.recompute == "full" and torch.is_grad_enabled():
                 h = checkpoint(block, h, None, dropout_key)      # 2104.04473 §3.5
             else:
                 h = block(h, None, dropout_key)
@@ -314,8 +380,12 @@ class GPT(nn.Module):
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """The output layer: a column-parallel linear sharing the embedding table (tied)."""
-        h = comm.f(h, self.tp_group)                         # [b, s, h]; grad all-reduced
-        logits = F.linear(h, self.embedding.word.weight)     # [b, s, V_padded/t]
+        weight = self.embedding.word.weight
+        if self.sequence_parallel:                           # h: [b, s/t, h], gathered inside
+            logits = sequence_gather_linear(h, weight, None, self.tp_group)
+        else:
+            h = comm.f(h, self.tp_group)                     # [b, s, h]; grad all-reduced
+            logits = F.linear(h, weight)                     # [b, s, V_padded/t]
         return mask_padded_vocab(logits, self.config.vocab_size, self.tp_group)
 
     def num_parameters(self) -> int:

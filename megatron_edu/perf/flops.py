@@ -55,7 +55,8 @@ def num_parameters(layers: int, hidden: int, vocab: int, seq_len: int) -> int:
 
 
 def training_flops(
-    batch: int, seq_len: int, layers: int, hidden: int, vocab: int, recompute: bool = True
+    batch: int, seq_len: int, layers: int, hidden: int, vocab: int,
+    recompute: bool | str = True,
 ) -> float:
     """FLOPs of one training iteration over `batch` sequences (2104.04473 §5.1).
 
@@ -69,12 +70,16 @@ def training_flops(
     72·B·s·l·h² + 12·B·s²·l·h, while the logit term stays 6·B·s·h·V; so
     F = 72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h)).
 
-    ``recompute=False`` is therefore the model's FLOPs (the numerator of MFU, for any run);
-    ``recompute=True`` the hardware FLOPs of a run that recomputes (the numerator of its HFU).
+    Selective recomputation (2205.05198 §5) repeats only the attention core's 4·B·s²·h per layer.
+
+    ``recompute``: True or "full", "selective", False or "none". False is the model's FLOPs (the
+    numerator of MFU, for any run); the others the hardware FLOPs of a run that recomputes so
+    (the numerator of its HFU).
     """
     b, s, l, h = batch, seq_len, layers, hidden
-    forwards = 4 if recompute else 3
-    transformer = forwards * (24 * b * s * l * h * h + 4 * b * s * s * l * h)
+    mode = {True: "full", False: "none"}.get(recompute, recompute)
+    gemms, core = 24 * b * s * l * h * h, 4 * b * s * s * l * h
+    transformer = 3 * (gemms + core) + {"none": 0, "selective": core, "full": gemms + core}[mode]
     logits = 6 * b * s * h * vocab
     return float(transformer + logits)
 

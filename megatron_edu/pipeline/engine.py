@@ -105,6 +105,8 @@ def run_schedule(
     num_tokens: int | None = None,
     step: int = 0,
     first_sample: int = 0,
+    loss_scale: float = 1.0,
+    sequence_parts: int = 1,
 ) -> PipelineResult:
     """Run this rank's list of ``schedule`` over ``chunks``: one forward-backward of the batch.
 
@@ -119,18 +121,24 @@ def run_schedule(
     launches its all-reduces only in each chunk's last one (§2.1). ``transport``: "auto"
     (batched on NCCL, mailbox on gloo), "batched" or "mailbox" (``p2p.py``). ``step`` and
     ``first_sample`` (the global index of this batch's first sequence) key the dropout masks.
+    ``loss_scale``: backward starts from the loss times this (fp16's loss scaling; the reported
+    loss is not scaled). ``sequence_parts``: the stages exchange 1/parts of each sequence
+    (sequence parallelism over tp: each tp rank sends its own part, so §4.1's scatter/gather
+    has nothing left to save).
     """
     m = num_microbatches
     if input_ids.shape[0] % m:
         raise ValueError(f"batch of {input_ids.shape[0]} sequences does not split into "
                          f"{m} microbatches")
-    shape = (input_ids.shape[0] // m, input_ids.shape[1], hidden)
+    if input_ids.shape[1] % sequence_parts:
+        raise ValueError(f"{input_ids.shape[1]} tokens do not split into {sequence_parts} parts")
+    shape = (input_ids.shape[0] // m, input_ids.shape[1] // sequence_parts, hidden)
     wire = make_transport(transport, schedule, len(chunks), grid, shape, _boundary_dtype(chunks),
                           scatter_gather)
     if num_tokens is None:
         num_tokens = int((labels != IGNORE_INDEX).sum())
     return _Run(schedule, chunks, grid, wire, input_ids.chunk(m), labels.chunk(m), grad_sync,
-                step, first_sample, num_tokens).execute()
+                step, first_sample, num_tokens, loss_scale).execute()
 
 
 def _boundary_dtype(chunks: Sequence[nn.Module]) -> torch.dtype:
@@ -145,10 +153,11 @@ class _Run:
     """One step of one rank: its actions, what each microbatch keeps, and the losses."""
 
     def __init__(self, schedule, chunks, grid, wire, ids, targets, grad_sync, step, first_sample,
-                 num_tokens) -> None:
+                 num_tokens, loss_scale) -> None:
         self.schedule, self.chunks, self.grid, self.wire = schedule, chunks, grid, wire
         self.ids, self.targets, self.grad_sync = ids, targets, grad_sync
         self.step, self.first_sample, self.num_tokens = step, first_sample, num_tokens
+        self.loss_scale = loss_scale
         self.p, self.v = grid.pp, len(chunks)
         self.kept: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
         self.backwards_left = [len(ids)] * self.v
@@ -195,6 +204,7 @@ class _Run:
             out = self.chunks[c](x, self.targets[mb], dropout_key=key, loss_reduction="sum")
             out = out / self.num_tokens
             self.losses.append(out.detach())
+            out = out * self.loss_scale  # backward from the scaled loss (fp16)
         else:
             out = self.chunks[c](x, dropout_key=key)
             self.boundary.add(out)

@@ -19,6 +19,15 @@ The embedding is split by vocabulary (§3, "input embedding"): each rank owns a 
 of rows, looks up the ids that fall in it, writes zeros for the others, and ``g`` sums the partial
 lookups so that every rank ends with the full [b, s, h] embedding.
 
+**Sequence parallelism** (Korthikanti et al. 2022, arXiv 2205.05198 §4.2.2), ``sequence_parallel
+=True``: outside these layers the activations are split along the sequence over the t ranks
+([b, s/t, h]) instead of replicated. Then ``f`` becomes an all-gather of the sequence (the column
+layer's input) and ``g`` a reduce-scatter of it (the row layer's output): the same bytes as the
+all-reduce, which *is* a reduce-scatter plus an all-gather. The column layer keeps only its
+split input for the backward pass and all-gathers it again there (what makes the saving real:
+the gathered input is never kept), so a layer's backward makes one more all-gather per column
+layer than the forward.
+
 With a group of one member every layer here is the plain PyTorch layer and communicates nothing.
 Parameters are allocated here and filled by ``init.init_parameters`` (each rank drawing its
 shard only, the same numbers at any tp).
@@ -35,7 +44,8 @@ from megatron_edu import comm
 from megatron_edu.comm import CommGroup
 from megatron_edu.tensor_parallel.init import mark, normal, zeros
 
-__all__ = ["serial_group", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding"]
+__all__ = ["serial_group", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
+           "sequence_gather_linear", "sum_replicated_grads_"]
 
 
 def serial_group(name: str = "tp") -> CommGroup:
@@ -54,38 +64,90 @@ class ColumnParallelLinear(nn.Module):
     """Y = X·A + b with A split by output columns: this rank computes Y_i = X·A_i + b_i.
 
     ``gather_output=True`` all-gathers the slices into the full Y (backward: keep own slice).
+    ``sequence_parallel``: X arrives split along the sequence and is all-gathered first.
     """
 
     def __init__(self, in_features: int, out_features: int, group: CommGroup, *,
-                 bias: bool = True, gather_output: bool = False, init_std: float = 0.02) -> None:
+                 bias: bool = True, gather_output: bool = False, init_std: float = 0.02,
+                 sequence_parallel: bool = False) -> None:
         super().__init__()
         self.group, self.gather_output = group, gather_output
+        self.sequence_parallel = sequence_parallel and group.size > 1
         out_local = _divide(out_features, group.size, "out_features")
         self.weight = mark(nn.Parameter(torch.empty(out_local, in_features)), 0, normal(init_std))
         self.bias = mark(nn.Parameter(torch.empty(out_local)), 0, zeros) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = comm.f(x, self.group)                    # [.., in] on every rank; grad all-reduced
-        y = F.linear(x, self.weight, self.bias)      # [.., out/tp]
+    def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
+        """``add_bias=False``: leave the bias to the caller (a fused bias+GeLU)."""
+        bias = self.bias if add_bias else None
+        if self.sequence_parallel:                   # [b, s/t, in] → gathered inside
+            y = sequence_gather_linear(x, self.weight, bias, self.group)
+        else:
+            x = comm.f(x, self.group)                # [.., in] on every rank; grad all-reduced
+            y = F.linear(x, self.weight, bias)       # [.., out/tp]
         return comm.gather(y, self.group) if self.gather_output else y
 
 
 class RowParallelLinear(nn.Module):
-    """Y = Σ_i X_i·A_i + b with A split by input rows; the input X_i is this rank's slice."""
+    """Y = Σ_i X_i·A_i + b with A split by input rows; the input X_i is this rank's slice.
+
+    ``sequence_parallel``: the sum is reduce-scattered along the sequence ([b, s/t, out]).
+    """
 
     def __init__(self, in_features: int, out_features: int, group: CommGroup, *,
-                 bias: bool = True, init_std: float = 0.02) -> None:
+                 bias: bool = True, init_std: float = 0.02,
+                 sequence_parallel: bool = False) -> None:
         super().__init__()
         self.group = group
+        self.sequence_parallel = sequence_parallel and group.size > 1
         in_local = _divide(in_features, group.size, "in_features")
         self.weight = mark(nn.Parameter(torch.empty(out_features, in_local)), 1, normal(init_std))
         # Replicated: added once after the all-reduce, so it is not counted t times.
         self.bias = mark(nn.Parameter(torch.empty(out_features)), None, zeros) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
+        """``add_bias=False``: leave the bias to the caller (a fused bias+dropout+add)."""
         y = F.linear(x, self.weight)                 # [.., out] partial sum on each rank
-        y = comm.g(y, self.group)                    # [.., out] summed over the tp ranks
-        return y if self.bias is None else y + self.bias
+        if self.sequence_parallel:
+            y = comm.reduce_scatter_seq(y, self.group)  # [b, s/t, out] summed, this rank's part
+        else:
+            y = comm.g(y, self.group)                # [.., out] summed over the tp ranks
+        return y if self.bias is None or not add_bias else y + self.bias
+
+
+def sequence_gather_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                           group: CommGroup) -> torch.Tensor:
+    """F.linear(all_gather_seq(x), weight, bias), keeping only x [b, s/t, in] for backward."""
+    return _SequenceGatherLinear.apply(x, weight, bias, group)
+
+
+class _SequenceGatherLinear(torch.autograd.Function):
+    """Sequence parallelism's column layer (as Megatron-LM's linear with ``sequence_parallel``):
+    forward all-gathers X along the sequence and multiplies; backward all-gathers X again (it was
+    not kept) for the weight's gradient, and reduce-scatters the input's gradient back to the
+    sequence split. Backward runs under the forward's autocast."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        device = x.device.type
+        ctx.autocast = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.save_for_backward(x, weight)
+        total = comm.all_gather(x, group, dim=1, label="all_gather_seq forward")  # [b, s, in]
+        return F.linear(total, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):                                  # grad: [b, s, out/t]
+        x, weight = ctx.saved_tensors
+        enabled, dtype = ctx.autocast
+        with torch.autocast(x.device.type, dtype=dtype, enabled=enabled):
+            total = comm.all_gather(x, ctx.group, dim=1, label="all_gather_seq regather")
+            grad_total = torch.matmul(grad, weight)          # [b, s, in], partial over tp
+            grad_weight = torch.matmul(grad.flatten(0, -2).t(), total.flatten(0, -2))
+        grad_x = comm.reduce_scatter(grad_total.to(x.dtype), ctx.group, dim=1,
+                                     label="all_gather_seq backward")
+        grad_bias = grad.flatten(0, -2).sum(0).to(weight.dtype) if ctx.has_bias else None
+        return grad_x, grad_weight.to(weight.dtype), grad_bias, None
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -93,12 +155,15 @@ class VocabParallelEmbedding(nn.Module):
 
     ``padded_vocab`` rows in all (default ``vocab_size``; it must divide by the tp size); the rows
     from ``vocab_size`` on are padding, initialised to zero and never looked up.
+    ``sequence_parallel``: the partial lookups are reduce-scattered along the sequence.
     """
 
     def __init__(self, vocab_size: int, hidden: int, group: CommGroup, *,
-                 padded_vocab: int | None = None, init_std: float = 0.02) -> None:
+                 padded_vocab: int | None = None, init_std: float = 0.02,
+                 sequence_parallel: bool = False) -> None:
         super().__init__()
         self.group = group
+        self.sequence_parallel = sequence_parallel and group.size > 1
         padded_vocab = vocab_size if padded_vocab is None else padded_vocab
         rows = _divide(padded_vocab, group.size, "padded vocabulary")
         rank = group.rank if group.size > 1 else 0
@@ -107,7 +172,10 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = mark(nn.Parameter(torch.empty(rows, hidden)), 0, init)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return comm.g(self.partial(ids), self.group)  # [b, s, h]: each id found on one rank
+        partial = self.partial(ids)                  # each id found on one rank
+        if self.sequence_parallel:
+            return comm.reduce_scatter_seq(partial, self.group)  # [b, s/t, h]
+        return comm.g(partial, self.group)           # [b, s, h]
 
     def partial(self, ids: torch.Tensor) -> torch.Tensor:
         """This rank's share of the lookup, before g: its rows, zeros for the ids it lacks."""
@@ -115,3 +183,16 @@ class VocabParallelEmbedding(nn.Module):
         local = (ids - self.vocab_start).masked_fill(outside, 0)      # look up row 0 instead...
         out = F.embedding(local, self.weight)                           # [b, s, h]
         return out.masked_fill(outside.unsqueeze(-1), 0.0)             # ...and zero it
+
+
+@torch.no_grad()
+def sum_replicated_grads_(grads: list[torch.Tensor], group: CommGroup) -> None:
+    """Sequence parallelism's last step (Megatron-LM's ``_allreduce_layernorm_grads``): each tp
+    rank computed the gradients of the replicated parameters — layer norms, row-parallel biases,
+    positions — from its own part of the sequence; their sum over tp is the whole gradient. One
+    all-reduce of them all, flattened. Call it after backward with those parameters' gradients."""
+    if group.size == 1 or not grads:
+        return
+    flat = comm.all_reduce(torch.cat([g.reshape(-1) for g in grads]), group, "sp replicated grads")
+    for grad, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+        grad.copy_(part.view_as(grad))

@@ -26,8 +26,11 @@ what the mask is *for*, one per sequence of the batch:
   state to save and restore around it.
 
 ``DropoutKey(step, samples)`` names the step and the global sample index of each row of a batch;
-the pipeline engine makes one per microbatch. Masks are drawn by the device's own generator
-(seeded, then restored), so ``F.dropout`` and the fused attention kernels draw them unchanged.
+the pipeline engine makes one per microbatch. Each sample's mask is drawn by a generator of its
+own, seeded by its key: a boolean tensor, 1 byte per element, the mask 2205.05198 counts. Under
+sequence parallelism a rank holds 1/t of each sequence: it draws the sample's whole mask and
+keeps its part, so the masks are the same with and without it. (The fused attention kernel draws
+its mask itself, from the device's default generator: ``seeded`` sets it per sample.)
 """
 
 from __future__ import annotations
@@ -38,7 +41,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
@@ -93,28 +95,42 @@ def _seeded_call(fn, seed: int, args: list[torch.Tensor]) -> torch.Tensor:
 
 
 class Dropout(nn.Module):
-    """``F.dropout`` with each sample's mask seeded by (seed, step, sample, layer, site).
+    """Dropout with each sample's mask seeded by (seed, step, sample, layer, site).
 
     ``tp_rank``: None outside the tensor-parallel regions (the same mask on every tp rank);
-    this rank's tp rank inside them (its own mask).
+    this rank's tp rank inside them (its own mask). ``sequence_part`` = (r, t): the input holds
+    part r of t of the sequence (dim 1; sequence parallelism): the mask is that part of the
+    whole sequence's.
     """
 
-    def __init__(self, p: float, seed: int, layer: int, site: str,
-                 tp_rank: int | None = None) -> None:
+    def __init__(self, p: float, seed: int, layer: int, site: str, tp_rank: int | None = None,
+                 sequence_part: tuple[int, int] = (0, 1)) -> None:
         super().__init__()
         self.p, self.seed, self.layer, self.site, self.tp_rank = p, seed, layer, site, tp_rank
+        self.sequence_part = sequence_part
 
     def seeds(self, key: DropoutKey) -> list[int]:
         return [mask_seed(self.seed, key.step, sample, self.layer, self.site, self.tp_rank)
                 for sample in key.samples]
 
-    def forward(self, x: torch.Tensor, key: DropoutKey | None) -> torch.Tensor:
-        if not self.training or self.p == 0.0:
-            return x
+    def keep(self, key: DropoutKey | None, x: torch.Tensor) -> torch.Tensor:
+        """The boolean mask (True: kept) for ``x`` [b, ...], one sample per row."""
         if key is None or len(key.samples) != x.shape[0]:
             raise ValueError(f"dropout in training needs a DropoutKey naming the {x.shape[0]} "
                              f"samples of the batch, got {key}")
-        return per_sample(lambda row: F.dropout(row, self.p, training=True), self.seeds(key), x)
+        part, parts = self.sequence_part
+        row = list(x.shape[1:])
+        if parts > 1:
+            row[0] *= parts                      # the whole sequence's mask, then this part
+        generator = torch.Generator(x.device)
+        masks = [torch.rand(row, generator=generator.manual_seed(seed), device=x.device)
+                 .ge(self.p).chunk(parts)[part] for seed in self.seeds(key)]
+        return torch.stack(masks)
+
+    def forward(self, x: torch.Tensor, key: DropoutKey | None) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        return x * self.keep(key, x) * (1.0 / (1.0 - self.p))  # saves the 1-byte mask only
 
 
 def checkpoint(fn: Callable[..., torch.Tensor], *args) -> torch.Tensor:

@@ -1,0 +1,211 @@
+"""Megatron's answers to activation memory (2104.04473 §3.5, §4.2; 1909.08053; 2205.05198):
+recomputation, sequence parallelism, fp16 loss scaling, fused operations — each equal to the plain
+model, each saving what the formula says (measured)."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from helpers import tiny_config
+
+from megatron_edu import comm
+from megatron_edu.grid import ParallelGrid
+from megatron_edu.launch import run
+from megatron_edu.model import GPT, GPTConfig
+from megatron_edu.optim import DynamicLossScale
+from megatron_edu.perf.measure import layer_activation_bytes
+from megatron_edu.perf.memory import ModelShape, activation_bytes_per_layer
+from megatron_edu.ptdp import PTDP, PTDPOptions
+from megatron_edu.tensor_parallel.layers import sum_replicated_grads_
+from megatron_edu.tensor_parallel.random import DropoutKey
+
+DROPOUT = tiny_config(dropout=0.2)  # seq 16, 2 layers, hidden 32, 4 heads
+
+
+def _batch(b=4, s=16, seed=0):
+    ids = torch.randint(0, 100, (b, s + 1), generator=torch.Generator().manual_seed(seed))
+    return ids[:, :-1], ids[:, 1:]
+
+
+def _step(config, tp):
+    """Loss, every gradient (whole), and the collectives of one forward-backward at tp."""
+    grid = ParallelGrid(tp=tp)
+    model = GPT(config, grid)
+    with comm.record() as log:
+        loss = model(*_batch(), dropout_key=DropoutKey(3, (4, 5, 6, 7)))
+        loss.backward()
+    if config.sequence_parallel:  # each rank saw 1/t of the sequence: sum the replicated grads
+        sum_replicated_grads_([p.grad for p in model.parameters() if p.tp_dim is None],
+                              grid.tp_group)
+    return loss.item(), model.full_state_dict(grads=True), log.summary()
+
+
+def _same(a, b, atol=1e-6):
+    assert a[0] == pytest.approx(b[0], abs=atol)
+    assert a[1].keys() == b[1].keys()
+    for name in a[1]:
+        torch.testing.assert_close(a[1][name], b[1][name], atol=atol, rtol=0, msg=name)
+
+
+@pytest.fixture(scope="module")
+def plain_tp2():
+    return run(_step, 2, DROPOUT, 2)[0]
+
+
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_recomputation_gives_the_same_loss_and_gradients_with_dropout_on(plain_tp2, recompute):
+    _same(run(_step, 2, dataclasses.replace(DROPOUT, recompute=recompute), 2)[0], plain_tp2)
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_sequence_parallel_equals_plain_tensor_parallel_with_dropout_on(plain_tp2, recompute):
+    config = dataclasses.replace(DROPOUT, sequence_parallel=True, recompute=recompute)
+    _same(run(_step, 2, config, 2)[0], plain_tp2, atol=1e-5)
+
+
+def test_sequence_parallel_turns_each_all_reduce_into_an_all_gather_and_a_reduce_scatter():
+    _, _, plain = run(_step, 2, DROPOUT, 2)[0]
+    _, _, split = run(_step, 2, dataclasses.replace(DROPOUT, sequence_parallel=True), 2)[0]
+    layers, bsh = DROPOUT.num_layers, 4 * 16 * 32 * 4          # b·s·h fp32 bytes
+    # per layer: g after attention and after the MLP → reduce-scatters; f before them →
+    # all-gathers; plus the embedding's g and the output layer's f
+    assert plain[("all_reduce", "tp", "g forward")] == (2 * layers + 1, (2 * layers + 1) * bsh)
+    assert split[("reduce_scatter", "tp", "reduce_scatter_seq forward")] == (
+        2 * layers + 1, (2 * layers + 1) * bsh)
+    assert split[("all_gather", "tp", "all_gather_seq forward")] == (
+        2 * layers + 1, (2 * layers + 1) * bsh)
+    # backward: the conjugates, plus one more all-gather per column layer (its input was not kept)
+    assert split[("reduce_scatter", "tp", "all_gather_seq backward")][0] == 2 * layers + 1
+    assert split[("all_gather", "tp", "reduce_scatter_seq backward")][0] == 2 * layers + 1
+    assert split[("all_gather", "tp", "all_gather_seq regather")][0] == 2 * layers + 1
+    assert not any(op == "all_reduce" and label in ("g forward", "f backward")
+                   for op, _, label in split)
+
+
+def _ptdp_losses(config, tp, pp, steps=3):
+    grid = ParallelGrid(tp=tp, pp=pp)
+    trainer = PTDP(config, grid, PTDPOptions(num_microbatches=2, lr=1e-2, eps=1e-4))
+    losses = [trainer.train_step(*_batch(4, seed=step), 1e-2).loss for step in range(steps)]
+    params = {}
+    for chunk in trainer.chunks:
+        params.update(chunk.full_state_dict())
+    return losses, params
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_sequence_parallel_and_recompute_in_a_pipeline_take_the_plain_steps(recompute):
+    config = dataclasses.replace(DROPOUT, num_layers=4)
+    plain = run(_ptdp_losses, 4, config, 2, 2)
+    mine = run(_ptdp_losses, 4, dataclasses.replace(config, sequence_parallel=True,
+                                                    recompute=recompute), 2, 2)
+    for (losses, params), (ref_losses, ref_params) in zip(mine, plain, strict=True):
+        assert losses == pytest.approx(ref_losses, abs=1e-5)
+        for name, value in params.items():
+            torch.testing.assert_close(value, ref_params[name], atol=1e-5, rtol=0, msg=name)
+
+
+# --- what each saves, measured beside 2205.05198's formula ---------------------------------------
+
+SHAPE = GPTConfig(vocab_size=512, seq_len=128, num_layers=2, hidden=256, num_heads=8,
+                  dropout=0.1)   # megatron-core's measured layer (../shared/MACHINE.md): b = 2
+MEGATRON_CORE_TP2 = {("none", False): 4_739_072, ("none", True): 3_950_592,
+                     ("selective", False): 3_166_212, ("selective", True): 2_377_732,
+                     ("full", False): 802_816, ("full", True): 409_600}
+
+
+def _measured():
+    grid = ParallelGrid(tp=torch.distributed.get_world_size())
+    return {(rc, sp): layer_activation_bytes(
+        dataclasses.replace(SHAPE, recompute=rc, sequence_parallel=sp), grid.tp_group, 2)
+        for rc in ("none", "selective", "full") for sp in (False, True)}
+
+
+@pytest.fixture(scope="module")
+def measured():
+    return {tp: run(_measured, tp)[0] for tp in (1, 2, 4)}
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_a_layer_saves_what_the_formula_says_within_5_percent(measured, tp):
+    for (rc, sp), got in measured[tp].items():
+        predicted = activation_bytes_per_layer(ModelShape.from_config(SHAPE), 2, tp=tp,
+                                               sequence_parallel=sp, recompute=rc,
+                                               bytes_per_value=4)
+        assert predicted <= got <= 1.05 * predicted, (tp, rc, sp, got, predicted)
+
+
+def test_a_layer_saves_no_more_than_megatron_cores_own(measured):
+    for cell, theirs in MEGATRON_CORE_TP2.items():
+        assert measured[2][cell] <= theirs, cell
+
+
+def test_each_technique_saves_memory(measured):
+    m = measured[4]
+    assert m["full", True] < m["full", False] < m["selective", True] < m["selective", False] \
+        < m["none", False]
+    assert m["none", True] < m["none", False]
+
+
+# --- fp16: dynamic loss scaling -------------------------------------------------------------------
+
+def test_the_loss_scale_halves_on_an_overflow_and_doubles_after_clean_steps():
+    scale = DynamicLossScale(scale=8.0, growth_interval=2)
+    history = []
+    for overflow in (False, True, False, False, False):
+        scale.update(overflow)
+        history.append(scale.scale)
+    assert history == [8.0, 4.0, 4.0, 8.0, 8.0]
+
+
+def _fp16_steps(bad_rank):
+    """fp16 autocast on CPU, PTD-P at tp=2 × dp=2: step 1 overflows on one rank only."""
+    grid = ParallelGrid(tp=2, dp=2)
+    trainer = PTDP(tiny_config(), grid, PTDPOptions(num_microbatches=1, loss_scaling=True))
+    trainer.loss_scale.growth_interval = 2
+    unscale = trainer._sum_tied_embedding_grads
+
+    def overflow_once():
+        unscale()
+        if trainer.iteration == 1 and grid.rank == bad_rank:
+            trainer.chunks[0].blocks["0"].mlp.fc.weight.grad.view(-1)[0] = float("inf")
+
+    trainer._sum_tied_embedding_grads = overflow_once
+    results = []
+    for step in range(5):
+        ids, labels = _batch(4, seed=step)
+        mine = slice(2 * grid.dp_rank, 2 * grid.dp_rank + 2)
+        with torch.autocast("cpu", dtype=torch.float16):
+            result = trainer.train_step(ids[mine], labels[mine], 1e-3)
+        results.append((result.skipped, result.loss_scale, math.isfinite(result.loss)))
+    return results
+
+
+def test_an_fp16_overflow_on_one_rank_skips_the_step_everywhere_and_halves_the_scale():
+    for results in run(_fp16_steps, 4, 3):
+        assert results == [(False, 65536.0, True), (True, 65536.0, True),
+                           (False, 32768.0, True), (False, 32768.0, True),
+                           (False, 65536.0, True)]
+
+
+# --- fused operations -----------------------------------------------------------------------------
+
+def test_fused_operations_equal_the_unfused_ones():
+    config = tiny_config(dropout=0.0)
+    reference = GPT(config)
+    fused = GPT(dataclasses.replace(config, fused=True))
+    ids, labels = _batch()
+    losses = [model(ids, labels) for model in (reference, fused)]
+    for loss in losses:
+        loss.backward()
+    torch.testing.assert_close(losses[1], losses[0], atol=1e-6, rtol=0)
+    for (name, a), (_, b) in zip(reference.named_parameters(), fused.named_parameters(),
+                                 strict=True):
+        torch.testing.assert_close(b.grad, a.grad, atol=1e-6, rtol=0, msg=name)
+
+
+def test_a_bare_recompute_flag_still_means_full():
+    assert tiny_config(recompute=True).recompute == "full"
+    assert tiny_config(recompute=False).recompute == "none"
+    with pytest.raises(ValueError, match="recompute must be one of"):
+        tiny_config(recompute="some")
