@@ -1,4 +1,5 @@
-"""Memory, measured: the bytes of tensors allocated inside a block and still alive, on any device.
+"""Memory, measured: the bytes of tensors allocated inside a block and still alive, on any device;
+and the bytes a transformer layer keeps for its backward pass, beside the formula for them.
 
 A GPU's caching allocator counts its bytes (``torch.cuda.max_memory_allocated``); a CPU's does
 not. ``MemoryMeter`` counts them itself, the same way on both: every operation inside the block
@@ -8,17 +9,26 @@ are not counted twice — is added to the live total until that storage is freed
 tells). Parameters and anything made before the block are not counted; optimizer state, gradient
 buffers and activations made inside it are. What the notebooks state about memory (1F1B keeps at
 most p microbatches in flight where GPipe keeps m) is asserted with it in the tests.
+
+``saved_bytes`` counts what autograd *saves* for backward instead — the activations of
+Korthikanti et al. 2022 (arXiv 2205.05198 §4), each storage once, parameters excluded — and
+``layer_activation_bytes`` measures one transformer layer of the package that way, to set beside
+``perf.memory.activation_bytes_per_layer`` (recomputation, sequence parallelism, tp).
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import replace
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["MemoryMeter"]
+from megatron_edu.comm import CommGroup
+
+__all__ = ["MemoryMeter", "saved_bytes", "layer_activation_bytes"]
 
 
 class MemoryMeter(TorchDispatchMode):
@@ -53,3 +63,39 @@ class MemoryMeter(TorchDispatchMode):
 
 def _address(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
+
+
+def saved_bytes(fn: Callable[[], object], exclude: Iterable[torch.Tensor] = ()) -> int:
+    """Bytes of the storages autograd keeps for backward while ``fn()`` runs, each storage
+    counted once; the storages of ``exclude`` (the parameters) are not counted."""
+    fixed = {t.untyped_storage().data_ptr() for t in exclude}
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        address = t.untyped_storage().data_ptr()
+        if address not in fixed:
+            kept[address] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(kept.values())
+
+
+def layer_activation_bytes(config, group: CommGroup, microbatch: int) -> int:
+    """What one transformer layer of ``config`` keeps for backward on this tp rank, measured: a
+    training-mode forward of a ``Block`` on a [b, s, h] input ([b, s/t, h] under sequence
+    parallelism), wrapped like the model wraps it under ``config.recompute``."""
+    from megatron_edu.model.gpt import Block
+    from megatron_edu.tensor_parallel.init import init_parameters
+    from megatron_edu.tensor_parallel.random import DropoutKey, checkpoint
+
+    block = Block(replace(config, recompute="none" if config.recompute == "full"
+                          else config.recompute), group)
+    init_parameters(block, config.seed, group)
+    parts = group.size if config.sequence_parallel and group.size > 1 else 1
+    x = torch.randn(microbatch, config.seq_len // parts, config.hidden, requires_grad=True)
+    key = DropoutKey.first(microbatch)
+    if config.recompute == "full":   # 2104.04473 §3.5: the model keeps only the layer's input
+        return saved_bytes(lambda: checkpoint(block, x, None, key), block.parameters())
+    return saved_bytes(lambda: block(x, None, key), block.parameters())

@@ -86,21 +86,27 @@ def _axes(ax: Axes | None, size: tuple[float, float]) -> Axes:
 
 
 def draw_activation_memory(model: ModelShape, microbatch: int, tp: int,
-                           ax: Axes | None = None) -> Axes:
-    """MiB one layer saves per GPU (16-bit, 2205.05198 §4) for each recomputation × sp."""
+                           ax: Axes | None = None, bytes_per_value: int = 2,
+                           measured: dict[tuple[str, bool], int] | None = None) -> Axes:
+    """MiB one layer saves per GPU (2205.05198 §4; 16-bit values unless ``bytes_per_value``) for
+    each recomputation × sequence parallelism; ``measured[(mode, sp)]`` bytes drawn as dots."""
     ax = _axes(ax, (7, 3.2))
     modes = ("none", "selective", "full")
     for i, sp in enumerate((False, True)):
         mib = [activation_bytes_per_layer(model, microbatch, tp=tp, sequence_parallel=sp,
-                                          recompute=r) / MIB for r in modes]
+                                          recompute=r, bytes_per_value=bytes_per_value) / MIB
+               for r in modes]
         bars = ax.bar(np.arange(3) + 0.4 * i, mib, 0.4,
                       label="sequence parallel" if sp else "tensor parallel only")
-        ax.bar_label(bars, fmt="%.0f", fontsize=8)
+        ax.bar_label(bars, fmt="%.2f" if max(mib) < 10 else "%.0f", fontsize=8)
+        if measured is not None:
+            ax.plot(np.arange(3) + 0.4 * i, [measured[r, sp] / MIB for r in modes], "o",
+                    color="black", label="measured" if i else None, gid=f"measured sp={sp}")
     ax.set_xticks(np.arange(3) + 0.2, [f"recompute: {r}" for r in modes])
     ax.set_ylabel("MiB per layer per GPU")
-    ax.set_title(f"activations one layer keeps (l={model.layers}, h={model.hidden}, "
-                 f"a={model.heads}, s={model.seq_len}, b={microbatch}, t={tp})")
-    ax.legend()
+    ax.set_title(f"activations one layer keeps (h={model.hidden}, a={model.heads}, "
+                 f"s={model.seq_len}, b={microbatch}, t={tp})", fontsize=10)
+    ax.legend(fontsize=8)
     ax.figure.tight_layout()
     return ax
 
