@@ -43,7 +43,9 @@ def test_without_a_gpu_it_says_so_in_one_line_and_exits_0(tmp_path):
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
 def test_make_gpu_check_runs_it(tmp_path):
-    done = subprocess.run([shutil.which("make"), "gpu-check", f"PYTHON={sys.executable}"],
+    # --no-print-directory: under an outer make (make test) a nested one announces its folder
+    done = subprocess.run([shutil.which("make"), "--no-print-directory", "gpu-check",
+                           f"PYTHON={sys.executable}"],
                           cwd=ROOT, capture_output=True, text=True, env=_no_gpu_env(tmp_path),
                           timeout=300)
     assert (done.returncode, done.stdout) == (0, NO_GPU)
