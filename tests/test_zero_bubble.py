@@ -200,3 +200,43 @@ def test_zb_v_sends_nothing_at_its_turn():
     # 2·m·(2p − 1) stage boundaries crossed, minus the two at the turn on rank p − 1, per mb
     timeline = simulate(zero_bubble_v(4, 8), placement="v")
     assert timeline.num_p2p_messages == 2 * 8 * (2 * 4 - 2)
+
+
+# --- the pictures ------------------------------------------------------------------------------
+
+
+def test_the_gantt_chart_draws_w_darker_than_b():
+    import matplotlib
+    matplotlib.use("Agg")
+    from megatron_edu.viz.pipeline import _colour, draw_schedule
+
+    ax = draw_schedule(simulate(zero_bubble_h1(4, 8), 1, 1, weight_time=1))
+    assert len(ax.patches) == 4 * 8 * 3  # one box per F, B and W
+    assert sum(_colour(0, "W")[:3]) < sum(_colour(0, "B")[:3]) < sum(_colour(0, "F")[:3])
+    assert "weight gradient" in ax.get_xlabel()
+
+
+def test_memory_against_bubble_puts_h1_at_1f1bs_memory_and_h2_at_no_bubble():
+    import matplotlib
+    matplotlib.use("Agg")
+    from megatron_edu.viz.pipeline import draw_memory_vs_bubble
+
+    ax = draw_memory_vs_bubble(4, 12)  # t_F = t_B = t_W = 1
+    points = {line.get_gid(): tuple(line.get_xydata()[0]) for line in ax.lines}
+    assert points == {"1f1b": (4, 9), "zb-h1": (4, 3), "zb-h2": (7, 0), "zb-v": (4, 0)}
+
+
+@pytest.mark.parametrize("name", ZB)
+def test_the_explorer_draws_the_zero_bubble_schedules_with_t_w(name, capsys):
+    import matplotlib
+    import matplotlib.pyplot as plt
+    matplotlib.use("Agg")
+    from megatron_edu.viz.pipeline import show_explored
+
+    show_explored(name, 4, 8, 1, ratio=1.0, latency=0.0, weight=1.0)
+    plt.close("all")
+    printed = capsys.readouterr().out
+    if name != "zb-v":
+        size = float(bubble_size_formula(name, 4, 1, 1, 1))  # 3 for ZB-H1, 0 for ZB-H2
+        assert "bubble size (2401.10241" in printed and f"Table 2's = {size:.3g}" in printed
+    assert "peak activations per rank" in printed
