@@ -240,3 +240,33 @@ def test_the_explorer_draws_the_zero_bubble_schedules_with_t_w(name, capsys):
         size = float(bubble_size_formula(name, 4, 1, 1, 1))  # 3 for ZB-H1, 0 for ZB-H2
         assert "bubble size (2401.10241" in printed and f"Table 2's = {size:.3g}" in printed
     assert "peak activations per rank" in printed
+
+
+# --- the split backward on the benchmark's sleeping stage ----------------------------------------
+
+
+@pytest.mark.parametrize("first", [True, False])
+def test_the_benchmarks_sleeping_stage_splits_into_b_and_w(first):
+    """bench (d) sleeps t_f in B and t_f in W: B must return the input's gradient without
+    touching the weights, W must give them the whole backward's gradients."""
+    import torch
+
+    from bench.bubble import SleepStage
+    from megatron_edu.pipeline.backward import backward, backward_input
+
+    stage = SleepStage(4, first=first, last=False, forward_s=0.0)
+    x = torch.arange(6).view(2, 3) if first else torch.randn(2, 3, 4, requires_grad=True)
+    grad = torch.randn(2, 3, 4)
+    backward(stage(x), grad)
+    whole = [p.grad.clone() for p in stage.parameters()]
+    x_grad = None if first else x.grad.clone()
+    stage.zero_grad(set_to_none=True)
+
+    x = x if first else x.detach().requires_grad_(True)
+    got, weight_pass = backward_input(stage(x), grad, None if first else x)
+    assert all(p.grad is None for p in stage.parameters())
+    weight_pass.run()
+    for p, expected in zip(stage.parameters(), whole, strict=True):
+        torch.testing.assert_close(p.grad, expected)
+    if not first:
+        torch.testing.assert_close(got, x_grad)
