@@ -54,7 +54,7 @@ rank 1: F0 F1 F2 F3 F4 B0 F5 B1 F6 B2 W0 F7 B3 W1 B4 W2 B5 W3 B6 W4 B7 W5 W6 W7
 rank 2: F0 F1 F2 B0 F3 B1 F4 B2 F5 B3 F6 B4 W0 F7 B5 W1 B6 W2 B7 W3 W4 W5 W6 W7
 rank 3: F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 W0 F7 B7 W1 W2 W3 W4 W5 W6 W7"""
 
-# §6 (Figure 8), ZB-V with p = 2, m = 4 (".1": chunk 1, which comes back up the ranks): the
+# §6, ZB-V with p = 2, m = 4 (".1": chunk 1, which comes back up the ranks): the
 # phases of PyTorch's ScheduleZBVZeroBubble, 2(p − r) − 1 F⁰ first, then F¹ B¹ W¹ from the turn.
 ZB_V_2_4 = """\
 rank 0: F0 F1 F2 F0.1 B0.1 W0.1 F1.1 B1.1 W1.1 F3 B0 W0 F2.1 B2.1 W2.1 B1 W1 F3.1 B3.1 W3.1 \
