@@ -1,4 +1,5 @@
-"""(d) The measured pipeline bubble of a 4-stage 1F1B run against (p − 1)/m and the simulator.
+"""(d) The measured pipeline bubble of a 4-stage 1F1B run against (p − 1)/m and the simulator;
+and of ZB-H1 (2401.10241) on the same stages, against 1F1B and Table 2's bubble size.
 
 2104.04473 §2.2.1: with p stages and m microbatches, every rank of a 1F1B (or GPipe) pipeline
 idles for (p − 1) forward-and-backward slots per iteration: bubble fraction t_pb / t_id =
@@ -11,12 +12,20 @@ the measured bubble (``Timeline.bubble_fraction`` of the engine's own timeline) 
 
 The target is the measured bubble within 5 % of the simulated one. Two kinds of stage:
 
-* ``sleep``: each stage sleeps t_f forward and 2·t_f backward. It uses no core, so 4 ranks on a
-  2-core machine do not slow each other down: what remains is the schedule, the engine and
-  the send/recv — exactly what the formula is about.
+* ``sleep``: each stage sleeps t_f forward and 2·t_f backward — t_f for the input's gradient (B)
+  and t_f for the weight's (W), two autograd nodes that ``pipeline/backward.py`` separates under
+  a zero-bubble schedule (1F1B runs both as its B). It uses no core, so 4 ranks on a 2-core
+  machine do not slow each other down: what remains is the schedule, the engine and the
+  send/recv — exactly what the formula is about.
 * ``gpt``: two GPT blocks per stage (4 ranks × 1 thread). On fewer than 4 cores the ranks compete
   for cores, so an action takes longer when more ranks are busy — a cost neither the formula nor
   the simulator knows. Reported for information.
+
+ZB-H1 (``--schedules 1f1b zb-h1``, the default) runs on the same stages: its W's fill 1F1B's
+bubble, which shrinks from (p − 1)(t_F + t_B + t_W) to (p − 1)(t_F + t_B − t_W) per rank
+(2401.10241 §2.3, Table 2; the bubble *size*, the most a rank idles between its own first and
+last action), a third with t_F = t_B = t_W. Reported: its measured bubble against its simulated
+twin (the same 5 % target) and against 1F1B's.
 
     python -m bench.bubble
 """
@@ -37,11 +46,17 @@ from megatron_edu.grid import ParallelGrid
 from megatron_edu.launch import run
 from megatron_edu.model import GPTConfig
 from megatron_edu.pipeline.engine import build_chunks, run_schedule
-from megatron_edu.pipeline.schedules import Action, dependencies, one_f_one_b
-from megatron_edu.pipeline.simulate import Timeline, bubble_formula, simulate
+from megatron_edu.pipeline.schedules import Action, dependencies, make_schedule
+from megatron_edu.pipeline.simulate import (
+    Timeline,
+    bubble_formula,
+    bubble_size_formula,
+    simulate,
+)
 
 P, M, MICROBATCH = 4, 8, 2
-SLEEP_FORWARD = 0.030  # seconds; the backward sleeps twice as long (2104.04473 §2.2: t_b ≈ 2·t_f)
+SLEEP_FORWARD = 0.030  # seconds; the backward sleeps twice as long (2104.04473 §2.2: t_b ≈ 2·t_f),
+#                       half for the input's gradient (B), half for the weight's (W)
 GPT_MODEL = dict(vocab_size=256, seq_len=64, num_layers=8, hidden=128, num_heads=4, dropout=0.0)
 TARGET_PERCENT = 5.0
 
@@ -63,18 +78,22 @@ class _Sleep(torch.autograd.Function):
 
 class SleepStage(nn.Module):
     """A pipeline stage with the engine's interface (ids in on the first, a loss out on the last)
-    whose compute is a fixed sleep: t_f forward, 2·t_f backward."""
+    whose compute is a fixed sleep: t_f forward, 2·t_f backward — t_f on the path to the input
+    (B) and t_f on the weight's own branch (W): y = sleep(x · sleep(scale) + shift)."""
 
     def __init__(self, hidden: int, first: bool, last: bool, forward_s: float) -> None:
         super().__init__()
         self.first, self.last, self.forward_s = first, last, forward_s
         self.scale = nn.Parameter(torch.ones(hidden))
+        self.shift = nn.Parameter(torch.zeros(hidden))  # a second weight: the path to it and
+        # to scale is the trunk even on the first stage, whose input wants no gradient
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None, *,
                 dropout_key=None, loss_reduction: str = "mean") -> torch.Tensor:
         if self.first:
             x = x.float().unsqueeze(-1)  # ids [b, s] -> [b, s, 1], broadcast to [b, s, h]
-        y = _Sleep.apply(x * self.scale, self.forward_s, 2 * self.forward_s)
+        scale = _Sleep.apply(self.scale, 0.0, self.forward_s)  # W: t_f
+        y = _Sleep.apply(x * scale + self.shift, self.forward_s, self.forward_s)  # F, B: t_f
         if not self.last:
             return y
         return y.sum() if loss_reduction == "sum" else y.mean()
@@ -89,14 +108,15 @@ def stages(kind: str, grid: ParallelGrid) -> tuple[list[nn.Module], int]:
     return build_chunks(config, grid), config.hidden
 
 
-def timelines_on_ranks(kind: str, rounds: int) -> list[list[tuple[Action, float, float]]]:
+def timelines_on_ranks(kind: str, rounds: int, schedule_name: str = "1f1b"
+                       ) -> list[list[tuple[Action, float, float]]]:
     """Runs on each rank: ``rounds`` iterations (after one warm-up); this rank's timelines."""
     grid = ParallelGrid(pp=P)
     chunks, hidden = stages(kind, grid)
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(GPT_MODEL["vocab_size"], (M * MICROBATCH, GPT_MODEL["seq_len"] + 1),
                            generator=gen)
-    schedule = one_f_one_b(P, M)
+    schedule = make_schedule(schedule_name, P, M)
     timelines = []
     for _ in range(rounds + 1):
         result = run_schedule(schedule, chunks, grid, tokens[:, :-1], tokens[:, 1:], M, hidden)
@@ -135,47 +155,72 @@ def mean_send_latency(timeline: Timeline) -> float:
     return statistics.mean(gaps(timeline)["send"] or [0.0])
 
 
-def simulated_twin(timeline: Timeline) -> Timeline:
-    """The simulator fed with this run's per-rank mean forward/backward times and send latency."""
-    means = {kind: [statistics.mean(e - s for a, s, e in row if a.kind == kind)
-                    for row in timeline.ranks] for kind in "FB"}
-    return simulate(one_f_one_b(P, M), means["F"], means["B"], mean_send_latency(timeline))
+def simulated_twin(timeline: Timeline, schedule_name: str = "1f1b") -> Timeline:
+    """The simulator fed with this run's per-rank mean forward, backward (and weight-gradient)
+    times and its mean send latency."""
+    means = {kind: [statistics.mean([e - s for a, s, e in row if a.kind == kind] or [0.0])
+                    for row in timeline.ranks] for kind in "FBW"}
+    return simulate(make_schedule(schedule_name, P, M), means["F"], means["B"],
+                    mean_send_latency(timeline), weight_time=means["W"])
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--kinds", nargs="+", choices=("sleep", "gpt"), default=["sleep", "gpt"])
+    parser.add_argument("--schedules", nargs="+", choices=("1f1b", "zb-h1"),
+                        default=["1f1b", "zb-h1"])
     args = parser.parse_args(argv)
     formula = float(bubble_formula("1f1b", P, M))
     print(f"(d) bubble of 1F1B, p={P} ranks × 1 thread, m={M}: (p-1)/m = {formula:.3f}")
-    records = []
+    records, sizes = [], {}
     for kind in args.kinds:
-        per_rank = run(timelines_on_ranks, P, kind, args.rounds, backend="gloo",
-                       threads_per_rank=1)
-        measured = [Timeline(list(ranks)) for ranks in zip(*per_rank, strict=True)]
-        simulated = [simulated_twin(t) for t in measured]
-        bubbles = [float(t.bubble_fraction) for t in measured]
-        off = Spread.of([100 * (b / float(s.bubble_fraction) - 1)
-                         for b, s in zip(bubbles, simulated, strict=True)])
-        latency = statistics.median(mean_send_latency(t) for t in measured)
-        engine = statistics.median(statistics.mean(gaps(t)["engine"] or [0.0]) for t in measured)
-        print(f"  {kind}: measured bubble {statistics.median(bubbles):.3f}, simulated with the "
-              f"measured costs and {1e3 * latency:.2f} ms send latency "
-              f"{statistics.median(float(s.bubble_fraction) for s in simulated):.3f}, "
-              f"formula {formula:.3f}; idle before an action whose inputs were already sent: "
-              f"{1e3 * engine:.2f} ms")
-        target = kind == "sleep"  # the gpt stages compete for cores: information only
-        records.append(report(
-            f"d_bubble_{kind}", "measured_vs_simulated_percent", off,
-            f"within {TARGET_PERCENT:g} %" if target else "(4 ranks share 2 cores)",
-            abs(off.median) <= TARGET_PERCENT if target else None,
-            config=dict(p=P, m=M, microbatch=MICROBATCH, stage=kind,
-                        **({"forward_s": SLEEP_FORWARD} if kind == "sleep" else GPT_MODEL)),
-            extra={"measured_bubble": statistics.median(bubbles), "formula": formula,
-                   "measured_vs_formula_percent": 100 * (statistics.median(bubbles) / formula - 1),
-                   "send_latency_ms": 1e3 * latency, "engine_gap_ms": 1e3 * engine}))
+        for name in args.schedules:
+            record, sizes[kind, name] = _measure(kind, name, args.rounds, formula)
+            records.append(record)
+        if {"1f1b", "zb-h1"} <= set(args.schedules):
+            (f1, s1), (fz, sz) = sizes[kind, "1f1b"], sizes[kind, "zb-h1"]
+            print(f"  {kind}: ZB-H1 against 1F1B on the same stages: bubble fraction {fz:.3f} vs "
+                  f"{f1:.3f}; bubble size {1e3 * sz:.0f} vs {1e3 * s1:.0f} ms "
+                  f"({sz / s1:.2f}×; Table 2 with equal t_F, t_B, t_W: 1/3)")
     return records
+
+
+def _measure(kind: str, name: str, rounds: int, formula: float) -> tuple[dict, tuple]:
+    """Run ``name`` on ``kind`` stages; print and record its measured bubble against its twin."""
+    per_rank = run(timelines_on_ranks, P, kind, rounds, name, backend="gloo",
+                   threads_per_rank=1)
+    measured = [Timeline(list(ranks)) for ranks in zip(*per_rank, strict=True)]
+    simulated = [simulated_twin(t, name) for t in measured]
+    bubbles = [float(t.bubble_fraction) for t in measured]
+    off = Spread.of([100 * (b / float(s.bubble_fraction) - 1)
+                     for b, s in zip(bubbles, simulated, strict=True)])
+    latency = statistics.median(mean_send_latency(t) for t in measured)
+    engine = statistics.median(statistics.mean(gaps(t)["engine"] or [0.0]) for t in measured)
+    size = statistics.median(float(t.bubble_size) for t in measured)
+    print(f"  {kind}, {name}: measured bubble {statistics.median(bubbles):.3f}, simulated with "
+          f"the measured costs and {1e3 * latency:.2f} ms send latency "
+          f"{statistics.median(float(s.bubble_fraction) for s in simulated):.3f}, "
+          f"(p-1)/m {formula:.3f}; idle before an action whose inputs were already sent: "
+          f"{1e3 * engine:.2f} ms; bubble size {1e3 * size:.0f} ms (simulated "
+          f"{1e3 * statistics.median(float(s.bubble_size) for s in simulated):.0f} ms)")
+    extra = {"measured_bubble": statistics.median(bubbles), "formula": formula,
+             "measured_vs_formula_percent": 100 * (statistics.median(bubbles) / formula - 1),
+             "send_latency_ms": 1e3 * latency, "engine_gap_ms": 1e3 * engine,
+             "bubble_size_ms": 1e3 * size}
+    if kind == "sleep":  # t_F = t_B = t_W: Table 2's bubble size
+        t = SLEEP_FORWARD
+        extra["table_2_bubble_size_ms"] = 1e3 * float(bubble_size_formula(name, P, t, t, t))
+    target = kind == "sleep"  # the gpt stages compete for cores: information only
+    record = report(
+        f"d_bubble_{kind}" if name == "1f1b" else f"d_bubble_{name}_{kind}",
+        "measured_vs_simulated_percent", off,
+        f"within {TARGET_PERCENT:g} %" if target else "(4 ranks share 2 cores)",
+        abs(off.median) <= TARGET_PERCENT if target else None,
+        config=dict(p=P, m=M, microbatch=MICROBATCH, stage=kind, schedule=name,
+                    **({"forward_s": SLEEP_FORWARD} if kind == "sleep" else GPT_MODEL)),
+        extra=extra)
+    return record, (statistics.median(bubbles), size)
 
 
 if __name__ == "__main__":

@@ -57,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     layout.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     layout.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     layout.add_argument("--dp", type=int, help="data-parallel size (default: world / (tp·pp))")
-    layout.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved"], default="1f1b")
+    layout.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2"],
+                        default="1f1b")
     layout.add_argument("--chunks", type=int, default=1, help="model chunks per pipeline rank "
                         "(interleaved schedule)")
     layout.add_argument("--zero1", action="store_true", help="shard optimizer state over dp")

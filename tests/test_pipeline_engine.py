@@ -9,7 +9,7 @@ from megatron_edu.launch import run
 from megatron_edu.model import GPT, GPTConfig
 from megatron_edu.pipeline.engine import build_chunks, run_schedule
 from megatron_edu.pipeline.p2p import LABELS, messages_of
-from megatron_edu.pipeline.schedules import make_schedule
+from megatron_edu.pipeline.schedules import make_schedule, placement_of
 
 CONFIG = GPTConfig(vocab_size=100, seq_len=8, num_layers=8, hidden=32, num_heads=4, dropout=0.0)
 BATCH, MICROBATCHES = 8, 4
@@ -30,14 +30,13 @@ def _serial():
 
 def _pipelined(name, tp, pp, v, scatter_gather=False, transport="auto"):
     grid = ParallelGrid(tp=tp, pp=pp)
-    chunks = build_chunks(CONFIG, grid, v)
+    chunks = build_chunks(CONFIG, grid, v, placement_of(name))
     schedule = make_schedule(name, pp, MICROBATCHES, v)
     with comm.record() as log:
         result = run_schedule(schedule, chunks, grid, *_batch(), MICROBATCHES, CONFIG.hidden,
-                              scatter_gather=scatter_gather, transport=transport)
-    grads = {}
-    for chunk in chunks:
-        grads.update(chunk.full_state_dict(grads=True))
+                              scatter_gather=scatter_gather, transport=transport,
+                              placement=placement_of(name))
+    grads = [chunk.full_state_dict(grads=True) for chunk in chunks]
     return result.loss, grads, result.timeline, log
 
 
@@ -49,11 +48,12 @@ def serial():
 def _merge_stage_grads(per_rank, tp):
     """Every parameter's gradient once (tp rank 0 of each stage; full_state_dict gathered the
     shards); the two copies of the tied embedding summed, as the embedding-group all-reduce of
-    the 3D step does in training."""
+    the 3D step does in training (under ZB-V both copies are on rank 0)."""
     merged = {}
-    for _, grads, _, _ in per_rank[::tp]:
-        for name, grad in grads.items():
-            merged[name] = merged[name] + grad if name in merged else grad
+    for _, chunk_grads, _, _ in per_rank[::tp]:
+        for grads in chunk_grads:
+            for name, grad in grads.items():
+                merged[name] = merged[name] + grad if name in merged else grad
     return merged
 
 
@@ -61,6 +61,9 @@ def _merge_stage_grads(per_rank, tp):
     ("gpipe", 1, 2, 1), ("1f1b", 1, 2, 1), ("interleaved", 1, 2, 2),
     ("gpipe", 1, 4, 1), ("1f1b", 1, 4, 1), ("interleaved", 1, 4, 2),
     ("1f1b", 2, 2, 1), ("interleaved", 2, 2, 2),
+    ("zb-h1", 1, 2, 1), ("zb-h2", 1, 2, 1), ("zb-v", 1, 2, 2),
+    ("zb-h1", 1, 4, 1), ("zb-h2", 1, 4, 1), ("zb-v", 1, 4, 2),
+    ("zb-h1", 2, 2, 1), ("zb-h2", 2, 2, 1), ("zb-v", 2, 2, 2),
 ])
 def test_pipeline_equals_serial(serial, name, tp, pp, v):
     serial_loss, serial_grads = serial
@@ -89,8 +92,8 @@ def test_each_rank_sends_what_its_schedule_produces_in_its_order(transport):
 def test_scatter_gather_sends_a_tp_th_of_the_bytes_with_the_same_result(serial):
     plain = run(_pipelined, 4, "1f1b", 2, 2, 1)
     split = run(_pipelined, 4, "1f1b", 2, 2, 1, True)
-    for (loss_a, grads_a, _, log_a), (loss_b, grads_b, _, log_b) in zip(plain, split,
-                                                                        strict=True):
+    for (loss_a, [grads_a], _, log_a), (loss_b, [grads_b], _, log_b) in zip(plain, split,
+                                                                            strict=True):
         torch.testing.assert_close(loss_a, loss_b, atol=1e-6, rtol=0)
         for key in grads_a:
             torch.testing.assert_close(grads_a[key], grads_b[key], atol=1e-6, rtol=0)

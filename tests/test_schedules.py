@@ -137,7 +137,7 @@ def test_check_rejects_a_deadlocking_order():
     (lambda: interleaved_one_f_one_b(4, 6, 2), "num_microbatches=6, num_stages=4"),
     (lambda: make_schedule("zigzag", 4, 8), "unknown schedule 'zigzag'"),
     (lambda: make_schedule("1f1b", 4, 8, 2), "one model chunk per rank; got v=2"),
-    (lambda: Action("X", 0), "kind must be 'F' or 'B', got 'X'"),
+    (lambda: Action("X", 0), "kind must be 'F', 'B' or 'W', got 'X'"),
     (lambda: check_schedule(gpipe(2, 2), num_chunks=0), "num_chunks must be at least 1, got 0"),
     (lambda: check_schedule([]), "at least one rank"),
 ])

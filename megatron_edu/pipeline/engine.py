@@ -7,8 +7,12 @@ Each pipeline rank walks its list of actions from ``schedules.py``:
   the backward pass needs, and send the output on (the last virtual stage computes the loss).
 * ``B(mb, c)``: backpropagate from the loss (last virtual stage) or from the gradient received
   from the next virtual stage, then send the input's gradient back.
+* ``W(mb, c)``, in a zero-bubble schedule (2401.10241): the weights' gradient. B then computes
+  only the input's gradient and leaves W what it needs (``backward.py``); W accumulates into
+  the parameters' ``.grad`` and sends nothing.
 
-Chunk c on rank r is virtual stage c·p + r (§2.2.2). Messages go through a transport
+Chunk c on rank r is virtual stage c·p + r (§2.2.2), or, under ZB-V's V placement, r for chunk 0
+and 2p − 1 − r for chunk 1 (``schedules.virtual_stage``). Messages go through a transport
 (``p2p.py``): on gloo a mailbox with receives posted in advance, on NCCL batches that both
 neighbours issue at the same point of their schedules — the engine asks the same three things of
 either.
@@ -23,7 +27,7 @@ so nothing here may keep a microbatch alive longer than the schedule says:
   (Megatron-LM's ``custom_backward``), since ``torch.autograd.backward`` would reject a gradient
   whose shape differs from the freed output's;
 * what each microbatch keeps — its input (for the input's gradient) and its output's node — is
-  dropped by its backward pass.
+  dropped by its backward pass; with the backward split, what W needs lives until W.
 
 ``PipelineResult.peak_boundary_tensors`` counts how many tensors crossing a stage boundary were
 alive at once (by their storage, so a freed output no longer counts); tests measure the peak
@@ -51,32 +55,35 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.autograd.variable import Variable
 
 from megatron_edu import comm
 from megatron_edu.grid import ParallelGrid
 from megatron_edu.model import GPT, GPTConfig, stage_layers
 from megatron_edu.model.gpt import IGNORE_INDEX
-from megatron_edu.pipeline.p2p import make_transport, messages_of
-from megatron_edu.pipeline.schedules import Action, Schedule
+from megatron_edu.pipeline.backward import WeightPass, backward, backward_input
+from megatron_edu.pipeline.p2p import make_transport, messages_placed
+from megatron_edu.pipeline.schedules import Action, Schedule, splits_backward, virtual_stage
 from megatron_edu.tensor_parallel.random import DropoutKey
 from megatron_edu.timing import Clock
 
 __all__ = ["build_chunks", "PipelineResult", "run_schedule"]
 
 
-def build_chunks(config: GPTConfig, grid: ParallelGrid, num_chunks: int = 1) -> list[GPT]:
-    """This rank's model chunks: chunk c holds virtual stage c·p + r's contiguous layers."""
+def build_chunks(config: GPTConfig, grid: ParallelGrid, num_chunks: int = 1,
+                 placement: str = "interleaved") -> list[GPT]:
+    """This rank's model chunks: chunk c holds the contiguous layers of virtual stage
+    ``virtual_stage(r, c, p, placement)`` — c·p + r, or ZB-V's V ("v")."""
     config.validate(grid.tp, grid.pp, num_chunks)
     if num_chunks > 1 and grid.pp == 1:
         raise ValueError(f"{num_chunks} model chunks need a pipeline (pp ≥ 2): with one stage "
                          f"there is nothing to interleave")
-    last_stage = num_chunks * grid.pp - 1
+    num_stages = num_chunks * grid.pp
     chunks = []
     for c in range(num_chunks):
-        stage = c * grid.pp + grid.pp_rank
-        layers = stage_layers(config.num_layers, grid.pp, grid.pp_rank, num_chunks, c)
-        chunks.append(GPT(config, grid, layers=layers, first=stage == 0, last=stage == last_stage))
+        stage = virtual_stage(grid.pp_rank, c, grid.pp, placement)
+        layers = stage_layers(config.num_layers, num_stages, stage)  # the stage-th of p·v runs
+        chunks.append(GPT(config, grid, layers=layers, first=stage == 0,
+                          last=stage == num_stages - 1))
     return chunks
 
 
@@ -107,6 +114,7 @@ def run_schedule(
     first_sample: int = 0,
     loss_scale: float = 1.0,
     sequence_parts: int = 1,
+    placement: str = "interleaved",
 ) -> PipelineResult:
     """Run this rank's list of ``schedule`` over ``chunks``: one forward-backward of the batch.
 
@@ -117,14 +125,16 @@ def run_schedule(
     rank may pass it; only the first and last stage read it), cut into ``num_microbatches``.
     Gradients accumulate in the chunks' parameters. ``num_tokens``: the target tokens the loss
     is averaged over (default: this batch's; PTD-P passes the global batch's).
-    ``grad_sync(chunk, is_last_backward)`` wraps every backward pass: a data-parallel wrapper
-    launches its all-reduces only in each chunk's last one (§2.1). ``transport``: "auto"
+    ``grad_sync(chunk, is_last_backward)`` wraps every pass that accumulates weight gradients —
+    each B, or each W when the schedule has W actions: a data-parallel wrapper launches its
+    all-reduces only in each chunk's last one (§2.1). ``transport``: "auto"
     (batched on NCCL, mailbox on gloo), "batched" or "mailbox" (``p2p.py``). ``step`` and
     ``first_sample`` (the global index of this batch's first sequence) key the dropout masks.
     ``loss_scale``: backward starts from the loss times this (fp16's loss scaling; the reported
     loss is not scaled). ``sequence_parts``: the stages exchange 1/parts of each sequence
     (sequence parallelism over tp: each tp rank sends its own part, so §4.1's scatter/gather
-    has nothing left to save).
+    has nothing left to save). ``placement``: where the chunks live (``build_chunks``' own; "v"
+    for ZB-V).
     """
     m = num_microbatches
     if input_ids.shape[0] % m:
@@ -134,11 +144,11 @@ def run_schedule(
         raise ValueError(f"{input_ids.shape[1]} tokens do not split into {sequence_parts} parts")
     shape = (input_ids.shape[0] // m, input_ids.shape[1] // sequence_parts, hidden)
     wire = make_transport(transport, schedule, len(chunks), grid, shape, _boundary_dtype(chunks),
-                          scatter_gather)
+                          scatter_gather, placement)
     if num_tokens is None:
         num_tokens = int((labels != IGNORE_INDEX).sum())
     return _Run(schedule, chunks, grid, wire, input_ids.chunk(m), labels.chunk(m), grad_sync,
-                step, first_sample, num_tokens, loss_scale).execute()
+                step, first_sample, num_tokens, loss_scale, placement).execute()
 
 
 def _boundary_dtype(chunks: Sequence[nn.Module]) -> torch.dtype:
@@ -153,14 +163,16 @@ class _Run:
     """One step of one rank: its actions, what each microbatch keeps, and the losses."""
 
     def __init__(self, schedule, chunks, grid, wire, ids, targets, grad_sync, step, first_sample,
-                 num_tokens, loss_scale) -> None:
+                 num_tokens, loss_scale, placement) -> None:
         self.schedule, self.chunks, self.grid, self.wire = schedule, chunks, grid, wire
         self.ids, self.targets, self.grad_sync = ids, targets, grad_sync
         self.step, self.first_sample, self.num_tokens = step, first_sample, num_tokens
-        self.loss_scale = loss_scale
+        self.loss_scale, self.placement = loss_scale, placement
         self.p, self.v = grid.pp, len(chunks)
+        self.split = splits_backward(schedule)  # B is the input gradient only; W the weights'
         self.kept: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
-        self.backwards_left = [len(ids)] * self.v
+        self.weight_passes: dict[tuple[int, int], WeightPass] = {}
+        self.weight_passes_left = [len(ids)] * self.v  # B's, or W's when split: per chunk
         self.losses: list[torch.Tensor] = []
         self.boundary = _LiveTensors()
 
@@ -172,10 +184,12 @@ class _Run:
         origin, stamps = clock.stamp(), []
         for i, action in enumerate(actions):
             self.wire.at_point(i)
-            receives, sends = messages_of(action, self.grid.pp_rank, self.p, self.v)
+            receives, sends = messages_placed(action, self.grid.pp_rank, self.p, self.v,
+                                              self.placement)
             x = self.wire.receive(receives) if receives is not None else None
             start = clock.stamp()
-            out = self._forward(action, x) if action.kind == "F" else self._backward(action, x)
+            out = {"F": self._forward, "B": self._backward, "W": self._weights}[action.kind](
+                action, x)
             stamps.append((action, start, clock.stamp()))
             if sends is not None:
                 self.wire.send(sends, out)
@@ -187,7 +201,7 @@ class _Run:
         return PipelineResult(self._loss(), timeline, self.boundary.peak)
 
     def _stage(self, action: Action) -> int:
-        return action.chunk * self.p + self.grid.pp_rank
+        return virtual_stage(self.grid.pp_rank, action.chunk, self.p, self.placement)
 
     def _forward(self, action: Action, x: torch.Tensor | None) -> torch.Tensor:
         stage, mb, c = self._stage(action), action.microbatch, action.chunk
@@ -213,17 +227,32 @@ class _Run:
         return out
 
     def _backward(self, action: Action, grad: torch.Tensor | None) -> torch.Tensor | None:
-        x, out = self.kept.pop((action.microbatch, action.chunk))
+        """The whole backward pass, or (zero bubble) the input's gradient only."""
+        key = (action.microbatch, action.chunk)
+        x, out = self.kept.pop(key)
         if grad is not None:
             self.boundary.add(grad)
-        self.backwards_left[action.chunk] -= 1
-        last_backward = self.backwards_left[action.chunk] == 0
-        with (self.grad_sync(action.chunk, last_backward) if self.grad_sync else nullcontext()):
-            _backward(out, grad)
-        if x is None:
-            return None
-        self.boundary.add(x.grad)
-        return x.grad
+        if self.split:
+            x_grad, self.weight_passes[key] = backward_input(out, grad, x)
+        else:
+            with self._sync(action.chunk):
+                backward(out, grad)
+            x_grad = x.grad if x is not None else None
+        if x_grad is not None:
+            self.boundary.add(x_grad)
+        return x_grad
+
+    def _weights(self, action: Action, _: None) -> None:
+        """W (zero bubble): the weights' gradient of a microbatch whose B has run."""
+        with self._sync(action.chunk):
+            self.weight_passes.pop((action.microbatch, action.chunk)).run()
+
+    def _sync(self, chunk: int) -> AbstractContextManager:
+        """``grad_sync`` around a pass that accumulates weight gradients; says if it is the
+        chunk's last (a data-parallel wrapper then launches its all-reduces)."""
+        self.weight_passes_left[chunk] -= 1
+        last = self.weight_passes_left[chunk] == 0
+        return self.grad_sync(chunk, last) if self.grad_sync else nullcontext()
 
     def _loss(self) -> torch.Tensor:
         """The last stage's sum of microbatch shares, shared with every pipeline rank."""
@@ -232,7 +261,7 @@ class _Run:
         return comm.all_reduce(loss, self.grid.pp_group, label="pp loss")
 
 
-# --- freeing a sent output, and the backward pass that still works after it ----------------------
+# --- freeing a sent output (backward.py's passes still work after it) -----------------------------
 
 def _free_output(out: torch.Tensor) -> None:
     """Free the values of a stage's output once sent; keep the tensor for its autograd node.
@@ -245,17 +274,6 @@ def _free_output(out: torch.Tensor) -> None:
     if out._base is not None:
         raise ValueError("a stage's output must not be a view: its memory could not be freed")
     out.data = torch.empty((1,), device=out.device, dtype=out.dtype)
-
-
-def _backward(out: torch.Tensor, grad: torch.Tensor | None) -> None:
-    """``torch.autograd.backward(out, grad)`` without its shape check, which a freed output
-    fails (Megatron-LM's ``custom_backward``): the graph itself is intact."""
-    if grad is None:
-        out.backward()  # the loss: a scalar that was never freed
-        return
-    Variable._execution_engine.run_backward(
-        tensors=(out,), grad_tensors=(grad,), keep_graph=False, create_graph=False, inputs=(),
-        allow_unreachable=True, accumulate_grad=True)
 
 
 class _LiveTensors:

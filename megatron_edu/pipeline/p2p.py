@@ -4,8 +4,12 @@ Every message crossing a stage boundary has one key, ``Message(kind, microbatch,
 activation ("act") for virtual stage ``stage`` from the one before it, or a gradient ("grad") for
 it from the one after. Chunk c of pipeline rank r is virtual stage c·p + r (2104.04473 §2.2.2),
 so sender and receiver follow from the key, and with the interleaved schedule messages wrap from
-the last rank to rank 0. Every rank knows every schedule (they are data), so every rank knows
-which messages it will send and receive, in which order — nothing is negotiated at run time.
+the last rank to rank 0; ZB-V's V placement (``schedules.virtual_stage``, 2401.10241 §6) turns
+at rank p − 1 instead, where stage p − 1 hands over to stage p on the same rank: that message is
+``local`` and never touches the wire. A weight-gradient pass W (zero-bubble schedules) neither
+receives nor sends.
+Every rank knows every schedule (they are data), so every rank knows which messages it will send
+and receive, in which order — nothing is negotiated at run time.
 
 The engine asks a transport three things: ``send(message, tensor)`` after an action produced it,
 ``receive(message)`` before an action needs it, and ``at_point(i)`` before its i-th action (and
@@ -54,10 +58,10 @@ import torch.distributed as dist
 
 from megatron_edu import comm
 from megatron_edu.grid import ParallelGrid
-from megatron_edu.pipeline.schedules import Action, Schedule
+from megatron_edu.pipeline.schedules import Action, Schedule, stage_location, virtual_stage
 
-__all__ = ["Message", "messages_of", "Exchange", "exchange_plan", "format_plan", "MailboxTransport",
-           "BatchedTransport", "make_transport", "LABELS"]
+__all__ = ["Message", "messages_of", "messages_placed", "local", "Exchange", "exchange_plan",
+           "format_plan", "MailboxTransport", "BatchedTransport", "make_transport", "LABELS"]
 
 LABELS = {"act": "pp activation", "grad": "pp gradient"}  # as comm.record() names them
 
@@ -70,29 +74,46 @@ class Message:
     microbatch: int
     stage: int  # the virtual stage that receives it
 
-    def src(self, p: int) -> int:
+    def src(self, p: int, placement: str = "interleaved") -> int:
         """The pipeline rank that sends it: the stage before (act) or after (grad)."""
-        return (self.stage - 1) % p if self.kind == "act" else (self.stage + 1) % p
+        return stage_location(self.stage + (-1 if self.kind == "act" else 1), p, placement)[0]
 
-    def dst(self, p: int) -> int:
-        return self.stage % p
+    def dst(self, p: int, placement: str = "interleaved") -> int:
+        return stage_location(self.stage, p, placement)[0]
 
 
-def messages_of(action: Action, rank: int, p: int, num_chunks: int
-                ) -> tuple[Message | None, Message | None]:
+def messages_of(action: Action, rank: int, p: int, num_chunks: int,
+                placement: str = "interleaved") -> tuple[Message | None, Message | None]:
     """(what ``action`` on pipeline rank ``rank`` receives, what it sends); None for neither.
 
     F of virtual stage s takes the activation of s (unless s is the first) and sends one to s+1
     (unless s is the last, which computes the loss); B takes the gradient of s's output (unless
-    s is the last: it starts from the loss) and sends its input's gradient to s−1.
+    s is the last: it starts from the loss) and sends its input's gradient to s−1; W keeps to
+    itself (the weights' gradient stays on the rank until the optimizer step).
     """
-    stage, last = action.chunk * p + rank, num_chunks * p - 1
+    stage, last = virtual_stage(rank, action.chunk, p, placement), num_chunks * p - 1
     mb = action.microbatch
     if action.kind == "F":
         return (Message("act", mb, stage) if stage > 0 else None,
                 Message("act", mb, stage + 1) if stage < last else None)
-    return (Message("grad", mb, stage) if stage < last else None,
-            Message("grad", mb, stage - 1) if stage > 0 else None)
+    if action.kind == "B":
+        return (Message("grad", mb, stage) if stage < last else None,
+                Message("grad", mb, stage - 1) if stage > 0 else None)
+    return None, None
+
+
+def messages_placed(action: Action, rank: int, p: int, num_chunks: int,
+                    placement: str = "interleaved") -> tuple[Message | None, Message | None]:
+    """``messages_of``, given ``placement`` only when it is not the default: exercise 05.2 swaps
+    in the learner's ``messages_of(action, rank, p, v)``, which knows no placement."""
+    if placement == "interleaved":
+        return messages_of(action, rank, p, num_chunks)
+    return messages_of(action, rank, p, num_chunks, placement)
+
+
+def local(message: Message, p: int, placement: str = "interleaved") -> bool:
+    """Whether ``message`` stays on its rank: ZB-V's turn between stages p − 1 and p."""
+    return message.src(p, placement) == message.dst(p, placement)
 
 
 # --- the exchange plan: matched batches, decided before the step --------------------------------
@@ -110,7 +131,8 @@ class Exchange:
 Plan = list[list[list[Exchange]]]  # plan[rank][i]: the exchanges before rank's i-th action
 
 
-def exchange_plan(schedule: Schedule, num_chunks: int = 1) -> Plan:
+def exchange_plan(schedule: Schedule, num_chunks: int = 1, placement: str = "interleaved"
+                  ) -> Plan:
     """For every rank and every point of its list (before action i; i = len: after the last),
     the exchanges it runs there, such that the two sides of each pair issue matching batches in
     the same order and every rank receives each input before the action that needs it.
@@ -120,6 +142,7 @@ def exchange_plan(schedule: Schedule, num_chunks: int = 1) -> Plan:
     exchanges all of them at the points where both stand. Each rank does its exchanges in that
     one global order, so the real run cannot deadlock: the earliest exchange not yet done always
     has both sides ready for it. A schedule that ``check_schedule`` accepts always has a plan.
+    A ``local`` message (ZB-V's turn) is in its rank's hands as soon as it is produced.
     """
     p = len(schedule)
     plan: Plan = [[[] for _ in range(len(row) + 1)] for row in schedule]
@@ -128,32 +151,33 @@ def exchange_plan(schedule: Schedule, num_chunks: int = 1) -> Plan:
     outbox: list[list[Message]] = [[] for _ in range(p)]
     while True:
         for rank in range(p):
-            _run_until_blocked(schedule, rank, num_chunks, position, inbox, outbox)
-        pairs = sorted({tuple(sorted((r, m.dst(p)))) for r in range(p) for m in outbox[r]})
+            _run_until_blocked(schedule, rank, num_chunks, placement, position, inbox, outbox)
+        pairs = sorted({tuple(sorted((r, m.dst(p, placement)))) for r in range(p)
+                        for m in outbox[r]})
         if not pairs:
             stuck = [r for r in range(p) if position[r] < len(schedule[r])]
             if stuck:
                 raise ValueError(f"deadlock: ranks {stuck} wait for messages nobody sends")
             return plan
         for a, b in pairs:
-            messages = (tuple(m for m in outbox[a] if m.dst(p) == b)
-                        + tuple(m for m in outbox[b] if m.dst(p) == a))
+            messages = (tuple(m for m in outbox[a] if m.dst(p, placement) == b)
+                        + tuple(m for m in outbox[b] if m.dst(p, placement) == a))
             for rank, peer in ((a, b), (b, a)):
                 plan[rank][position[rank]].append(Exchange(peer, messages))
                 outbox[rank] = [m for m in outbox[rank] if m not in messages]
             for m in messages:
-                inbox[m.dst(p)].add(m)
+                inbox[m.dst(p, placement)].add(m)
 
 
-def format_plan(schedule: Schedule, num_chunks: int = 1) -> str:
+def format_plan(schedule: Schedule, num_chunks: int = 1, placement: str = "interleaved") -> str:
     """Each rank's actions with its exchanges between them: 'F0 [⇄1 send act0>1] F1 …'."""
-    p, plan = len(schedule), exchange_plan(schedule, num_chunks)
+    p, plan = len(schedule), exchange_plan(schedule, num_chunks, placement)
     lines = []
     for rank, row in enumerate(schedule):
         items = []
         for i, action in enumerate([*row, None]):
             for e in plan[rank][i]:
-                ops = ", ".join(("send " if m.src(p) == rank else "recv ")
+                ops = ", ".join(("send " if m.src(p, placement) == rank else "recv ")
                                 + f"{m.kind}{m.microbatch}>{m.stage}" for m in e.messages)
                 items.append(f"[⇄{e.peer} {ops}]")
             if action is not None:
@@ -162,27 +186,32 @@ def format_plan(schedule: Schedule, num_chunks: int = 1) -> str:
     return "\n".join(lines)
 
 
-def _run_until_blocked(schedule: Schedule, rank: int, num_chunks: int, position: list[int],
-                       inbox: list[set[Message]], outbox: list[list[Message]]) -> None:
+def _run_until_blocked(schedule: Schedule, rank: int, num_chunks: int, placement: str,
+                       position: list[int], inbox: list[set[Message]],
+                       outbox: list[list[Message]]) -> None:
     """Advance ``rank`` while it has nothing to send and has the input of its next action."""
-    row = schedule[rank]
+    row, p = schedule[rank], len(schedule)
     while position[rank] < len(row) and not outbox[rank]:
-        needs, sends = messages_of(row[position[rank]], rank, len(schedule), num_chunks)
+        needs, sends = messages_placed(row[position[rank]], rank, p, num_chunks, placement)
         if needs is not None and needs not in inbox[rank]:
             return
         inbox[rank].discard(needs)
-        outbox[rank] += [sends] if sends is not None else []
+        if sends is not None:
+            (inbox[rank].add if local(sends, p, placement) else outbox[rank].append)(sends)
         position[rank] += 1
 
 
 # --- the wire: what goes on it, shared by both transports ----------------------------------------
 
 class _Transport:
-    """The wire format (dtype, and §4.1's 1/tp slice) and the global ranks of neighbours."""
+    """The wire format (dtype, and §4.1's 1/tp slice), the global ranks of neighbours, and the
+    hand-over of ``local`` messages (ZB-V's turn), which never touch the wire."""
 
     def __init__(self, grid: ParallelGrid, shape: tuple[int, ...], dtype: torch.dtype,
-                 scatter_gather: bool) -> None:
+                 scatter_gather: bool, placement: str) -> None:
         self.grid, self.dtype, self.scatter_gather = grid, dtype, scatter_gather
+        self.placement = placement
+        self.handed_over: dict[Message, torch.Tensor] = {}
         self.full_shape = torch.Size(shape)
         numel, parts = self.full_shape.numel(), grid.tp if scatter_gather else 1
         if numel % parts:
@@ -210,26 +239,57 @@ class _Transport:
             payload = comm.all_gather(payload, self.grid.tp_group, dim=0, label="pp all-gather")
         return payload.view(self.full_shape)
 
+    def local(self, message: Message) -> bool:
+        return local(message, self.grid.pp, self.placement)
+
+    def send(self, message: Message, tensor: torch.Tensor) -> None:
+        """Send ``message`` on the wire, or hand it to this rank's next chunk (the same memory,
+        detached: the sender's graph ends here, as if the tensor had crossed ranks)."""
+        if self.local(message):
+            self.handed_over[message] = tensor.detach()
+        else:
+            self.send_remote(message, tensor)
+
+    def receive(self, message: Message) -> torch.Tensor:
+        if self.local(message):
+            return self.handed_over.pop(message)
+        return self.receive_remote(message)
+
 
 class MailboxTransport(_Transport):
     """gloo: sends start at once; each channel's next receive is posted in advance."""
 
     def __init__(self, schedule: Schedule, num_chunks: int, grid: ParallelGrid,
-                 shape: tuple[int, ...], dtype: torch.dtype, scatter_gather: bool) -> None:
-        super().__init__(grid, shape, dtype, scatter_gather)
+                 shape: tuple[int, ...], dtype: torch.dtype, scatter_gather: bool,
+                 placement: str = "interleaved") -> None:
+        super().__init__(grid, shape, dtype, scatter_gather, placement)
         if grid.pp > 1 and not grid.p2p_channels:
             raise ValueError("the mailbox transport needs grid.p2p_channels (made on gloo only)")
         p = grid.pp
-        incoming = [m for r in range(p) for m in _sent_by(schedule, r, num_chunks)
-                    if m.dst(p) == grid.pp_rank]
-        # Each channel (kind, sender) in the sender's order: the order gloo matches them in.
-        self.expected = {(kind, src): [m for m in incoming if (m.kind, m.src(p)) == (kind, src)]
-                         for kind in LABELS for src in range(p)}
+        incoming = [m for r in range(p) for m in _sent_by(schedule, r, num_chunks, placement)
+                    if m.dst(p, placement) == grid.pp_rank and not self.local(m)]
+        # Each channel's messages in the sender's order: the order gloo matches them in.
+        self.expected: dict[tuple[str, int], list[Message]] = {}
+        for m in incoming:
+            self.expected.setdefault(self._stream(m), []).append(m)
         self.posted: dict[tuple[str, int], tuple[Message, torch.Tensor, dist.Work]] = {}
         self.arrived: dict[Message, torch.Tensor] = {}
         self.sending = _SendReleaser()
         for channel in self.expected:
             self._post(channel)
+
+    def _stream(self, message: Message) -> tuple[str, int]:
+        """(channel, sender): the in-order stream ``message`` travels on. Its kind's channel —
+        the grid has one per kind along the ring: activations forward, gradients back. Under the
+        V placement both kinds go both ways between neighbours, and the grid has one channel per
+        direction: both kinds then share it, in the sender's order."""
+        p, src = self.grid.pp, message.src(self.grid.pp, self.placement)
+        if self.placement == "interleaved":
+            return message.kind, src
+        dst = message.dst(p, self.placement)
+        kinds = [k for k in LABELS
+                 if (k, self.global_rank(src), self.global_rank(dst)) in self.grid.p2p_channels]
+        return kinds[0], src
 
     def _channel(self, kind: str, src: int, dst: int) -> dist.ProcessGroup:
         return self.grid.p2p_channels[kind, self.global_rank(src), self.global_rank(dst)]
@@ -240,19 +300,19 @@ class MailboxTransport(_Transport):
             return
         kind, src = channel
         message, buffer = self.expected[channel].pop(0), self.buffer()
-        work = comm.irecv(buffer, self.global_rank(src), LABELS[kind],
+        work = comm.irecv(buffer, self.global_rank(src), LABELS[message.kind],
                           self._channel(kind, src, self.grid.pp_rank))
         self.posted[channel] = (message, buffer, work)
 
-    def send(self, message: Message, tensor: torch.Tensor) -> None:
-        p = self.grid.pp
-        self.sending.add(*comm.isend(self.to_wire(tensor), self.global_rank(message.dst(p)),
+    def send_remote(self, message: Message, tensor: torch.Tensor) -> None:
+        dst = message.dst(self.grid.pp, self.placement)
+        kind, _ = self._stream(message)
+        self.sending.add(*comm.isend(self.to_wire(tensor), self.global_rank(dst),
                                      LABELS[message.kind],
-                                     self._channel(message.kind, self.grid.pp_rank,
-                                                   message.dst(p))))
+                                     self._channel(kind, self.grid.pp_rank, dst)))
 
-    def receive(self, message: Message) -> torch.Tensor:
-        channel = (message.kind, message.src(self.grid.pp))
+    def receive_remote(self, message: Message) -> torch.Tensor:
+        channel = self._stream(message)
         while message not in self.arrived:  # earlier messages of the channel wait for later
             earliest, buffer, work = self.posted.pop(channel)
             work.wait()
@@ -265,7 +325,8 @@ class MailboxTransport(_Transport):
 
     def finish(self) -> None:
         self.sending.finish()
-        assert not self.posted, "a message was expected that no action consumed"
+        assert not self.posted and not self.handed_over, \
+            "a message was expected that no action consumed"
 
 
 class _SendReleaser:
@@ -302,16 +363,17 @@ class BatchedTransport(_Transport):
     """NCCL: matched batches between neighbours at the points ``exchange_plan`` chose."""
 
     def __init__(self, schedule: Schedule, num_chunks: int, grid: ParallelGrid,
-                 shape: tuple[int, ...], dtype: torch.dtype, scatter_gather: bool) -> None:
-        super().__init__(grid, shape, dtype, scatter_gather)
-        self.points = exchange_plan(schedule, num_chunks)[grid.pp_rank]
+                 shape: tuple[int, ...], dtype: torch.dtype, scatter_gather: bool,
+                 placement: str = "interleaved") -> None:
+        super().__init__(grid, shape, dtype, scatter_gather, placement)
+        self.points = exchange_plan(schedule, num_chunks, placement)[grid.pp_rank]
         self.outbox: dict[Message, torch.Tensor] = {}   # produced, not yet exchanged
         self.inbox: dict[Message, torch.Tensor] = {}    # exchanged, not yet consumed
 
-    def send(self, message: Message, tensor: torch.Tensor) -> None:
+    def send_remote(self, message: Message, tensor: torch.Tensor) -> None:
         self.outbox[message] = self.to_wire(tensor)
 
-    def receive(self, message: Message) -> torch.Tensor:
+    def receive_remote(self, message: Message) -> torch.Tensor:
         return self.from_wire(self.inbox.pop(message))
 
     def at_point(self, index: int) -> None:
@@ -321,7 +383,7 @@ class BatchedTransport(_Transport):
     def _exchange(self, exchange: Exchange) -> None:
         p, ops, received = self.grid.pp, [], {}
         for m in exchange.messages:
-            if m.src(p) == self.grid.pp_rank:
+            if m.src(p, self.placement) == self.grid.pp_rank:
                 ops.append(comm.P2POp("send", self.outbox.pop(m),
                                       self.global_rank(exchange.peer), LABELS[m.kind]))
             else:
@@ -333,13 +395,15 @@ class BatchedTransport(_Transport):
         self.inbox.update(received)
 
     def finish(self) -> None:
-        assert not self.outbox and not self.inbox, "the exchange plan left a message behind"
+        assert not self.outbox and not self.inbox and not self.handed_over, \
+            "the exchange plan left a message behind"
 
 
-def _sent_by(schedule: Schedule, rank: int, num_chunks: int) -> Iterator[Message]:
+def _sent_by(schedule: Schedule, rank: int, num_chunks: int, placement: str
+             ) -> Iterator[Message]:
     """The messages pipeline rank ``rank`` sends, in its order."""
     for action in schedule[rank]:
-        _, sends = messages_of(action, rank, len(schedule), num_chunks)
+        _, sends = messages_placed(action, rank, len(schedule), num_chunks, placement)
         if sends is not None:
             yield sends
 
@@ -348,11 +412,11 @@ TRANSPORTS = {"mailbox": MailboxTransport, "batched": BatchedTransport}
 
 
 def make_transport(name: str, schedule: Schedule, num_chunks: int, grid: ParallelGrid,
-                   shape: tuple[int, ...], dtype: torch.dtype,
-                   scatter_gather: bool) -> MailboxTransport | BatchedTransport:
+                   shape: tuple[int, ...], dtype: torch.dtype, scatter_gather: bool,
+                   placement: str = "interleaved") -> MailboxTransport | BatchedTransport:
     """``name``: "mailbox", "batched", or "auto" — batched on NCCL, the mailbox elsewhere."""
     if name == "auto":
         name = "batched" if dist.get_backend() == "nccl" else "mailbox"
     if name not in TRANSPORTS:
         raise ValueError(f"unknown transport {name!r}; choose one of auto, {', '.join(TRANSPORTS)}")
-    return TRANSPORTS[name](schedule, num_chunks, grid, shape, dtype, scatter_gather)
+    return TRANSPORTS[name](schedule, num_chunks, grid, shape, dtype, scatter_gather, placement)

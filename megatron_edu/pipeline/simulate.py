@@ -2,7 +2,8 @@
 
 References: Narayanan et al. 2021, arXiv 2104.04473 §2.2.1 (pipeline bubble t_pb / t_id =
 (p − 1)/m for GPipe and 1F1B) and §2.2.2 (interleaved: (p − 1)/(v·m), with v times the
-point-to-point communication).
+point-to-point communication). Qi et al. 2023, arXiv 2401.10241 §2.3 Table 2 (the bubble sizes of
+1F1B, ZB-H1 and ZB-H2 in t_F, t_B and t_W) and §5.3 (a step lasts as long as its longest stage).
 
 `simulate` plays a schedule with fixed costs: each rank runs its list in order and every action
 starts as soon as its rank is free and its inputs have arrived. Time is kept as exact fractions
@@ -10,6 +11,16 @@ starts as soon as its rank is free and its inputs have arrived. Time is kept as 
 The result is a `Timeline`, the same object that holds a *measured* run (the engine records
 (action, start, end) per rank), so bubble fraction, memory in flight and message counts are
 computed one way for both.
+
+Two measures of the bubble, because the two papers count it differently:
+
+* `bubble_fraction` (2104.04473): every rank waits for the whole step — from the first action
+  anywhere to the last — since the optimizer step synchronises the ranks; idle over compute.
+* `bubble_size` (2401.10241): the longest any rank idles between its *own* first and last
+  action. Once the optimizer step no longer synchronises the ranks (§4), the next step's first
+  forwards start while the last ranks finish, and a rank's late start and early finish are no
+  longer idle: this is what ZB-H2 brings to zero. For 1F1B and ZB-H1 the two agree: rank 0
+  starts first and finishes last.
 """
 
 from __future__ import annotations
@@ -19,7 +30,14 @@ from dataclasses import dataclass
 from fractions import Fraction
 from numbers import Real
 
-from .schedules import Action, Schedule, check_schedule, dependencies, execution_order
+from .schedules import (
+    Action,
+    Schedule,
+    check_schedule,
+    dependencies,
+    execution_order,
+    splits_backward,
+)
 
 Cost = float | Sequence[float]  # one number for every rank, or one per rank (unbalanced stages)
 
@@ -29,6 +47,7 @@ class Timeline:
     """What each pipeline rank did and when: ranks[r] is a list of (action, start, end)."""
 
     ranks: list[list[tuple[Action, Real, Real]]]
+    placement: str = "interleaved"  # where the model chunks live (schedules.virtual_stage)
 
     @property
     def num_chunks(self) -> int:
@@ -62,23 +81,39 @@ class Timeline:
         return sum(self.idle) / sum(self.busy)
 
     @property
+    def idle_within(self) -> list[Real]:
+        """Per rank, the time it idles between its own first start and its own last end."""
+        return [row[-1][2] - row[0][1] - busy if row else 0
+                for row, busy in zip(self.ranks, self.busy, strict=True)]
+
+    @property
+    def bubble_size(self) -> Real:
+        """The most any rank idles between its own first and last action: 2401.10241's bubble
+        size (§2.3, Table 2) — the idle left once consecutive steps overlap (§4, §5.3)."""
+        return max(self.idle_within)
+
+    @property
     def peak_activations(self) -> list[int]:
-        """Per rank, the most (microbatch, chunk) activations held at once: F stores, B frees."""
+        """Per rank, the most (microbatch, chunk) activations held at once: F stores; B frees
+        them, or, when the schedule splits the backward, W does (2401.10241 §2.3)."""
+        freed_by = "W" if splits_backward([[a for a, _, _ in row] for row in self.ranks]) else "B"
         peaks = []
         for row in self.ranks:
             held = peak = 0
             for action, _, _ in row:
-                held += 1 if action.kind == "F" else -1
+                held += {"F": 1, freed_by: -1}.get(action.kind, 0)
                 peak = max(peak, held)
             peaks.append(peak)
         return peaks
 
     @property
     def num_p2p_messages(self) -> int:
-        """Activations and gradients sent between ranks: 2·m·(v·p − 1) when p > 1 (§2.2.2)."""
+        """Activations and gradients sent between ranks: 2·m·(v·p − 1) when p > 1 (§2.2.2);
+        ZB-V's turn at rank p − 1 stays on its rank: 2·m·(2p − 2)."""
         p, v = len(self.ranks), self.num_chunks
         return sum(1 for rank, row in enumerate(self.ranks) for action, _, _ in row
-                   for dep_rank, _ in dependencies(rank, action, p, v) if dep_rank != rank)
+                   for dep_rank, _ in dependencies(rank, action, p, v, self.placement)
+                   if dep_rank != rank)
 
 
 def _per_rank(cost: Cost, num_ranks: int, name: str) -> list[Fraction]:
@@ -91,32 +126,56 @@ def _per_rank(cost: Cost, num_ranks: int, name: str) -> list[Fraction]:
 
 
 def simulate(schedule: Schedule, forward_time: Cost = 1.0, backward_time: Cost = 2.0,
-             send_latency: float = 0.0) -> Timeline:
+             send_latency: float = 0.0, weight_time: Cost = 0.0,
+             placement: str = "interleaved") -> Timeline:
     """Play `schedule` with fixed costs and return its Timeline (times as exact Fractions).
 
-    forward_time, backward_time: cost of a whole stage's forward / backward pass for one
-    microbatch, one number or one per rank; with v chunks per rank each chunk costs 1/v of it.
+    forward_time, backward_time, weight_time: cost of a whole stage's forward pass, input-gradient
+    pass and weight-gradient pass for one microbatch (2401.10241's t_F, t_B, t_W), one number or
+    one per rank; with v chunks per rank each chunk costs 1/v of it. A schedule with W actions
+    pays t_B per B and t_W per W; one without (GPipe, 1F1B, interleaved) runs the whole backward
+    as its B, t_B + t_W — so with the default weight_time = 0, backward_time is the whole backward.
     send_latency: delay between an action ending on one rank and a dependent action starting on
-    another (the p2p send, which does not occupy either rank's compute).
+    another (the p2p send, which does not occupy either rank's compute). placement: where the
+    chunks live ("v" for ZB-V; `schedules.virtual_stage`).
     """
     p = len(schedule)
     v = 1 + max((a.chunk for row in schedule for a in row), default=0)
-    check_schedule(schedule, v)
-    cost = {"F": _per_rank(forward_time, p, "forward_time"),
-            "B": _per_rank(backward_time, p, "backward_time")}
+    check_schedule(schedule, v, placement)
+    forward, backward, weight = (_per_rank(t, p, name) for t, name in [
+        (forward_time, "forward_time"), (backward_time, "backward_time"),
+        (weight_time, "weight_time")])
+    split = splits_backward(schedule)
+    cost = {"F": forward, "W": weight,
+            "B": backward if split else [b + w for b, w in zip(backward, weight, strict=True)]}
     latency = Fraction(send_latency)
     end: dict[tuple[int, Action], Fraction] = {}
     free_at = [Fraction(0)] * p
     ranks: list[list[tuple[Action, Real, Real]]] = [[] for _ in range(p)]
-    for rank, action in execution_order(schedule, v):
+    for rank, action in execution_order(schedule, v, placement):
         inputs_at = [end[dep] + (latency if dep[0] != rank else 0)
-                     for dep in dependencies(rank, action, p, v)]
+                     for dep in dependencies(rank, action, p, v, placement)]
         start = max([free_at[rank], *inputs_at])
         free_at[rank] = end[rank, action] = start + cost[action.kind][rank] / v
         ranks[rank].append((action, start, free_at[rank]))
-    return Timeline(ranks)
+    return Timeline(ranks, placement)
 
 
 def bubble_formula(name: str, p: int, m: int, v: int = 1) -> Fraction:
     """The paper's bubble fraction: (p − 1)/m (§2.2.1), or (p − 1)/(v·m) interleaved (§2.2.2)."""
     return Fraction(p - 1, (v if name == "interleaved" else 1) * m)
+
+
+# 2401.10241 §2.3, Table 2: bubble size = (p − 1)·(t_F + t_B + k·t_W), k per schedule
+BUBBLE_SIZE_WEIGHTS = {"1f1b": 1, "zb-h1": -1, "zb-h2": -2}
+
+
+def bubble_size_formula(name: str, p: int, forward_time, backward_time, weight_time) -> Fraction:
+    """2401.10241 §2.3, Table 2: the bubble size of 1F1B (p − 1)(t_F + t_B + t_W), of ZB-H1
+    (p − 1)(t_F + t_B − t_W) and of ZB-H2 (p − 1)(t_F + t_B − 2·t_W). The handcrafted schedules
+    assume t_W ≤ t_F (§2.3: t_W < t_F < t_B for a transformer layer); ZB-H2 needs m ≥ 2p − 1."""
+    if name not in BUBBLE_SIZE_WEIGHTS:
+        raise ValueError(f"2401.10241 states the bubble size of {sorted(BUBBLE_SIZE_WEIGHTS)}, "
+                         f"not of {name!r}")
+    t_f, t_b, t_w = (Fraction(t) for t in (forward_time, backward_time, weight_time))
+    return (p - 1) * (t_f + t_b + BUBBLE_SIZE_WEIGHTS[name] * t_w)

@@ -1,17 +1,22 @@
 """Pictures of pipeline schedules: who computes what, when, and where the bubble is.
 
 References: Narayanan et al. 2021, arXiv 2104.04473 §2.2, Figures 3 (GPipe) and 4 (1F1B and
-interleaved 1F1B), drawn here from a `Timeline` — simulated, or measured by the engine.
+interleaved 1F1B); Qi et al. 2023, arXiv 2401.10241 Figure 3 (ZB-H1, ZB-H2) and §6 (ZB-V), drawn
+here from a `Timeline` — simulated, or measured by the engine.
 
 draw_schedule: a Gantt chart, one row per rank (rank 0 on top); each microbatch has its own hue,
-forward light and backward dark; chunks ≥ 1 hatched; idle time left blank — the blank is the bubble.
+forward light, backward dark, weight gradient (W, zero-bubble schedules) darker still, with a
+white outline; chunks ≥ 1 hatched; idle time left blank — the blank is the bubble.
+draw_memory_vs_bubble: 2401.10241's trade-off in one picture — each schedule's peak memory
+against its bubble.
 draw_measured_vs_simulated: a measured run above its simulation.
 draw_peak_activations: memory in flight per rank, one bar group per schedule (and measured peaks).
 draw_bubble_vs_latency: how send latency eats the interleaved schedule's gain.
 measured_costs / simulate_measured: a measured run's mean costs per rank, and the simulation
 that uses them (free sends, no noise); draw_measured_run draws the two on one time axis.
 show_schedule / explore: the notebook's static call and the ipywidgets explorer that calls it
-(through show_explored, which moves m to a valid value for the interleaved schedule and says so).
+(through show_explored, which moves m to a valid value for the interleaved schedule and says so;
+t_W is a slider of its own).
 """
 
 from __future__ import annotations
@@ -23,16 +28,26 @@ import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-from ..pipeline.schedules import SCHEDULES, Schedule, make_schedule
-from ..pipeline.simulate import Timeline, bubble_formula, simulate
+from ..pipeline.schedules import CHUNKS, SCHEDULES, Schedule, make_schedule, placement_of
+from ..pipeline.simulate import (
+    BUBBLE_SIZE_WEIGHTS,
+    Timeline,
+    bubble_formula,
+    bubble_size_formula,
+    simulate,
+)
 
 HATCHES = ["", "//", "..", "xx", "\\\\", "oo"]  # chunk 0, 1, 2, … (§2.2.2)
 LABEL_FONTSIZE = 7
 
 
 def _colour(microbatch: int, kind: str):
-    """tab20 pairs a dark and a light shade of ten hues: backward dark, forward light."""
-    return plt.get_cmap("tab20")(2 * (microbatch % 10) + (1 if kind == "F" else 0))
+    """tab20 pairs a dark and a light shade of ten hues: backward dark, forward light; the
+    weight-gradient pass W the dark shade halfway to black."""
+    colour = np.array(plt.get_cmap("tab20")(2 * (microbatch % 10) + (1 if kind == "F" else 0)))
+    if kind == "W":
+        colour[:3] *= 0.5
+    return tuple(colour)
 
 
 def _fits(label: str, width: float, ax: Axes, span: float) -> bool:
@@ -54,16 +69,19 @@ def draw_schedule(timeline: Timeline | list, ax: Axes | None = None,
         for action, start, end in row:
             left, width = float(start) - origin, float(end - start)
             ax.barh(rank, width, left=left, height=0.8, color=_colour(action.microbatch,
-                    action.kind), edgecolor="black", linewidth=0.5,
-                    hatch=HATCHES[action.chunk % len(HATCHES)])
+                    action.kind), edgecolor="white" if action.kind == "W" else "black",
+                    linewidth=0.5, hatch=HATCHES[action.chunk % len(HATCHES)])
             label = str(action.microbatch)
             if _fits(label, width, ax, span):
                 ax.text(left + width / 2, rank, label, ha="center", va="center",
-                        fontsize=LABEL_FONTSIZE)
+                        fontsize=LABEL_FONTSIZE, color="white" if action.kind == "W" else "black")
     ax.set_yticks(range(p), [f"rank {r}" for r in range(p)])
     ax.set_ylim(p - 0.5, -0.5)  # rank 0 on top, as in the paper's figures
     ax.set_xlim(0, span)
-    ax.set_xlabel("time   (light: forward, dark: backward, hatched: chunk ≥ 1, blank: bubble)")
+    split = any(action.kind == "W" for row in timeline.ranks for action, _, _ in row)
+    ax.set_xlabel("time   (light: forward, dark: backward, "
+                  + ("darkest: weight gradient W, " if split else "")
+                  + "hatched: chunk ≥ 1, blank: bubble)")
     bubble = f"bubble fraction {float(timeline.bubble_fraction):.3f}"
     ax.set_title(f"{title} — {bubble}" if title else bubble)
     ax.figure.tight_layout()
@@ -121,16 +139,56 @@ def draw_bubble_vs_latency(p: int, m: int, chunks: Sequence[int], latencies: Seq
     return ax
 
 
+def draw_memory_vs_bubble(p: int, m: int, forward_time: float = 1.0, backward_time: float = 1.0,
+                          weight_time: float = 1.0,
+                          names: Sequence[str] = ("1f1b", "zb-h1", "zb-h2", "zb-v"),
+                          ax: Axes | None = None) -> Axes:
+    """Each schedule as one point: its peak activation memory (microbatches of whole stages, on
+    its fullest rank) against its bubble size (2401.10241 §2.3: the most a rank idles between its
+    own first and last action), simulated with t_F, t_B, t_W. ZB-H1 keeps 1F1B's memory and cuts
+    the bubble; ZB-H2 pays 2p − 1 microbatches for none; ZB-V none at 1F1B's memory."""
+    if ax is None:
+        _, ax = plt.subplots(figsize=(6.5, 3.6))
+    for name in names:
+        v = CHUNKS.get(name, 1)
+        timeline = simulate(make_schedule(name, p, m, v), forward_time, backward_time,
+                            weight_time=weight_time, placement=placement_of(name))
+        memory, bubble = max(timeline.peak_activations) / v, float(timeline.bubble_size)
+        ax.plot(memory, bubble, "o", markersize=9, label=name, gid=name)
+        ax.annotate(name, (memory, bubble), textcoords="offset points", xytext=(7, 4))
+    ax.set_xlabel("peak activations (microbatches of a whole stage)")
+    ax.set_ylabel("bubble size (time, units of t_F)")
+    ax.set_title(f"p={p}, m={m}, t_F={forward_time:g}, t_B={backward_time:g}, "
+                 f"t_W={weight_time:g}: memory against bubble")
+    ax.margins(0.2)
+    ax.figure.tight_layout()
+    return ax
+
+
 def show_schedule(name: str, p: int, m: int, v: int = 1, ratio: float = 2.0,
-                  latency: float = 0.0) -> None:
-    """Simulate and draw one schedule; print its bubble next to the paper's, and its memory."""
-    v = v if name == "interleaved" else 1
-    timeline = simulate(make_schedule(name, p, m, v), 1.0, ratio, latency)
+                  latency: float = 0.0, weight: float = 0.0) -> None:
+    """Simulate and draw one schedule; print its bubble next to the paper's, and its memory.
+
+    Costs in units of t_F: ``ratio`` = t_B / t_F, ``weight`` = t_W / t_F (2401.10241). A schedule
+    without W actions runs the whole backward, t_B + t_W, as its B.
+    """
+    v = CHUNKS.get(name, v if name == "interleaved" else 1)
+    timeline = simulate(make_schedule(name, p, m, v), 1.0, ratio, latency, weight_time=weight,
+                        placement=placement_of(name))
     draw_schedule(timeline, title=f"{name}, p={p}, m={m}" + (f", v={v}" if v > 1 else ""))
     plt.show()
-    formula = "(p-1)/(v·m)" if name == "interleaved" else "(p-1)/m"
-    print(f"simulated bubble {float(timeline.bubble_fraction):.4f}; paper's {formula} = "
-          f"{float(bubble_formula(name, p, m, v)):.4f} (zero send latency)")
+    if name in ("gpipe", "1f1b", "interleaved"):
+        formula = "(p-1)/(v·m)" if name == "interleaved" else "(p-1)/m"
+        print(f"simulated bubble {float(timeline.bubble_fraction):.4f}; paper's {formula} = "
+              f"{float(bubble_formula(name, p, m, v)):.4f} (zero send latency, t_W = 0)")
+    else:
+        print(f"bubble fraction {float(timeline.bubble_fraction):.4f} (every rank waits for the "
+              f"whole step)")
+    size = f"bubble size (2401.10241: most idle between a rank's own first and last action) " \
+           f"{float(timeline.bubble_size):.3g}"
+    if name in BUBBLE_SIZE_WEIGHTS and latency == 0:
+        size += f"; Table 2's = {float(bubble_size_formula(name, p, 1.0, ratio, weight)):.3g}"
+    print(size)
     print(f"peak activations per rank, in (microbatch, chunk) units: {timeline.peak_activations}")
     print(f"point-to-point messages: {timeline.num_p2p_messages}")
 
@@ -143,18 +201,20 @@ EXPLORER = {
     "v": list(range(1, 5)),
     "ratio": [0.5 * k for k in range(1, 9)],          # t_b / t_f from 0.5 to 4
     "latency": [round(0.05 * k, 2) for k in range(21)],  # 0 to 1 forward time
+    "weight": [0.25 * k for k in range(9)],           # t_w / t_f from 0 to 2
 }
 
 
 def explorer_setting(name: str, p: int, m: int, v: int) -> tuple[int, int, str]:
     """The (m, v) the explorer draws for its sliders' values, and a note when it changed m.
 
-    GPipe and 1F1B have one chunk per rank (v is ignored). The interleaved schedule sends
-    microbatches through the chunks in groups of p, so m must be a multiple of p: m is raised to
-    the next multiple, and the note says so — no setting of the sliders is a dead end.
+    GPipe, 1F1B, ZB-H1 and ZB-H2 have one chunk per rank, ZB-V two (the v slider is ignored).
+    The interleaved schedule sends microbatches through the chunks in groups of p, so m must be a
+    multiple of p: m is raised to the next multiple, and the note says so — no setting of the
+    sliders is a dead end.
     """
     if name != "interleaved":
-        return m, 1, ""
+        return m, CHUNKS.get(name, 1), ""
     if m % p == 0:
         return m, v, ""
     snapped = -(-m // p) * p
@@ -162,16 +222,17 @@ def explorer_setting(name: str, p: int, m: int, v: int) -> tuple[int, int, str]:
                         f"so m must be a multiple of p — drawn with m = {snapped} instead of {m}")
 
 
-def show_explored(name: str, p: int, m: int, v: int, ratio: float, latency: float) -> None:
+def show_explored(name: str, p: int, m: int, v: int, ratio: float, latency: float,
+                  weight: float = 0.0) -> None:
     """The explorer's callback: ``show_schedule`` at the nearest valid setting (said if moved)."""
     m, v, note = explorer_setting(name, p, m, v)
     if note:
         print(note)
-    show_schedule(name, p, m, v, ratio, latency)
+    show_schedule(name, p, m, v, ratio, latency, weight)
 
 
 def explore() -> None:
-    """The ipywidgets explorer: schedule, p, m, v, backward/forward ratio, send latency."""
+    """The ipywidgets explorer: schedule, p, m, v, t_B/t_F, t_W/t_F, send latency."""
     import ipywidgets as widgets  # imported here: only the notebook's explorer needs it
 
     style = {"description_width": "initial"}
@@ -183,21 +244,23 @@ def explore() -> None:
 
     widgets.interact(
         show_explored,
-        name=widgets.Dropdown(options=EXPLORER["name"], value="interleaved",
+        name=widgets.Dropdown(options=EXPLORER["name"], value="zb-h1",
                               description="schedule", style=style),
         p=slider(widgets.IntSlider, "p", 4, "p (stages)"),
         m=slider(widgets.IntSlider, "m", 8, "m (microbatches)"),
         v=slider(widgets.IntSlider, "v", 2, "v (chunks)"),
-        ratio=slider(widgets.FloatSlider, "ratio", 2.0, "t_b / t_f", step=0.5),
+        ratio=slider(widgets.FloatSlider, "ratio", 1.0, "t_b / t_f", step=0.5),
         latency=slider(widgets.FloatSlider, "latency", 0.0, "send latency", step=0.05),
+        weight=slider(widgets.FloatSlider, "weight", 1.0, "t_w / t_f", step=0.25),
     )
 
 
 # --- measured runs (notebook 05): the simulator fed with the engine's own timings ---------------
 
 
-def measured_costs(timeline: Timeline | list) -> tuple[list[float], list[float]]:
-    """Per rank, the mean time of a whole stage's forward and of its backward pass.
+def measured_costs(timeline: Timeline | list, kinds: str = "FB") -> tuple[list[float], ...]:
+    """Per rank, the mean time of a whole stage's forward and of its backward pass (and, with
+    ``kinds="FBW"``, of its weight-gradient pass; 0 where a rank ran none).
 
     With v chunks per rank an action runs 1/v of the stage's layers, so its mean is scaled by v:
     these are the costs `simulate` takes.
@@ -207,21 +270,25 @@ def measured_costs(timeline: Timeline | list) -> tuple[list[float], list[float]]
 
     def mean(row, kind: str):
         durations = [end - start for action, start, end in row if action.kind == kind]
-        return v * sum(durations) / len(durations)
+        return v * sum(durations) / len(durations) if durations else 0
 
-    return ([mean(row, "F") for row in timeline.ranks], [mean(row, "B") for row in timeline.ranks])
+    return tuple([mean(row, kind) for row in timeline.ranks] for kind in kinds)
 
 
-def simulate_measured(measured: Timeline | list, schedule: Schedule) -> Timeline:
+def simulate_measured(measured: Timeline | list, schedule: Schedule,
+                      placement: str = "interleaved") -> Timeline:
     """`schedule` simulated with a measured run's per-rank costs: the same work, with free sends
-    and every action as long as its rank's average (equal costs would give (p − 1)/m exactly)."""
-    return simulate(schedule, *measured_costs(measured))
+    and every action as long as its rank's average (equal costs would give (p − 1)/m exactly).
+    ``placement``: "v" for ZB-V."""
+    forward, backward, weight = measured_costs(measured, "FBW")
+    return simulate(schedule, forward, backward, weight_time=weight, placement=placement)
 
 
-def draw_measured_run(measured: Timeline | list, schedule: Schedule, title: str) -> Figure:
+def draw_measured_run(measured: Timeline | list, schedule: Schedule, title: str,
+                      placement: str = "interleaved") -> Figure:
     """A measured run above `simulate_measured` of it, on one time axis in seconds."""
-    measured = measured if isinstance(measured, Timeline) else Timeline(measured)
-    simulated = simulate_measured(measured, schedule)
+    measured = measured if isinstance(measured, Timeline) else Timeline(measured, placement)
+    simulated = simulate_measured(measured, schedule, placement)
     fig = draw_measured_vs_simulated(measured, simulated)
     top, bottom = fig.axes
     top.set_title(f"{title}, measured — bubble fraction {float(measured.bubble_fraction):.3f}")

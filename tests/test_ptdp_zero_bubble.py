@@ -1,0 +1,57 @@
+"""PTD-P with a zero-bubble schedule (2401.10241): W, not B, accumulates the weights' gradients,
+so the data-parallel all-reduces, the tied embedding's sum and clipping see the same gradients —
+the serial model's optimizer steps, as with 1F1B."""
+
+import dataclasses
+
+import pytest
+import torch
+from test_memory_techniques import DROPOUT, _batch
+from test_ptdp import STEPS, _check_equal_to_serial, _options, _ptdp, serial  # noqa: F401
+
+from megatron_edu.grid import ParallelGrid
+from megatron_edu.launch import run
+from megatron_edu.ptdp import PTDP, PTDPOptions
+
+
+@pytest.mark.parametrize(("tp", "pp", "dp", "overrides"), [
+    (1, 2, 2, dict(schedule="zb-h1", num_microbatches=4)),
+    (2, 2, 1, dict(schedule="zb-h2", num_microbatches=4)),
+    (1, 2, 2, dict(schedule="zb-h1", zero1=True, bucket_mb=0.01)),
+], ids=["zb-h1-dp2", "zb-h2-tp2", "zb-h1-zero1-buckets"])
+def test_zero_bubble_schedules_take_the_serial_steps(serial, tp, pp, dp, overrides):  # noqa: F811
+    out = run(_ptdp, tp * pp * dp, tp, pp, dp, _options(**overrides))
+    _check_equal_to_serial(serial, out)
+
+
+def test_dp_gradients_are_all_reduced_once_per_step_after_the_last_w():
+    # grad_sync wraps each W; the chunk's last W launches the bucket's all-reduce
+    out = run(_ptdp, 4, 1, 2, 2, _options(schedule="zb-h1", num_microbatches=4, bucket_mb=1e6))
+    for *_, log in out:
+        assert log.count("all_reduce", group="dp", label="dp grads") == STEPS  # one bucket
+
+
+def _sequence_parallel_steps(config, schedule, steps=2):
+    grid = ParallelGrid(tp=2, pp=2)
+    trainer = PTDP(config, grid, PTDPOptions(schedule=schedule, num_microbatches=2, lr=1e-2,
+                                             eps=1e-4))
+    losses = [trainer.train_step(*_batch(4, seed=step), 1e-2).loss for step in range(steps)]
+    params = {}
+    for chunk in trainer.chunks:
+        params.update(chunk.full_state_dict())
+    return losses, params
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_sequence_parallel_and_recompute_under_zb_h1_take_1f1bs_steps(recompute):
+    """Sequence parallelism's all-gather linear and full recomputation compute several gradients
+    in one node: ``backward.py`` runs such a node whole in B and again in W — correct, if not
+    split. Dropout on: the masks depend on neither the schedule nor the split."""
+    config = dataclasses.replace(DROPOUT, num_layers=4, sequence_parallel=True,
+                                 recompute=recompute)
+    plain = run(_sequence_parallel_steps, 4, config, "1f1b")
+    mine = run(_sequence_parallel_steps, 4, config, "zb-h1")
+    for (losses, params), (ref_losses, ref_params) in zip(mine, plain, strict=True):
+        assert losses == pytest.approx(ref_losses, abs=1e-5)
+        for name, value in params.items():
+            torch.testing.assert_close(value, ref_params[name], atol=1e-5, rtol=0, msg=name)
