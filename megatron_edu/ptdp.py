@@ -49,7 +49,7 @@ from megatron_edu.model import GPTConfig
 from megatron_edu.model.gpt import IGNORE_INDEX
 from megatron_edu.optim import DynamicLossScale, build_param_groups, clip_grad_norm_
 from megatron_edu.pipeline.engine import build_chunks, run_schedule
-from megatron_edu.pipeline.schedules import Action, forward_only, make_schedule
+from megatron_edu.pipeline.schedules import Action, forward_only, make_schedule, placement_of
 from megatron_edu.tensor_parallel.layers import sum_replicated_grads_
 
 __all__ = ["PTDPOptions", "PTDP", "StepResult"]
@@ -59,8 +59,8 @@ __all__ = ["PTDPOptions", "PTDP", "StepResult"]
 class PTDPOptions:
     """How to split and how to optimise (the model itself is a ``GPTConfig``)."""
 
-    schedule: str = "1f1b"           # "gpipe" | "1f1b" | "interleaved"
-    num_chunks: int = 1              # v, model chunks per pipeline rank (interleaved only)
+    schedule: str = "1f1b"           # "gpipe" | "1f1b" | "interleaved" | "zb-h1" | "zb-h2" | "zb-v"
+    num_chunks: int = 1              # v, model chunks per pipeline rank (interleaved; ZB-V: 2)
     num_microbatches: int = 1        # m, per data-parallel replica and step
     scatter_gather: bool = True      # 2104.04473 §4.1, used when tp > 1
     zero1: bool = False              # shard the optimizer state over dp
@@ -91,7 +91,8 @@ class PTDP:
         self.config, self.grid, self.options = config, grid, options
         self.schedule = make_schedule(options.schedule, grid.pp, options.num_microbatches,
                                       options.num_chunks)
-        self.chunks = build_chunks(config, grid, options.num_chunks)
+        self.placement = placement_of(options.schedule)  # ZB-V: the V, else c·p + r
+        self.chunks = build_chunks(config, grid, options.num_chunks, self.placement)
         self.iteration = 0                # optimizer steps taken (skipped ones included)
         tied = [c.embedding.word.weight for c in self.chunks if c.first or c.last]
         self.tied = tied if grid.pp * options.num_chunks > 1 else []
@@ -150,27 +151,30 @@ class PTDP:
                                             and self.sequence_parts == 1),
                             grad_sync=grad_sync, num_tokens=int(tokens.item()),
                             step=self.iteration, first_sample=self.grid.dp_rank * b,
-                            loss_scale=loss_scale, sequence_parts=self.sequence_parts)
+                            loss_scale=loss_scale, sequence_parts=self.sequence_parts,
+                            placement=self.placement)
 
     @torch.no_grad()
     def _sum_tied_embedding_grads(self) -> None:
         """Both copies of the word embedding get the sum of their gradients (the serial model's
         gradient of the one shared matrix), so that they stay equal after the step. Under ZeRO-1
         each copy has a bucket of its own, laid out alike on both stages: only the shard this
-        rank updates is summed — 1/dp of the bytes."""
+        rank updates is summed — 1/dp of the bytes. Under ZB-V's V placement the first and the
+        last stage are both on pipeline rank 0: the sum is local, and nothing is sent."""
         if not self.tied:
             return
-        if self.options.zero1:
-            for p in self.tied:
-                bucket = self.ddp.bucket_of(p)
-                start, end = bucket.shard(self.grid.dp_rank)
-                bucket.grad_data[start:end] = comm.all_reduce(
-                    bucket.grad_data[start:end], self.grid.embedding_group, "embedding grads")
-            return
-        total = comm.all_reduce(sum(p.grad for p in self.tied), self.grid.embedding_group,
-                                "embedding grads")
-        for p in self.tied:
-            p.grad.copy_(total)
+        grads = [self._owned_grad(p) if self.options.zero1 else p.grad for p in self.tied]
+        total = sum(grads)
+        if self.placement != "v":
+            total = comm.all_reduce(total, self.grid.embedding_group, "embedding grads")
+        for grad in grads:
+            grad.copy_(total)
+
+    def _owned_grad(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """ZeRO-1: the part of ``param``'s bucket whose update this dp rank owns."""
+        bucket = self.ddp.bucket_of(param)
+        start, end = bucket.shard(self.grid.dp_rank)
+        return bucket.grad_data[start:end]
 
     def _sum_sequence_parallel_grads(self) -> None:
         """Sequence parallelism: each tp rank has the replicated parameters' gradients of its

@@ -1,6 +1,7 @@
 """PTD-P with a zero-bubble schedule (2401.10241): W, not B, accumulates the weights' gradients,
 so the data-parallel all-reduces, the tied embedding's sum and clipping see the same gradients —
-the serial model's optimizer steps, as with 1F1B."""
+the serial model's optimizer steps, as with 1F1B. Under ZB-V both embedding copies are on pipeline
+rank 0 (first and last stage): their sum is local."""
 
 import dataclasses
 
@@ -18,7 +19,9 @@ from megatron_edu.ptdp import PTDP, PTDPOptions
     (1, 2, 2, dict(schedule="zb-h1", num_microbatches=4)),
     (2, 2, 1, dict(schedule="zb-h2", num_microbatches=4)),
     (1, 2, 2, dict(schedule="zb-h1", zero1=True, bucket_mb=0.01)),
-], ids=["zb-h1-dp2", "zb-h2-tp2", "zb-h1-zero1-buckets"])
+    (2, 2, 1, dict(schedule="zb-v", num_chunks=2, num_microbatches=4)),
+    (1, 2, 2, dict(schedule="zb-v", num_chunks=2, num_microbatches=4, zero1=True)),
+], ids=["zb-h1-dp2", "zb-h2-tp2", "zb-h1-zero1-buckets", "zb-v-tp2", "zb-v-zero1"])
 def test_zero_bubble_schedules_take_the_serial_steps(serial, tp, pp, dp, overrides):  # noqa: F811
     out = run(_ptdp, tp * pp * dp, tp, pp, dp, _options(**overrides))
     _check_equal_to_serial(serial, out)
