@@ -19,6 +19,7 @@ import argparse
 import functools
 import json
 import re
+import signal
 import sys
 import time
 from pathlib import Path
@@ -70,8 +71,17 @@ CLOSE = """async () => {
 }"""
 
 
+def evaluate(page, script: str, arg=None, timeout: float = 120):
+    """page.evaluate with a timeout (Playwright's has none): a JupyterLab promise that never
+    settles fails the notebook instead of hanging the run."""
+    late = f"new Error('no answer from JupyterLab in {timeout} s')"
+    race = (f"async (arg) => Promise.race([({script})(arg), "
+            f"new Promise((_, no) => setTimeout(() => no({late}), {timeout * 1000}))])")
+    return page.evaluate(race, arg)
+
+
 def run_all(page, path: str) -> None:
-    kernel = page.evaluate(OPEN, path)
+    kernel = evaluate(page, OPEN, path)
     wanted = json.loads((ROOT / path).read_text())["metadata"].get("kernelspec", {}).get("name")
     if kernel != wanted:
         raise Failure(f"{path}: opened with kernel {kernel!r}, not its kernelspec's {wanted!r}")
@@ -261,14 +271,16 @@ def main(argv=None) -> int:
                        for p in ROOT.glob("notebooks/[0-9]*.ipynb")
                        if not args.only or p.name[:2] in args.only)
     log = functools.partial(print, flush=True)
+    # a CI timeout's SIGTERM unwinds like an exception: the server and the browser still stop
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("stopped by SIGTERM"))
     start, failures, shots = time.monotonic(), [], []
     # a tall window for screenshots: a tall explorer is taken whole, not cut at the window's edge
     with Lab() as lab, browser(height=4000 if args.screenshots else 1000) as page:
         page.set_default_timeout(30_000)
         page.goto(f"{lab.url}/lab?token={TOKEN}", timeout=60_000)
         page.wait_for_function("() => window.jupyterapp", timeout=60_000)
-        page.evaluate("async () => { await window.jupyterapp.started; "
-                      "await window.jupyterapp.restored; }")
+        evaluate(page, "async () => { await window.jupyterapp.started; "
+                       "await window.jupyterapp.restored; }")
         log(f"JupyterLab and Chromium up in {time.monotonic() - start:.1f} s")
         for path in notebooks:
             t = time.monotonic()
@@ -289,7 +301,7 @@ def main(argv=None) -> int:
                 log(f"FAIL {failures[-1]}")
             finally:
                 try:
-                    page.evaluate(CLOSE)
+                    evaluate(page, CLOSE, timeout=60)
                 except Exception as error:  # the page may be gone: the Lab's exit stops kernels
                     log(f"     (closing {path}: {type(error).__name__})")
     for out in shots:
