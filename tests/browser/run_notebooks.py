@@ -7,8 +7,9 @@
 One JupyterLab server and one browser for all notebooks `notebooks/[0-9]*.ipynb`. For each:
 clear the outputs, run all through the front end, wait until every code cell has an execution
 count and the kernel is idle, and fail on any error output. Then every ipywidgets explorer
-(`interact`) in it: each control moved across its range (every value of a short range, a few of
-a long one, the extremes always), one at a time, the others at their first values; after each
+(`interact`) in it: each control moved across its range, one at a time, the others at their
+first values — every option of a dropdown or toggle; every value of a slider of up to 11, else
+both ends, the second and every 5th (by the keyboard, as a learner can) — and back; after each
 move the explorer's output must redraw, without an error or a traceback. Every wait has a
 timeout; a failure names the notebook, the cell or the control's setting, and the error text.
 """
