@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 PIP    := $(PY) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: install test lint lab train bench gpu-check student-notebooks clean
+.PHONY: install kernel test test-browser screenshots lint lab train bench gpu-check student-notebooks clean
 
 install: $(VENV)/.installed
 
@@ -26,8 +26,26 @@ test: lint
 	$(PY) -m pytest --nbval --nbval-current-env --nbval-sanitize-with notebooks/sanitize.cfg \
 		tests notebooks/[0-9]*.ipynb
 
-lab: install
+# The project's environment as a Jupyter kernel inside .venv (the notebooks' kernelspec names it).
+KERNEL := $(VENV)/share/jupyter/kernels/megatron-edu/kernel.json
+kernel: $(KERNEL)
+
+$(KERNEL): $(VENV)/.installed
+	$(PY) -m ipykernel install --sys-prefix --name megatron-edu --display-name "Python 3 (megatron-edu)"
+
+lab: kernel
 	$(PY) -m jupyter lab notebooks
+
+# Every notebook in JupyterLab in headless Chromium: run all, every explorer's controls moved
+# (tests/browser/; installs Debian's chromium and Playwright where missing).
+test-browser: kernel
+	sh tests/browser/install.sh $(PY)
+	$(PY) tests/browser/run_notebooks.py
+
+# The same run, rewriting the pictures in docs/images/ that the README shows.
+screenshots: kernel
+	sh tests/browser/install.sh $(PY)
+	$(PY) tests/browser/run_notebooks.py --screenshots
 
 # The main job: the tiny GPT on the built-in corpus, tp=2 x pp=2 on 4 CPU processes (minutes).
 train: install
