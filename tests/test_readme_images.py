@@ -10,8 +10,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted(ROOT.glob("notebooks/[0-9]*.ipynb"))
-# Notebooks 04 and 05 are edited on another branch; their kernelspec is set when it merges.
-METADATA_AT_MERGE = {"04", "05"}
 
 
 def _readme_images() -> list[str]:
@@ -40,10 +38,7 @@ def _make_lab_kernel() -> str:
     return name
 
 
-@pytest.mark.parametrize("path", [
-    pytest.param(p, id=p.name[:2], marks=pytest.mark.xfail(
-        strict=True, reason="kernelspec set at merge: then drop it from METADATA_AT_MERGE"))
-    if p.name[:2] in METADATA_AT_MERGE else pytest.param(p, id=p.name[:2]) for p in NOTEBOOKS])
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name[:2])
 def test_each_notebook_asks_for_the_kernel_make_lab_installs(path):
     spec = json.loads(path.read_text())["metadata"]["kernelspec"]
     assert spec["name"] == _make_lab_kernel(), f"{path.name}: kernelspec {spec}"
