@@ -278,3 +278,19 @@ def test_train_bert_at_tp2_then_resume_at_pp2(tmp_path):
     assert all(np.isfinite(r["loss"]) for r in records if "loss" in r)
     meta = json.loads((tmp_path / "checkpoints" / "step_000005" / "meta.json").read_text())
     assert meta["config"]["model"] == "bert" and meta["config"]["ln_placement"] == "original"
+
+
+# --- the finding's experiment ------------------------------------------------------------------
+
+def test_the_layer_norm_experiment_trains_both_placements_and_ships_its_curves(tmp_path):
+    from megatron_edu.ln_placement import SETTINGS, load_curves, smooth, train_curve
+
+    small = dict(num_layers=2, hidden=32, num_heads=4, seq_len=32, vocab_size=512, batch=2)
+    for placement in ("original", "rearranged"):
+        losses = train_curve(placement, 3, cache_dir=tmp_path, **small)["loss"]
+        assert len(losses) == 3 and all(v is not None and 0 < v < 20 for v in losses)
+    shipped = load_curves()
+    assert shipped["settings"] == SETTINGS               # the curves are of the stated settings
+    assert {p: len(c) for p, c in shipped["curves"].items()} == {
+        "original": SETTINGS["steps"], "rearranged": SETTINGS["steps"]}
+    assert smooth([1.0, None, 3.0], window=2) == [1.0, 1.0, 3.0]
