@@ -2,24 +2,25 @@
 layer-norm placement (post-LN, Figure 7a) against the rearranged one (pre-LN, Figure 7b), at the
 same learning rate, on the package's default corpus.
 
-    python -m megatron_edu.ln_placement              # both curves → data/ln_placement_curves.json
+    python -m megatron_edu.ln_placement --save       # both curves → data/ln_placement_curves.json
     python -m megatron_edu.ln_placement --steps 40   # a shorter look, printed only
 
-The paper's observation is at 336M → 1.3B → 3.9B parameters: the original BERT gets *worse* as
-it grows, the rearranged one keeps improving. The mechanism proposed for it is depth and a
-learning rate that the post-LN arrangement cannot take: in post-LN every residual path runs
-through a layer norm, so the gradient reaching the early layers is the product of l layer
-norms' Jacobians, and Adam's first steps at full learning rate (no warm-up) move a deep post-LN
-stack into a state it does not recover from (Xiong et al. 2020, arXiv 2002.04745, analyse it);
-pre-LN keeps an untouched identity path from the loss to every layer.
+The paper's observation (Figure 7): the original BERT trains well at 336M parameters but not at
+752M; rearranged, both train stably and the larger one reaches the lower loss. The mechanism
+proposed for it is depth and a learning rate that the post-LN arrangement cannot take: in
+post-LN every residual path runs through a layer norm, so the gradient reaching the early layers
+is the product of l layer norms' Jacobians, and Adam's first steps at full learning rate (no
+warm-up) move a deep post-LN stack into a state it does not recover from (Xiong et al. 2020,
+arXiv 2002.04745, analyse it); pre-LN keeps an untouched identity path from the loss to every
+layer.
 
 **At this scale it does not show.** ``SETTINGS`` (24 layers, h = 64, lr 1e-2, no warm-up, 200
 steps, ~4 CPU minutes per curve) are those the shipped curves were trained with: both placements
 end within ~0.05 of each other. So did every other setting tried: lr 1e-3 to 1e-1, init_std
 0.02 to 0.2, 40 to 200 steps, and output projections drawn unscaled (Xavier-like, std 0.125).
 Narrow layers whose residual branches start small (0.02/√(2l), as in Megatron-LM) leave
-LN(x + f(x)) ≈ LN(x); the paper's gap is in the final quality of 336M–3.9B models after long
-training. ``train_curve`` runs one (serial, one process: tensor parallelism does not change the
+LN(x + f(x)) ≈ LN(x); the paper's gap appears between a 336M and a 752M model over a long
+run. ``train_curve`` runs one (serial, one process: tensor parallelism does not change the
 numbers, notebook 11 checks it).
 """
 

@@ -1,10 +1,11 @@
 """BERT on the GPT's tensor-parallel blocks (Devlin et al. 2019; 1909.08053 §5.3, Figure 7).
 
-1909.08053 trains BERTs of 336M, 1.3B and 3.9B parameters and finds that the original BERT
-(Figure 7a: layer norm *after* each residual add) gets worse as it grows, while rearranging
-the layer norm and the residual connection — pre-LN, as in GPT-2 (Figure 7b) — lets larger
-models keep improving. Both arrangements are the switch ``config.ln_placement`` of the shared
-``Block`` (``model/gpt.py`` explains how one switch gives both).
+1909.08053 finds that the original BERT (Figure 7a: layer norm *after* each residual add) trains
+well at 336M parameters but not at 752M, while rearranging the layer norm and the residual
+connection — pre-LN, as in GPT-2 (Figure 7b) — trains both stably, the larger to the lower loss;
+so rearranged, it trains BERTs of 1.3B and 3.9B (Table 4). Both arrangements are the switch
+``config.ln_placement`` of the shared ``Block`` (``model/gpt.py`` explains how one switch gives
+both).
 
 What BERT adds to the GPT, and nothing else:
 
