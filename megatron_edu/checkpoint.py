@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_edu.grid import ParallelGrid
-from megatron_edu.model import GPTConfig
+from megatron_edu.model import GPTConfig, config_from_dict
 from megatron_edu.model.gpt import WORD_EMBEDDING
 from megatron_edu.ptdp import PTDP
 
@@ -371,7 +371,10 @@ def _load_optimizer(trainer: PTDP, by_param: dict) -> None:
 
 def check_model(meta: dict[str, Any], config: GPTConfig) -> None:
     """Raise a CheckpointError naming every size in which the checkpoint's model differs."""
-    saved = GPTConfig(**meta["config"])
+    saved = config_from_dict(meta["config"])
+    kinds = (type(saved).__name__, type(config).__name__)
+    if kinds[0] != kinds[1]:
+        raise CheckpointError(f"checkpoint {meta['path']} holds a {kinds[0]}, not a {kinds[1]}")
     shape = ("vocab_size", "seq_len", "num_layers", "hidden", "num_heads", "ffn_hidden")
     diff = {k: (getattr(saved, k), getattr(config, k)) for k in shape
             if getattr(saved, k) != getattr(config, k)}
@@ -389,7 +392,11 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path) -> Path:
     from megatron_edu.model.hf import save_hf_gpt2
 
     meta = read_metadata(checkpoint)
-    model = GPT(GPTConfig(**meta["config"]))
+    config = config_from_dict(meta["config"])
+    if type(config) is not GPTConfig:
+        raise CheckpointError(f"{meta['path']} holds a {type(config).__name__}: only a GPT "
+                              f"exports as Hugging Face GPT-2")
+    model = GPT(config)
     model.load_full_state_dict(load_full_model_state(checkpoint))
     out_dir = Path(out_dir)
     save_hf_gpt2(model, out_dir)

@@ -1,7 +1,13 @@
-"""Train a GPT with PTD-P: ``python -m megatron_edu.train`` on a laptop, ``torchrun`` on a cluster.
+"""Train a GPT (or a BERT) with PTD-P: ``python -m megatron_edu.train`` on a laptop, ``torchrun``
+on a cluster.
 
     python -m megatron_edu.train --nproc 4 --tp 2 --pp 2 --out runs/tiny
     torchrun --nproc-per-node 8 -m megatron_edu.train --tp 8 --preset gpt2-medium ...
+    python -m megatron_edu.train --model bert --ln-placement original --nproc 2 --tp 2 ...
+
+``--model bert`` trains the BERT of 1909.08053 §5.3 on the same corpus (``data/bert.py``:
+sentence pairs, order swaps, 15 % masking; ``model/bert.py``), through the same PTD-P step;
+``--ln-placement`` chooses Figure 7's layer-norm arrangement.
 
 One script for both: under torchrun every process is one rank already; otherwise ``--nproc N``
 starts N local ranks (``launch.run``). Everything is checked before any rank starts (DESIGN
@@ -33,10 +39,11 @@ import torch
 from megatron_edu import comm
 from megatron_edu.checkpoint import check_model, load_checkpoint, read_metadata, save_checkpoint
 from megatron_edu.data import BatchSampler, TokenDataset, prepare_data, unigram_entropy
+from megatron_edu.data.bert import prepare_bert_data
 from megatron_edu.grid import ParallelGrid, validate_layout
 from megatron_edu.launch import RankError, run, under_torchrun
-from megatron_edu.model import GPTConfig
-from megatron_edu.model.config import PRESETS
+from megatron_edu.model import BertConfig, GPTConfig
+from megatron_edu.model.config import LN_PLACEMENTS, PRESETS
 from megatron_edu.optim import DynamicLossScale, warmup_cosine
 from megatron_edu.perf import model_flops_utilization, training_flops
 from megatron_edu.perf.flops import datasheet_peak_flops, measure_matmul_flops
@@ -65,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
     layout.add_argument("--no-scatter-gather", action="store_true",
                         help="send whole activations between stages (§4.1 off)")
     model = p.add_argument_group("model")
+    model.add_argument("--model", choices=["gpt", "bert"], default="gpt",
+                       help="GPT-2, or BERT with masked-LM and sentence-order losses (§5.3)")
+    model.add_argument("--ln-placement", choices=list(LN_PLACEMENTS), default="rearranged",
+                       help="layer norm before each sublayer, x + f(LN(x)) (rearranged; GPT-2, "
+                       "Megatron-BERT) or after the residual add, LN(x + f(x)) (original BERT); "
+                       "1909.08053 Figure 7")
     model.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     for name in ("layers", "hidden", "heads", "seq-len", "vocab-size"):
         model.add_argument(f"--{name}", type=int, help="override the preset")
@@ -122,9 +135,10 @@ def model_config(args: argparse.Namespace) -> GPTConfig:
         ("seq_len", "seq_len"), ("vocab_size", "vocab_size")) if getattr(args, attr)}
     if "hidden" in overrides:
         overrides["ffn_hidden"] = 0  # back to 4h
-    return GPTConfig.preset(args.preset, dropout=args.dropout, recompute=args.recompute,
-                            sequence_parallel=args.sequence_parallel, fused=args.fused,
-                            seed=args.seed, **overrides)
+    config_class = BertConfig if args.model == "bert" else GPTConfig
+    return config_class.preset(args.preset, dropout=args.dropout, recompute=args.recompute,
+                               sequence_parallel=args.sequence_parallel, fused=args.fused,
+                               seed=args.seed, ln_placement=args.ln_placement, **overrides)
 
 
 @dataclass
@@ -212,6 +226,9 @@ def train(args: argparse.Namespace, plan: Plan) -> dict[str, Any]:
 
 def _data(args, config: GPTConfig):
     source = args.data[0] if args.data[0] in ("default", "wikitext103") else args.data
+    if isinstance(config, BertConfig):   # sentence pairs, masked (data/bert.py)
+        return prepare_bert_data(source, config.vocab_size, config.seq_len, args.cache_dir,
+                                 seed=args.seed)
     return prepare_data(source, config.vocab_size, config.seq_len, args.cache_dir)
 
 
@@ -359,7 +376,8 @@ def _peak_flops(args, grid: ParallelGrid) -> float:
 def _finish(args, trainer: PTDP, tokenizer, log: _Log, train_set: TokenDataset) -> dict:
     """Loss curve, a text sample, and a summary every rank returns."""
     prompt = tokenizer.encode("The ")
-    sample = _sample(args, trainer, prompt)
+    bert = isinstance(trainer.config, BertConfig)
+    sample = None if bert else tokenizer.decode(prompt + _sample(args, trainer, prompt))
     records = log.records
     summary = {
         "out": str(args.out),
@@ -370,7 +388,7 @@ def _finish(args, trainer: PTDP, tokenizer, log: _Log, train_set: TokenDataset) 
         "tokens_per_s": _median([r["tokens_per_s"] for r in records if "tokens_per_s" in r]),
         "mfu": _median([r["mfu"] for r in records if "mfu" in r]),
         "hfu": _median([r["hfu"] for r in records if "hfu" in r]),
-        "sample": tokenizer.decode(prompt + sample),
+        "sample": sample,                          # None for a BERT: it does not generate
     }
     if log.active:
         import matplotlib.pyplot as plt
@@ -430,7 +448,7 @@ def _report(s: dict[str, Any]) -> None:
     recomputed = s["hfu"] is not None and s["hfu"] > s["mfu"]
     hfu = f", HFU {s['hfu']:.0%} (with the recomputed forward)" if recomputed else ""
     print(f"throughput {s['tokens_per_s']:,.0f} tokens/s (median), MFU {s['mfu']:.0%}{hfu}")
-    print(f"\nsample: {s['sample']!r}\n")
+    print(f"\nsample: {s['sample']!r}\n" if s["sample"] is not None else "")
     print(f"log         {s['out']}/log.jsonl\nloss curve  {s['out']}/loss.png\n"
           f"checkpoints {s['out']}/checkpoints/")
 

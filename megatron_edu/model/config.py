@@ -1,11 +1,17 @@
-"""The GPT configuration: sizes, presets from the papers, and the checks that tensor and pipeline
-parallelism need, run before any process starts (DESIGN principle 7).
+"""The model configurations: sizes, presets from the papers, and the checks that tensor and
+pipeline parallelism need, run before any process starts (DESIGN principle 7).
+
+``GPTConfig`` describes GPT-2; ``BertConfig`` (a GPTConfig) the BERT of 1909.08053 §5.3, built
+from the same blocks: bidirectional attention, token types, and the layer-norm placement as a
+switch (``ln_placement``, Figure 7).
 
 Presets:
   tiny                    a model a 2-core laptop trains in minutes (the notebooks' and tests' size)
   gpt2-small … gpt2-xl    Radford et al. 2019, Table 2 (117M, 345M, 762M, 1542M)
   megatron-1.2b … 8.3b    1909.08053 Table 1, the weak-scaling series (vocab 51,200, seq 1024;
                           /work/shared/papers/1909.08053_configs.csv)
+  bert-base, bert-large   Devlin et al. 2019 (110M, 340M; WordPiece vocab 30,522, seq 512)
+  megatron-bert-336m … 3.9b   1909.08053 Table 4, the BERTs of Figure 7 and §5.3
 """
 
 from __future__ import annotations
@@ -14,9 +20,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["GPTConfig", "PRESETS", "RECOMPUTE"]
+__all__ = ["GPTConfig", "BertConfig", "PRESETS", "RECOMPUTE", "LN_PLACEMENTS", "config_from_dict"]
 
 RECOMPUTE = ("none", "selective", "full")
+LN_PLACEMENTS = ("rearranged", "original")
 
 
 @dataclass
@@ -33,6 +40,11 @@ class GPTConfig:
     attention core as one kernel (``scaled_dot_product_attention``), bias+GeLU and
     bias+dropout+add compiled into one each (``torch.compile``); off, every operation runs on its
     own, as the papers count them. (``True``/``False`` for ``recompute`` mean "full"/"none".)
+
+    The blocks, shared with BERT: ``causal`` attention (each position sees only those before
+    it; False: every position sees all, BERT) and ``ln_placement`` (1909.08053 §5.3, Figure 7):
+    "rearranged", x + f(LN(x)), GPT-2's and Megatron-BERT's; "original", LN(x + f(x)), the
+    original BERT's (``model.gpt.Block`` says how).
     """
 
     vocab_size: int = 50257
@@ -49,6 +61,8 @@ class GPTConfig:
     fused: bool = False                  # fused kernels (2104.04473 §4.2; see below)
     init_std: float = 0.02
     make_vocab_size_divisible_by: int = 128  # Megatron's padding unit, times tp
+    causal: bool = True                  # False: bidirectional attention (BERT)
+    ln_placement: str = "rearranged"     # "rearranged" (pre-LN) | "original" (post-LN), Figure 7
 
     def __post_init__(self) -> None:
         if self.ffn_hidden == 0:
@@ -65,6 +79,9 @@ class GPTConfig:
             self.recompute = "full" if self.recompute else "none"
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
+        if self.ln_placement not in LN_PLACEMENTS:
+            raise ValueError(f"ln_placement must be one of {LN_PLACEMENTS}, "
+                             f"got {self.ln_placement!r}")
 
     @property
     def head_dim(self) -> int:
@@ -125,6 +142,10 @@ def _megatron(layers: int, hidden: int, heads: int) -> dict[str, int]:
     return dict(vocab_size=51200, seq_len=1024, num_layers=layers, hidden=hidden, num_heads=heads)
 
 
+def _bert(layers: int, hidden: int, heads: int) -> dict[str, int]:
+    return dict(vocab_size=30522, seq_len=512, num_layers=layers, hidden=hidden, num_heads=heads)
+
+
 # Keyword arguments rather than configs, so that overriding ``hidden`` also rescales ffn_hidden.
 PRESETS: dict[str, dict[str, int]] = {
     "tiny": dict(vocab_size=4096, seq_len=128, num_layers=4, hidden=128, num_heads=4),
@@ -136,4 +157,56 @@ PRESETS: dict[str, dict[str, int]] = {
     "megatron-2.5b": _megatron(54, 1920, 20),
     "megatron-4.2b": _megatron(64, 2304, 24),
     "megatron-8.3b": _megatron(72, 3072, 32),
+    "bert-base": _bert(12, 768, 12),
+    "bert-large": _bert(24, 1024, 16),
+    "megatron-bert-336m": _bert(24, 1024, 16),
+    "megatron-bert-1.3b": _bert(24, 2048, 32),
+    "megatron-bert-3.9b": _bert(48, 2560, 40),
 }
+
+
+@dataclass
+class BertConfig(GPTConfig):
+    """A BERT (Devlin et al. 2019) as 1909.08053 §5.3 trains it: the GPT's blocks with
+    bidirectional attention, a token-type (segment) embedding, a masked-LM head and a
+    sentence-order head (``model.bert``). ``ln_placement`` "original" is Figure 7a, "rearranged"
+    (the default, Megatron-BERT's) Figure 7b.
+
+    ``pad_id`` and ``sep_id``: the model finds the padding mask and the token types in the ids
+    (0 up to and including the first [SEP], 1 after); the defaults are the roles the package's
+    tokenizer gives its control ids (``data/bert.py``).
+    """
+
+    causal: bool = False
+    type_vocab_size: int = 2
+    pad_id: int = 3
+    sep_id: int = 2
+    model: str = "bert"                  # read back from checkpoints (``config_from_dict``)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.causal:
+            raise ValueError("BERT's attention is bidirectional: causal must be False")
+        if self.model != "bert":
+            raise ValueError(f"a BertConfig describes a BERT, got model={self.model!r}")
+
+    def validate(self, tp: int = 1, pp: int = 1, chunks: int = 1) -> None:
+        if self.sequence_parallel:
+            raise ValueError("BERT runs without sequence parallelism here: its pooler reads the "
+                             "[CLS] position, which only one tp rank would hold")
+        super().validate(tp, pp, chunks)
+
+    def num_parameters(self, tp: int = 1) -> int:
+        """GPT's count (the blocks, the word and position tables, the final LN) plus the token
+        types, the masked-LM head (dense, LN, its vocabulary-parallel bias) and the
+        sentence-order head (pooler, 2-way classifier)."""
+        h = self.hidden
+        mlm_head = h * h + h + 2 * h + self.padded_vocab(tp) // tp
+        order_head = h * h + h + 2 * h + 2
+        return super().num_parameters(tp) + self.type_vocab_size * h + mlm_head + order_head
+
+
+def config_from_dict(fields: dict[str, Any]) -> GPTConfig:
+    """The configuration a checkpoint's ``meta.json`` holds (``vars(config)``): a BertConfig if
+    it says ``model: bert``, else a GPTConfig."""
+    return (BertConfig if fields.get("model") == "bert" else GPTConfig)(**fields)

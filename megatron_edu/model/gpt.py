@@ -32,6 +32,11 @@ the first holds its own copy of ``embedding.word.weight`` for the output layer; 
 be all-reduced with the first stage's over ``grid.embedding_group`` (2104.04473's tied
 embeddings across stages; done by the pipeline engine, not here).
 
+BERT (``model/bert.py``) is built from the same pieces: ``Attention`` takes a ``causal`` switch
+and a padding mask, ``Block`` the layer-norm placement of 1909.08053 Figure 7, and ``BERT`` is a
+``GPT`` with other inputs and heads — ``GPT(BertConfig(...))`` builds one, so the pipeline
+engine, checkpoints and PTD-P, which build stages as ``GPT(config, …)``, run it unchanged.
+
 Generation: ``forward(ids, cache=KVCache())`` keeps every block's keys and values, so the next
 call feeds only the new token; its position and its causal mask are offset by the cached length
 (``megatron_edu/generate.py`` drives it, over any tp × pp).
@@ -50,7 +55,7 @@ from megatron_edu import comm
 from megatron_edu.comm import CommGroup
 from megatron_edu.grid import ParallelGrid
 from megatron_edu.model import fused
-from megatron_edu.model.config import GPTConfig
+from megatron_edu.model.config import BertConfig, GPTConfig
 from megatron_edu.tensor_parallel.cross_entropy import (
     mask_padded_vocab,
     vocab_parallel_cross_entropy,
@@ -73,10 +78,17 @@ from megatron_edu.tensor_parallel.layers import (
 )
 from megatron_edu.tensor_parallel.random import Dropout, DropoutKey, checkpoint, per_sample
 
-__all__ = ["GPT", "KVCache", "stage_layers", "WORD_EMBEDDING"]
+__all__ = ["GPT", "KVCache", "stage_layers", "reduce_loss", "WORD_EMBEDDING", "IGNORE_INDEX"]
 
 WORD_EMBEDDING = "embedding.word.weight"  # the same name on the first and the last stage
 IGNORE_INDEX = -100                       # labels equal to this add nothing to the loss
+
+
+def reduce_loss(total: torch.Tensor, labels: torch.Tensor, reduction: str) -> torch.Tensor:
+    """The summed losses ``total`` as asked: "sum", or "mean" over the labels that are not −100."""
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {reduction!r}")
+    return total if reduction == "sum" else total / (labels != IGNORE_INDEX).sum()
 
 
 def stage_layers(num_layers: int, pp: int, pp_rank: int, num_chunks: int = 1,
@@ -165,18 +177,24 @@ class Embedding(nn.Module):
         self.dropout = Dropout(config.dropout, config.seed, -1, "embedding",
                                sequence_part=self.part)  # the same mask on every tp rank
 
-    def forward(self, ids: torch.Tensor, offset: int = 0,
-                dropout_key: DropoutKey | None = None) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, offset: int = 0, dropout_key: DropoutKey | None = None,
+                extra: torch.Tensor | None = None) -> torch.Tensor:
+        """``extra``: [b, s, h] added before the dropout (BERT's token-type embeddings)."""
         part, parts = self.part
         if ids.shape[1] % parts:
             raise ValueError(f"sequence parallelism splits the sequence over {parts} ranks: "
                              f"{ids.shape[1]} tokens do not divide")
         seq = torch.arange(offset, offset + ids.shape[1], device=ids.device).chunk(parts)[part]
-        return self.dropout(self.word(ids) + self.position(seq), dropout_key)  # [b, s/parts, h]
+        x = self.word(ids) + self.position(seq)                          # [b, s/parts, h]
+        return self.dropout(x if extra is None else x + extra, dropout_key)
 
 
 class Attention(nn.Module):
-    """Causal self-attention split by heads: each tp rank computes h/t of the heads (§3).
+    """Self-attention split by heads: each tp rank computes h/t of the heads (§3).
+
+    ``config.causal``: each position attends to itself and the positions before it (GPT);
+    otherwise to every position (BERT). ``mask``, a keep-mask of the keys [b, t] (False: padding),
+    keeps padded positions out of every query's softmax, causal or not.
 
     ``layer``: the block's global index, which (with this tp rank) seeds the dropout masks of
     the attention probabilities — a different mask on each tp rank (Appendix B.2).
@@ -191,6 +209,7 @@ class Attention(nn.Module):
         self.local_heads = config.num_heads // group.size
         self.head_dim = config.head_dim
         self.fused, self.selective = config.fused, config.recompute == "selective"
+        self.causal = config.causal
         self.dropout = Dropout(config.dropout, config.seed, layer, "attention probs",
                                tp_rank=group.rank if group.size > 1 else 0)
         residual_std = config.init_std / math.sqrt(2 * config.num_layers)  # GPT-2 §2.3
@@ -201,7 +220,8 @@ class Attention(nn.Module):
                                       sequence_parallel=sp)
 
     def forward(self, x: torch.Tensor, kv: LayerKV | None = None,
-                dropout_key: DropoutKey | None = None, add_bias: bool = True) -> torch.Tensor:
+                dropout_key: DropoutKey | None = None, add_bias: bool = True,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         qkv = self.qkv(x)                                        # [b, s, 3h/t], f inside
         b, s, _ = qkv.shape                                      # (s: the whole sequence)
         qkv = qkv.view(b, s, self.local_heads, 3, self.head_dim)  # per head: q | k | v
@@ -209,32 +229,53 @@ class Attention(nn.Module):
         if kv is not None:
             k, v = kv.extend(k, v)                               # [b, heads/t, t, d], t ≥ s
         if self.selective and torch.is_grad_enabled():
-            y = checkpoint(self.core, q, k, v, dropout_key)      # 2205.05198 §5
+            y = checkpoint(self.core, q, k, v, dropout_key, mask)  # 2205.05198 §5
         else:
-            y = self.core(q, k, v, dropout_key)                  # [b, heads/t, s, d]
+            y = self.core(q, k, v, dropout_key, mask)            # [b, heads/t, s, d]
         y = y.transpose(1, 2).reshape(b, s, -1)                  # [b, s, h/t]
         return self.proj(y, add_bias)                            # [b, s, h], g inside
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             dropout_key: DropoutKey | None) -> torch.Tensor:
-        """softmax(q·kᵀ/√d + causal mask)·v, dropout on the probabilities; [b, heads/t, s, d].
-        The s queries are the last of the t keys' positions: query i sees keys 0 … t−s+i."""
+             dropout_key: DropoutKey | None, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """softmax(q·kᵀ/√d + masks)·v, dropout on the probabilities; [b, heads/t, s, d].
+        Causal: the s queries are the last of the t keys' positions, query i sees keys
+        0 … t−s+i. ``mask`` [b, t]: keys where it is False are seen by no query."""
         s, t = q.shape[2], k.shape[2]
         drop = self.training and self.dropout.p > 0
         if self.fused:
-            mask = None if t == s else torch.ones(s, t, dtype=torch.bool,
-                                                  device=q.device).tril(t - s)
-
-            def attend(q, k, v):
-                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=t == s,
-                                                      dropout_p=self.dropout.p if drop else 0.0)
-            # the kernel draws its own mask: from each sample's seed (seeded per sample)
-            return per_sample(attend, self.dropout.seeds(dropout_key), q, k, v) if drop \
-                else attend(q, k, v)
+            return self._fused_core(q, k, v, dropout_key, mask, drop)
         scores = q @ k.transpose(-2, -1) * (1.0 / math.sqrt(self.head_dim))  # [b, a/t, s, t]
-        future = torch.ones(s, t, dtype=torch.bool, device=q.device).triu(t - s + 1)
-        probs = scores.masked_fill(future, float("-inf")).softmax(-1)
+        if self.causal:
+            future = torch.ones(s, t, dtype=torch.bool, device=q.device).triu(t - s + 1)
+            scores = scores.masked_fill(future, float("-inf"))
+        if mask is not None:
+            scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))  # [b, 1, 1, t]
+        probs = scores.softmax(-1)
         return self.dropout(probs, dropout_key) @ v
+
+    def _fused_core(self, q, k, v, dropout_key, mask, drop) -> torch.Tensor:
+        """The same in one kernel (``scaled_dot_product_attention``), which takes the masks as
+        one boolean ``attn_mask`` (True: attend) — or none at all for plain causal attention."""
+        s, t = q.shape[2], k.shape[2]
+        allowed = None                                           # [s, t] or [b, 1, 1|s, t]
+        if self.causal and (t != s or mask is not None):         # else: is_causal, no tensor
+            allowed = torch.ones(s, t, dtype=torch.bool, device=q.device).tril(t - s)
+        if mask is not None:
+            keys = mask[:, None, None, :]                        # [b, 1, 1, t]
+            allowed = keys if allowed is None else keys & allowed
+        is_causal = self.causal and allowed is None
+        p = self.dropout.p if drop else 0.0
+
+        def attend(q, k, v, allowed=allowed):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed,
+                                                  is_causal=is_causal, dropout_p=p)
+        if not drop:
+            return attend(q, k, v)
+        # the kernel draws its own mask: from each sample's seed (seeded per sample)
+        seeds = self.dropout.seeds(dropout_key)
+        if allowed is not None and allowed.dim() == 4:           # a mask per sample too
+            return per_sample(attend, seeds, q, k, v, allowed)
+        return per_sample(attend, seeds, q, k, v)
 
 
 class MLP(nn.Module):
@@ -259,16 +300,28 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """A pre-LN transformer block: x + attn(ln(x)), then x + mlp(ln(x)) (Figure 2).
+    """A transformer block: attention, then the MLP, each with a layer norm and a residual add
+    (Figure 2). Where the layer norm sits is ``config.ln_placement`` (1909.08053 §5.3, Figure 7):
 
-    ``layer``: its global index (dropout masks depend on it, not on the stage holding it).
-    Under sequence parallelism x is this rank's part of the sequence, [b, s/t, h]: the layer
-    norms, dropouts and residual adds run on it; attention and the MLP gather the sequence in.
+    * "rearranged" (pre-LN; GPT-2, Megatron-BERT): x + attn(ln1(x)), then x + mlp(ln2(x)). The
+      residual stream is never normalised: a clean identity path from the loss to every layer.
+    * "original" (post-LN; BERT): the residual starts *after* the layer norm, u + attn(u) with
+      u = ln1(x) (Megatron-LM's ``apply_residual_connection_post_layernorm``). Chained, this is
+      exactly original BERT: ln1 of block 0 normalises the embeddings, the ln2 of block i and
+      the ln1 of block i+1 are LN(x + attn(x)) and LN(x + mlp(x)) of Figure 7a, and the final
+      layer norm is the last block's. Every residual path passes through a layer norm.
+
+    Both have the same parameters (two layer norms per block, one final), so the switch changes
+    where they act, nothing else. ``layer``: the block's global index (dropout masks depend on
+    it, not on the stage holding it). Under sequence parallelism x is this rank's part of the
+    sequence, [b, s/t, h]: the layer norms, dropouts and residual adds run on it; attention
+    and the MLP gather the sequence in. ``mask``: the keys' padding mask, for attention.
     """
 
     def __init__(self, config: GPTConfig, group: CommGroup, layer: int = 0) -> None:
         super().__init__()
         self.fused = config.fused
+        self.post_ln = config.ln_placement == "original"
         self.ln1 = _layer_norm(config)
         self.attn = Attention(config, group, layer)
         self.ln2 = _layer_norm(config)
@@ -281,17 +334,22 @@ class Block(nn.Module):
                                    sequence_part=part)
 
     def forward(self, x: torch.Tensor, kv: LayerKV | None = None,
-                dropout_key: DropoutKey | None = None) -> torch.Tensor:
-        if self.fused:                                   # bias + dropout + add in one kernel
-            x = self._fused_residual(self.attn(self.ln1(x), kv, dropout_key, add_bias=False),
-                                     self.attn.proj.bias, self.attn_dropout, dropout_key, x)
-            return self._fused_residual(self.mlp(self.ln2(x), add_bias=False),
-                                        self.mlp.proj.bias, self.mlp_dropout, dropout_key, x)
-        x = x + self.attn_dropout(self.attn(self.ln1(x), kv, dropout_key), dropout_key)
-        return x + self.mlp_dropout(self.mlp(self.ln2(x)), dropout_key)  # [b, s, h]
+                dropout_key: DropoutKey | None = None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        u = self.ln1(x)                                  # [b, s, h]
+        y = self.attn(u, kv, dropout_key, add_bias=not self.fused, mask=mask)
+        x = self._residual(u if self.post_ln else x, y, self.attn.proj.bias,
+                           self.attn_dropout, dropout_key)
+        u = self.ln2(x)
+        y = self.mlp(u, add_bias=not self.fused)
+        return self._residual(u if self.post_ln else x, y, self.mlp.proj.bias,
+                              self.mlp_dropout, dropout_key)            # [b, s, h]
 
-    @staticmethod
-    def _fused_residual(y, bias, dropout: Dropout, key, residual) -> torch.Tensor:
+    def _residual(self, residual, y, bias, dropout: Dropout, key) -> torch.Tensor:
+        """residual + dropout(y); fused, y comes without its bias, and bias + dropout + add run
+        as one kernel (2104.04473 §4.2)."""
+        if not self.fused:
+            return residual + dropout(y, key)
         drop = dropout.training and dropout.p > 0
         keep = dropout.keep(key, y) if drop else None
         return fused.bias_dropout_add(y, bias, keep, 1.0 / (1.0 - dropout.p), residual)
@@ -305,7 +363,18 @@ class GPT(nn.Module):
     ``last``: holds the final layer norm and the output layer (tied to the word embedding).
     Parameters are initialised from ``config.seed`` by name, the same at any tp and pp.
     With ``config.sequence_parallel`` the hidden states between stages are [b, s/t, h].
+    A ``BertConfig`` builds a ``BERT`` (``model/bert.py``), which shares all of this class.
     """
+
+    vocab_rows = (WORD_EMBEDDING,)  # tensors of padded_vocab rows (``full_state_dict`` trims)
+
+    def __new__(cls, config: GPTConfig | None = None, *args, **kwargs):
+        # The pipeline engine, PTD-P and checkpoints build stages as GPT(config, …): a
+        # BertConfig makes them BERT stages, so BERT runs through all of them unchanged.
+        if cls is GPT and isinstance(config, BertConfig):
+            from megatron_edu.model.bert import BERT
+            cls = BERT
+        return super().__new__(cls)
 
     def __init__(self, config: GPTConfig, grid: ParallelGrid | None = None, *,
                  layers: range | None = None, first: bool = True, last: bool = True) -> None:
@@ -318,14 +387,18 @@ class GPT(nn.Module):
         if not all(0 <= i < config.num_layers for i in self.layers):
             raise ValueError(f"layers {self.layers} are not all in 0..{config.num_layers - 1}")
         self.training_calls = 0  # numbers the steps of a model trained without DropoutKeys
-        if first or last:
-            self.embedding = Embedding(config, self.tp_group, positions=first)
-        self.blocks = nn.ModuleDict({str(i): Block(config, self.tp_group, i)
-                                     for i in self.layers})
-        if last:
-            self.ln_f = _layer_norm(config)
+        self._build(config)
         init_parameters(self, config.seed, self.tp_group)
         self.to(grid.device if grid is not None else "cpu")
+
+    def _build(self, config: GPTConfig) -> None:
+        """The modules of this stage (before initialisation; BERT adds its own)."""
+        if self.first or self.last:
+            self.embedding = Embedding(config, self.tp_group, positions=self.first)
+        self.blocks = nn.ModuleDict({str(i): Block(config, self.tp_group, i)
+                                     for i in self.layers})
+        if self.last:
+            self.ln_f = _layer_norm(config)
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None, *,
                 cache: KVCache | None = None, dropout_key: DropoutKey | None = None,
@@ -341,18 +414,10 @@ class GPT(nn.Module):
         if cache is not None and self.sequence_parallel:
             raise ValueError("generation with a KV cache runs without sequence parallelism: "
                              "build the model with sequence_parallel=False (the same weights)")
-        if dropout_key is None and self.training:
-            dropout_key = DropoutKey.first(x.shape[0], step=self.training_calls)
-            self.training_calls += 1
+        dropout_key = self._dropout_key(x, dropout_key)
         offset = 0 if cache is None else cache.length
         h = self._embed(x, offset, dropout_key) if self.first else x   # [b, s, h]
-        for name, block in self.blocks.items():
-            if cache is not None:
-                h = block(h, cache.layer(name))
-            elif self.config.recompute == "full" and torch.is_grad_enabled():
-                h = checkpoint(block, h, None, dropout_key)      # 2104.04473 §3.5
-            else:
-                h = block(h, None, dropout_key)
+        h = self._blocks(h, dropout_key, cache)
         if cache is not None:
             cache.length += h.shape[1]
         if not self.last:
@@ -362,21 +427,36 @@ class GPT(nn.Module):
             return logits
         losses = vocab_parallel_cross_entropy(logits, labels, self.tp_group,
                                               ignore_index=IGNORE_INDEX)   # [b, s]
-        if loss_reduction not in ("mean", "sum"):
-            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
-        if loss_reduction == "sum":
-            return losses.sum()
-        return losses.sum() / (labels != IGNORE_INDEX).sum()
+        return reduce_loss(losses.sum(), labels, loss_reduction)
 
-    def _embed(self, ids: torch.Tensor, offset: int, dropout_key: DropoutKey | None
-               ) -> torch.Tensor:
+    def _dropout_key(self, x: torch.Tensor, key: DropoutKey | None) -> DropoutKey | None:
+        """The key given; without one, a model in training numbers its calls as steps."""
+        if key is None and self.training:
+            key = DropoutKey.first(x.shape[0], step=self.training_calls)
+            self.training_calls += 1
+        return key
+
+    def _blocks(self, h: torch.Tensor, dropout_key: DropoutKey | None,
+                cache: KVCache | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """This stage's blocks in order; ``mask``: the keys' padding mask [b, s] (BERT)."""
+        for name, block in self.blocks.items():
+            if cache is not None:
+                h = block(h, cache.layer(name))
+            elif self.config.recompute == "full" and torch.is_grad_enabled():
+                h = checkpoint(block, h, None, dropout_key, mask)    # 2104.04473 §3.5
+            else:
+                h = block(h, None, dropout_key, mask)
+        return h
+
+    def _embed(self, ids: torch.Tensor, offset: int, dropout_key: DropoutKey | None,
+               extra: torch.Tensor | None = None) -> torch.Tensor:
         if ids.dtype != torch.long or ids.dim() != 2:
             raise ValueError(f"the first stage takes token ids [b, s] int64, got "
                              f"{tuple(ids.shape)} {ids.dtype}")
         if offset + ids.shape[1] > self.config.seq_len:
             raise ValueError(f"sequence of {offset + ids.shape[1]} tokens is longer than "
                              f"seq_len = {self.config.seq_len}")
-        return self.embedding(ids, offset, dropout_key)
+        return self.embedding(ids, offset, dropout_key, extra)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """The output layer: a column-parallel linear sharing the embedding table (tied)."""
@@ -403,7 +483,7 @@ class GPT(nn.Module):
             if tensor is None:
                 raise ValueError(f"{name} has no gradient: run backward first")
             full = gather_full(tensor, param.tp_dim, self.tp_group)
-            state[name] = full[: self.config.vocab_size] if name == WORD_EMBEDDING else full
+            state[name] = full[: self.config.vocab_size] if name in self.vocab_rows else full
         return {name: t.detach().clone() for name, t in state.items()}
 
     @torch.no_grad()
@@ -415,7 +495,7 @@ class GPT(nn.Module):
             raise ValueError(f"state has no tensor for {missing}")
         for name, param in self.named_parameters():
             full = state[name].to(param.device, param.dtype)
-            if name == WORD_EMBEDDING:
-                full = F.pad(full, (0, 0, 0, self.config.padded_vocab(self.tp_group.size)
-                                    - full.shape[0]))
+            if name in self.vocab_rows:                      # pad the vocabulary (dim 0)
+                rows = self.config.padded_vocab(self.tp_group.size) - full.shape[0]
+                full = F.pad(full, (0, 0) * (full.dim() - 1) + (0, rows))
             param.copy_(shard(full, param.tp_dim, self.tp_group))

@@ -36,7 +36,7 @@ from megatron_edu.grid import ParallelGrid
 from megatron_edu.model.config import GPTConfig
 from megatron_edu.model.gpt import GPT
 
-__all__ = ["load_hf_gpt2", "save_hf_gpt2", "config_from_hf"]
+__all__ = ["load_hf_gpt2", "save_hf_gpt2", "config_from_hf", "read_hf_gpt2"]
 
 _GELU_TANH = ("gelu_new", "gelu_pytorch_tanh")  # two names of the same function
 
@@ -65,11 +65,20 @@ def load_hf_gpt2(path: str | Path, grid: ParallelGrid | None = None, **overrides
 
     ``overrides`` replace config fields, e.g. ``dropout=0.0`` or ``recompute=True``.
     """
-    path = Path(path)
-    config = config_from_hf(json.loads((path / "config.json").read_text()), **overrides)
+    config, state = read_hf_gpt2(path, **overrides)
     model = GPT(config, grid)
-    model.load_full_state_dict(_from_hf(_read_weights(path), config))
+    model.load_full_state_dict(state)
     return model
+
+
+def read_hf_gpt2(path: str | Path, **overrides: Any) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
+    """A saved Hugging Face GPT-2's config and whole tensors under this package's names: load
+    them into any stage of any layout with ``GPT.load_full_state_dict`` (evaluation does)."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"no config.json in {path}: not a Hugging Face model directory")
+    config = config_from_hf(json.loads((path / "config.json").read_text()), **overrides)
+    return config, _from_hf(_read_weights(path), config)
 
 
 def save_hf_gpt2(model: GPT, path: str | Path) -> None:
@@ -79,6 +88,8 @@ def save_hf_gpt2(model: GPT, path: str | Path) -> None:
     must call this (the shards are gathered) and tp rank 0 writes.
     """
     config = model.config
+    if type(config) is not GPTConfig or not config.causal or config.ln_placement != "rearranged":
+        raise ValueError("only a GPT-2 (causal, pre-LN) saves as a Hugging Face GPT-2")
     if not (model.first and model.last and list(model.layers) == list(range(config.num_layers))):
         raise ValueError("save_hf_gpt2 needs the whole model; gather pipeline stages first")
     state = _to_hf(model.full_state_dict(), config)

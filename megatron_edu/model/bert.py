@@ -1,0 +1,172 @@
+"""BERT on the GPT's tensor-parallel blocks (Devlin et al. 2019; 1909.08053 §5.3, Figure 7).
+
+1909.08053 finds that the original BERT (Figure 7a: layer norm *after* each residual add) trains
+well at 336M parameters but not at 752M, while rearranging the layer norm and the residual
+connection — pre-LN, as in GPT-2 (Figure 7b) — trains both stably, the larger to the lower loss;
+so rearranged, it trains BERTs of 1.3B and 3.9B (Table 4). Both arrangements are the switch
+``config.ln_placement`` of the shared ``Block`` (``model/gpt.py`` explains how one switch gives
+both).
+
+What BERT adds to the GPT, and nothing else:
+
+* **inputs**: ``[CLS] a [SEP] b [SEP]`` with [PAD] after; attention is bidirectional
+  (``config.causal`` False) and keeps padded keys out of every softmax (a keep-mask [b, s]);
+  a token-type (segment) embedding is added to the word and position embeddings: 0 up to and
+  including the first [SEP], 1 after. Both follow from the ids (``pad_id``, ``sep_id``), so a
+  pipeline stage needs no tensors beyond the engine's ids and labels.
+* **the masked-LM head** (Devlin §3.1): dense + GeLU + layer norm, then the output layer tied to
+  the vocabulary-parallel word embedding plus a vocabulary-parallel bias — logits stay split
+  [b, s, V/t] and go into the vocabulary-parallel cross entropy, as the GPT's do (§3).
+* **the sentence-order head** (ALBERT's SOP, Lan et al. 2019, which 1909.08053 §5.3 uses in
+  place of next-sentence prediction): a pooler (dense + tanh) on the [CLS] position, then a
+  2-way classifier: are a and b in their original order (0) or swapped (1)? Pooler and
+  classifier are small and replicated on every tp rank, as in Megatron-LM.
+
+**The labels**, one [b, s] tensor, as the pipeline engine passes them: ``labels[:, 1:]`` are the
+masked-LM targets (the original token where one was masked, −100 elsewhere) and
+``labels[:, 0]`` — the [CLS] position, never a masked-LM target — is the sentence-order label.
+The loss is the mean over every prediction, masked tokens and one order label per sequence,
+which is exactly what the engine's weighting by the count of labels ≠ −100 gives. (Megatron-LM
+adds two means instead, mlm_mean + sop_mean; here a sequence's order label weighs as one of its
+~0.15·s masked tokens.)
+
+**Padding under a pipeline.** Only the first stage sees the ids, so only it can find the padding;
+later stages receive hidden states only. With pp > 1 batches must therefore hold no [PAD]: the
+training data is packed to full length (``data/bert.py``), and a padded batch on a first stage
+that is not also the last raises a ValueError.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_edu.comm import CommGroup
+from megatron_edu.model.config import BertConfig
+from megatron_edu.model.gpt import (
+    GPT,
+    IGNORE_INDEX,
+    WORD_EMBEDDING,
+    _layer_norm,
+    reduce_loss,
+)
+from megatron_edu.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron_edu.tensor_parallel.init import mark, normal, zeros
+from megatron_edu.tensor_parallel.random import DropoutKey
+
+__all__ = ["BERT", "BertOutput", "token_types", "padding_mask"]
+
+MLM_BIAS = "mlm.bias"
+
+
+class BertOutput(NamedTuple):
+    mlm_logits: torch.Tensor    # [b, s, V_padded/t]: this tp rank's vocabulary shard
+    order_logits: torch.Tensor  # [b, 2]: in order, swapped
+
+
+def token_types(ids: torch.Tensor, sep_id: int) -> torch.Tensor:
+    """0 up to and including the first [SEP], 1 after it: [b, s] int64."""
+    sep = (ids == sep_id).long()
+    return (sep.cumsum(1) - sep).clamp(max=1)     # [SEP]s strictly before each position
+
+
+def padding_mask(ids: torch.Tensor, pad_id: int) -> torch.Tensor | None:
+    """The keys attention may see, [b, s] bool (False at [PAD]); None when nothing is padded."""
+    keep = ids != pad_id
+    return None if bool(keep.all()) else keep
+
+
+def _replicated_linear(n_in: int, n_out: int, std: float) -> nn.Linear:
+    """A plain linear, whole on every tp rank (the heads are small: Megatron keeps them so)."""
+    linear = nn.Linear(n_in, n_out)
+    mark(linear.weight, None, normal(std))
+    mark(linear.bias, None, zeros)
+    return linear
+
+
+class MaskedLMHead(nn.Module):
+    """dense + GeLU + layer norm (Devlin's "transform"); the output layer is the word embedding,
+    applied by ``BERT``; ``bias`` is the output layer's, split by vocabulary like its rows."""
+
+    def __init__(self, config: BertConfig, group: CommGroup) -> None:
+        super().__init__()
+        self.dense = _replicated_linear(config.hidden, config.hidden, config.init_std)
+        self.ln = _layer_norm(config)
+        self.bias = mark(nn.Parameter(torch.empty(config.padded_vocab(group.size) // group.size)),
+                         0, zeros)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.ln(F.gelu(self.dense(h), approximate="tanh"))      # [b, s, h]
+
+
+class SentenceOrderHead(nn.Module):
+    """The pooler (dense + tanh on [CLS]) and the 2-way in-order / swapped classifier."""
+
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.pooler = _replicated_linear(config.hidden, config.hidden, config.init_std)
+        self.classifier = _replicated_linear(config.hidden, 2, config.init_std)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.classifier(torch.tanh(self.pooler(h[:, 0])))      # [b, 2]
+
+
+class BERT(GPT):
+    """BERT, whole or one pipeline stage, tensor-parallel over ``grid`` — a ``GPT`` with BERT's
+    inputs and heads. Build it as ``BERT(config, grid)`` or ``GPT(config, grid)`` with a
+    ``BertConfig``; stage arguments (``layers``, ``first``, ``last``) as for the GPT."""
+
+    vocab_rows = (WORD_EMBEDDING, MLM_BIAS)
+
+    def _build(self, config: BertConfig) -> None:
+        super()._build(config)
+        if self.first:
+            self.token_type = nn.Embedding(config.type_vocab_size, config.hidden)
+            mark(self.token_type.weight, None, normal(config.init_std))
+        if self.last:
+            self.mlm = MaskedLMHead(config, self.tp_group)
+            self.order = SentenceOrderHead(config)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None, *,
+                attention_mask: torch.Tensor | None = None,
+                dropout_key: DropoutKey | None = None,
+                loss_reduction: str = "mean") -> torch.Tensor | BertOutput:
+        """ids [b, s] (first stage) or hidden [b, s, h] → hidden [b, s, h] (not last), the two
+        heads' logits (last, no labels) or the loss over every label ≠ −100, masked-LM targets
+        and order labels (``labels[:, 0]``) alike: their mean, or their sum with
+        ``loss_reduction="sum"``. ``attention_mask`` [b, s] bool (False: padding): by default
+        the ids that are not ``pad_id``."""
+        dropout_key = self._dropout_key(x, dropout_key)
+        mask = None
+        if self.first:
+            mask = padding_mask(x, self.config.pad_id) if attention_mask is None else \
+                attention_mask.bool()
+            if mask is not None and not self.last:
+                raise ValueError("a padded batch cannot cross pipeline stages: the stages after "
+                                 "the first get no ids to find the padding in. Pack the batch "
+                                 "to full length (no [PAD]; the training data is) or use pp=1")
+            types = self.token_type(token_types(x, self.config.sep_id))
+            h = self._embed(x, 0, dropout_key, extra=types)      # [b, s, h]
+        else:
+            h = x
+        h = self._blocks(h, dropout_key, mask=mask)
+        if not self.last:
+            return h
+        h = self.ln_f(h)
+        out = BertOutput(self._logits(self.mlm(h)) + self.mlm.bias, self.order(h))
+        if labels is None:
+            return out
+        return reduce_loss(self._losses(out, labels), labels, loss_reduction)
+
+    def _losses(self, out: BertOutput, labels: torch.Tensor) -> torch.Tensor:
+        """The summed masked-LM losses (labels[:, 1:]) and order losses (labels[:, 0])."""
+        mlm_labels = labels.clone()
+        mlm_labels[:, 0] = IGNORE_INDEX                  # [CLS]: the order label's place
+        mlm = vocab_parallel_cross_entropy(out.mlm_logits, mlm_labels, self.tp_group,
+                                           ignore_index=IGNORE_INDEX)     # [b, s]
+        order = F.cross_entropy(out.order_logits.float(), labels[:, 0],
+                                ignore_index=IGNORE_INDEX, reduction="sum")
+        return mlm.sum() + order

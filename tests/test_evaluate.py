@@ -1,0 +1,257 @@
+"""The paper's zero-shot evaluations (1909.08053 §5.2): WikiText-103 perplexity in sliding windows,
+per word and per token; LAMBADA last-word accuracy, whole words only, with and without the
+stop-word filter — on tiny files in the standard formats, the numbers computed by hand."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from helpers import tiny_config
+
+from megatron_edu import evaluate
+from megatron_edu.checkpoint import export_hf, load_full_model_state, read_metadata
+from megatron_edu.data import PRETRAINED_CHECKPOINT, Tokenizer
+from megatron_edu.data.zeroshot import (
+    LAMBADA,
+    count_words,
+    find_data_file,
+    lambada_example,
+    sliding_windows,
+    wikitext_detokenize,
+    window_batch,
+)
+from megatron_edu.evaluate import lambada_correct, vocab_parallel_argmax
+from megatron_edu.grid import ParallelGrid
+from megatron_edu.launch import run
+from megatron_edu.model import GPT, config_from_dict
+
+WIKI = (" \n = Python = \n \n Python is a high @-@ level , general @-@ purpose language . "
+        "Version 3 @.@ 0 came in 2008 ( not 2009 ) . \n \n = = Design = = \n \n It uses "
+        "significant indentation , and \" readability counts \" . \n")
+
+
+# --- the windows ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n, length, stride", [(50, 16, 4), (50, 16, 16), (17, 16, 5),
+                                               (10, 16, 3), (100, 8, 1)])
+def test_sliding_windows_score_every_token_once_with_the_context_the_window_allows(
+        n, length, stride):
+    windows = sliding_windows(n, length, stride)
+    scored = [t for w in windows for t in range(w.scored_after + 1, w.end + 1)]
+    assert scored == list(range(1, n))                    # targets 1 … n−1, once each, in order
+    assert all(w.end - w.start <= length for w in windows)
+    for w in windows[1:]:
+        assert w.scored_after - w.start >= length - stride   # context of its first target − 1
+
+
+def _model_and_tokens(n=12, seed=0):
+    model = GPT(tiny_config()).eval()                      # seq_len 16, vocabulary 100
+    tokens = torch.randint(0, 100, (n,), generator=torch.Generator().manual_seed(seed)).numpy()
+    return model, tokens
+
+
+def _window_loss(model, tokens, length, stride):
+    ids, labels = window_batch(tokens, sliding_windows(len(tokens), length, stride), length)
+    with torch.no_grad():
+        return model(torch.from_numpy(ids), torch.from_numpy(labels), loss_reduction="sum").item()
+
+
+def test_sliding_window_loss_equals_the_whole_text_at_once_when_the_window_covers_it():
+    model, tokens = _model_and_tokens(n=12)
+    whole = torch.from_numpy(tokens)[None]
+    with torch.no_grad():
+        by_hand = F.cross_entropy(model(whole[:, :-1])[0, :, :100], whole[0, 1:],
+                                  reduction="sum").item()
+    for stride in (1, 4, 16):
+        assert _window_loss(model, tokens, 16, stride) == pytest.approx(by_hand, abs=1e-4)
+
+
+def test_stride_equal_to_the_window_is_non_overlapping_chunks_and_overlap_helps():
+    model, tokens = _model_and_tokens(n=49)
+    chunks = torch.from_numpy(tokens)
+    with torch.no_grad():
+        by_hand = sum(F.cross_entropy(model(c[None, :-1])[0, :, :100], c[1:], reduction="sum")
+                      for c in (chunks[0:17], chunks[16:33], chunks[32:49])).item()
+    assert _window_loss(model, tokens, 16, 16) == pytest.approx(by_hand, abs=1e-4)
+    assert _window_loss(model, tokens, 16, 4) != pytest.approx(by_hand, abs=1e-2)
+
+
+def test_wikitext_detokenizer_undoes_the_word_level_tokenization():
+    assert wikitext_detokenize(WIKI) == (
+        "\n= Python =\n\nPython is a high-level, general-purpose language. Version 3.0 came in "
+        "2008 (not 2009).\n\n== Design ==\n\nIt uses significant indentation, and "
+        "\"readability counts\".\n")
+
+
+def test_words_are_the_test_files_space_separated_tokens():
+    assert count_words(" \n = A = \n the cat @-@ like , sat . \n") == 11
+
+
+# --- LAMBADA scoring --------------------------------------------------------------------------
+
+def test_a_multi_token_word_is_right_only_when_all_its_tokens_are():
+    labels = torch.tensor([[-100, -100, 7, 8], [-100, -100, 7, 8], [-100, -100, -100, 9]])
+    predicted = torch.tensor([[1, 2, 7, 8], [1, 2, 7, 5], [1, 2, 3, 9]])
+    no_stop = torch.zeros(10, dtype=torch.bool)
+    right, _ = lambada_correct(predicted, predicted, labels, no_stop)
+    assert right.tolist() == [True, False, True]
+
+
+def test_the_stop_word_filter_gives_a_stop_word_first_choice_its_second_chance():
+    labels = torch.tensor([[-100, 7, 8], [-100, 7, 8], [-100, 7, 8], [-100, 7, 8]])
+    predicted = torch.tensor([[0, 3, 8], [0, 4, 8], [0, 3, 5], [0, 7, 8]])   # 3 is " the"
+    filtered = torch.tensor([[0, 7, 8], [0, 7, 8], [0, 7, 5], [0, 7, 8]])    # next non-stop
+    is_stop = torch.zeros(10, dtype=torch.bool)
+    is_stop[3] = True
+    right, right_filtered = lambada_correct(predicted, filtered, labels, is_stop)
+    assert right.tolist() == [False, False, False, True]
+    assert right_filtered.tolist() == [True, False, False, True]
+
+
+def test_the_last_word_is_split_off_and_encoded_with_its_space():
+    context, word = lambada_example("He opened the door . Then he saw the cat", str.split)
+    assert (context, word) == (["He", "opened", "the", "door", ".", "Then", "he", "saw", "the"],
+                               ["cat"])
+
+
+def _argmax_at_tp():
+    grid = ParallelGrid(tp=dist.get_world_size())
+    logits = torch.randn(3, 5, 256, generator=torch.Generator().manual_seed(0))
+    logits[0, 0, [10, 200]] = 50.0                         # a tie across ranks: the lowest id
+    mine = logits.chunk(grid.tp, dim=-1)[grid.tp_rank]
+    return torch.equal(vocab_parallel_argmax(mine, grid.tp_group), logits.argmax(-1))
+
+
+def test_the_vocabulary_parallel_argmax_is_the_argmax_of_the_whole_row():
+    assert all(run(_argmax_at_tp, 2))
+
+
+# --- the command line, on tiny files ----------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def pretrained():
+    """Notebook 09's small GPT (V = 500), whole, and its tokenizer."""
+    meta = read_metadata(PRETRAINED_CHECKPOINT)
+    model = GPT(config_from_dict(meta["config"])).eval()
+    model.load_full_state_dict(load_full_model_state(PRETRAINED_CHECKPOINT))
+    return model, Tokenizer.load(meta["tokenizer"])
+
+
+def _cli(capsys, *argv):
+    assert evaluate.main(list(argv)) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_wikitext_perplexity_per_word_and_per_token_by_hand(tmp_path, pretrained, capsys):
+    text = " \n = Python = \n \n Python is a high @-@ level language , easy to read . \n"
+    (tmp_path / "wiki.test.tokens").write_text(text)
+    model, tokenizer = pretrained
+    tokens = tokenizer.encode(wikitext_detokenize(text))
+    ids = torch.tensor(tokens)[None]
+    assert len(tokens) <= 64                       # one window of the model's 64 holds it
+    with torch.no_grad():
+        loss = F.cross_entropy(model(ids[:, :-1])[0, :, :500], ids[0, 1:], reduction="sum")
+    words = len(text.strip().split(" "))
+    result = _cli(capsys, "--task", "wikitext103", "--data", str(tmp_path),
+                  "--checkpoint", str(PRETRAINED_CHECKPOINT))
+    assert (result["tokens"], result["words"]) == (len(tokens), words)
+    assert result["word_perplexity"] == pytest.approx(math.exp(loss / (words - 1)), rel=1e-4)
+    assert result["token_perplexity"] == pytest.approx(math.exp(loss / (len(tokens) - 1)),
+                                                       rel=1e-4)
+
+
+def _greedy_passages(model, tokenizer):
+    """Passages whose last word the model produces itself (every token its argmax), and the
+    same passages with the last word's final token changed, which it then gets wrong."""
+    right, wrong = [], []
+    for context in ("If the key is not", "Return True if the object is", "This is a subclass of",
+                    "Return a list of all the", "Set the value of the"):
+        ids = tokenizer.encode(context)
+        word = []
+        with torch.no_grad():
+            for _ in range(6):
+                nxt = int(model(torch.tensor([ids + word]))[0, -1, :500].argmax())
+                if word and tokenizer.decode([nxt])[:1].isspace():
+                    break
+                word.append(nxt)
+        text = tokenizer.decode(word)
+        if not text[:1] == " " or tokenizer.encode(text) != word or len(text.split()) != 1:
+            continue
+        right.append(context + text)
+        wrong.append(context + text + "zq")                    # one more token: not predicted
+    return right, wrong
+
+
+def test_lambada_accuracy_by_hand_and_the_same_on_every_layout(tmp_path, pretrained, capsys):
+    right, wrong = _greedy_passages(*pretrained)
+    assert len(right) >= 3
+    passages = right + wrong
+    (tmp_path / "lambada_test.jsonl").write_text("".join(json.dumps({"text": p}) + "\n"
+                                                         for p in passages))
+    base = ["--task", "lambada", "--data", str(tmp_path / "lambada_test.jsonl"),
+            "--checkpoint", str(PRETRAINED_CHECKPOINT), "--batch", "4", "--micro-batch", "1"]
+    results = [_cli(capsys, *base), _cli(capsys, *base, "--nproc", "4", "--tp", "2",
+                                         "--pp", "2")]
+    for result in results:
+        assert result["n"] == len(passages)
+        assert result["accuracy_without_filter"] == pytest.approx(len(right) / len(passages))
+        assert result["accuracy_with_filter"] >= result["accuracy_without_filter"]
+
+
+def test_wikitext_through_the_hugging_face_directory_equals_the_checkpoint(tmp_path, capsys):
+    (tmp_path / "wiki.test.tokens").write_text(WIKI)
+    export_hf(PRETRAINED_CHECKPOINT, tmp_path / "hf")       # weights + the sentencepiece model
+    args = ["--task", "wikitext103", "--data", str(tmp_path), "--stride", "8", "--seq-len", "32"]
+    ours = _cli(capsys, *args, "--checkpoint", str(PRETRAINED_CHECKPOINT))
+    theirs = _cli(capsys, *args, "--hf", str(tmp_path / "hf"), "--nproc", "2")
+    assert theirs["word_perplexity"] == pytest.approx(ours["word_perplexity"], rel=1e-4)
+
+
+def test_a_hugging_face_tokenizer_is_used_when_the_directory_has_one(tmp_path, capsys):
+    tokenizers = pytest.importorskip("tokenizers")
+    transformers = pytest.importorskip("transformers")
+    export_hf(PRETRAINED_CHECKPOINT, tmp_path)
+    (tmp_path / "tokenizer.model").unlink()
+    bpe = tokenizers.ByteLevelBPETokenizer()
+    bpe.train_from_iterator([WIKI] * 5, vocab_size=300, min_frequency=1, show_progress=False)
+    transformers.GPT2TokenizerFast(tokenizer_object=bpe._tokenizer).save_pretrained(tmp_path)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "wiki.test.tokens").write_text(WIKI)
+    result = _cli(capsys, "--task", "wikitext103", "--data", str(tmp_path / "data"),
+                  "--hf", str(tmp_path))
+    hf_tokens = transformers.AutoTokenizer.from_pretrained(tmp_path, local_files_only=True)
+    assert result["tokens"] == len(hf_tokens.encode(wikitext_detokenize(WIKI)))
+
+
+@pytest.mark.parametrize("task, names", [("lambada", "lambada_test.jsonl"),
+                                         ("wikitext103", "wiki.test.tokens")])
+def test_missing_data_says_where_to_get_it_and_where_to_put_it(task, names, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        evaluate.main(["--task", task, "--data", str(tmp_path / "nothing"),
+                       "--checkpoint", str(PRETRAINED_CHECKPOINT)])
+    err = capsys.readouterr().err
+    assert names in err and "https://" in err and "--data" in err
+
+
+def test_a_folder_without_the_test_file_is_named():
+    with pytest.raises(FileNotFoundError, match="no LAMBADA test file"):
+        find_data_file(PRETRAINED_CHECKPOINT, LAMBADA)
+
+
+def test_a_bert_is_refused_for_left_to_right_tasks():
+    from megatron_edu.model import BertConfig
+
+    with pytest.raises(ValueError, match="left-to-right language model; this .* BertConfig"):
+        evaluate.check_left_to_right(BertConfig(vocab_size=100, seq_len=16, num_layers=2,
+                                                hidden=32, num_heads=4), "lambada")
+
+
+def test_windows_mark_only_their_new_targets():
+    tokens = np.arange(10)
+    ids, labels = window_batch(tokens, sliding_windows(10, 4, 2), 4)
+    assert ids.tolist()[:2] == [[0, 1, 2, 3], [2, 3, 4, 5]]
+    assert labels.tolist()[:2] == [[1, 2, 3, 4], [-100, -100, 5, 6]]
