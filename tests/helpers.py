@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_edu.model import GPTConfig
+from megatron_edu.model import GPT, GPTConfig
 
 TOL = 1e-5  # fp32, dropout 0: parallel and serial agree to rounding
 
@@ -28,3 +28,18 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     if a.keys() != b.keys():
         raise AssertionError(f"different names: {sorted(a.keys() ^ b.keys())}")
     return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def assert_two_stages_chain_into_serial(config: GPTConfig, ids: torch.Tensor,
+                                        labels: torch.Tensor) -> None:
+    """A 2-layer model cut into two pipeline stages (``GPT(config, …)``: a GPT, or a BERT for a
+    ``BertConfig``) gives the serial model's gradients, the tied embedding's two copies summed."""
+    serial = GPT(config)
+    stages = [GPT(config, layers=range(0, 1), last=False),
+              GPT(config, layers=range(1, 2), first=False)]
+    serial(ids, labels).backward()
+    stages[1](stages[0](ids), labels).backward()
+    grads = {**stages[0].full_state_dict(grads=True), **stages[1].full_state_dict(grads=True)}
+    grads["embedding.word.weight"] = sum(s.embedding.word.weight.grad
+                                         for s in stages)[:config.vocab_size]
+    assert max_diff(grads, serial.full_state_dict(grads=True)) < TOL

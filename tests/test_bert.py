@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from helpers import TOL, max_diff
+from helpers import TOL, assert_two_stages_chain_into_serial, max_diff
 
 from megatron_edu.data import default_corpus, train_tokenizer
 from megatron_edu.data.bert import (
@@ -159,14 +159,7 @@ def test_the_placements_differ_and_both_train():
 def test_pipeline_stages_chain_into_the_serial_bert():
     config = bert_config()
     ids, labels = bert_batch(padded=False)
-    serial = BERT(config)
-    stages = [BERT(config, layers=range(0, 1), last=False),
-              BERT(config, layers=range(1, 2), first=False)]
-    serial(ids, labels).backward()
-    stages[1](stages[0](ids), labels).backward()
-    grads = {**stages[0].full_state_dict(grads=True), **stages[1].full_state_dict(grads=True)}
-    grads["embedding.word.weight"] = sum(s.embedding.word.weight.grad for s in stages)[:100]
-    assert max_diff(grads, serial.full_state_dict(grads=True)) < TOL
+    assert_two_stages_chain_into_serial(config, ids, labels)
 
 
 def test_a_padded_batch_on_a_first_stage_that_is_not_the_last_is_refused():

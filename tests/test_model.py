@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from helpers import TOL, batch, max_diff, tiny_config
+from helpers import TOL, assert_two_stages_chain_into_serial, batch, max_diff, tiny_config
 
 from megatron_edu import comm
 from megatron_edu.grid import ParallelGrid
@@ -107,14 +107,7 @@ def test_pipeline_stages_chain_into_the_serial_model():
     """Names, weights, loss and (tied) gradients of two stages equal the serial model's."""
     config = tiny_config()
     ids, labels = batch(config)
-    serial = GPT(config)
-    stages = [GPT(config, layers=range(0, 1), last=False),
-              GPT(config, layers=range(1, 2), first=False)]
-    serial(ids, labels).backward()
-    stages[1](stages[0](ids), labels).backward()
-    grads = {**stages[0].full_state_dict(grads=True), **stages[1].full_state_dict(grads=True)}
-    grads["embedding.word.weight"] = sum(s.embedding.word.weight.grad for s in stages)[:100]
-    assert max_diff(grads, serial.full_state_dict(grads=True)) < TOL
+    assert_two_stages_chain_into_serial(config, ids, labels)
 
 
 def test_every_parameter_says_along_which_dimension_it_is_split():
