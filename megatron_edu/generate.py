@@ -44,6 +44,7 @@ from megatron_edu.launch import run
 from megatron_edu.model import GPT, GPTConfig
 from megatron_edu.model.gpt import KVCache
 from megatron_edu.pipeline.engine import build_chunks
+from megatron_edu.pipeline.schedules import stage_location, virtual_stage
 
 __all__ = ["Sampling", "sample", "check_length", "generate", "main"]
 
@@ -93,33 +94,52 @@ def _nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 # --- one step through the pipeline ---------------------------------------------------------------
 
 def _forward_step(chunks: Sequence[GPT], grid: ParallelGrid | None, ids: torch.Tensor,
-                  caches: Sequence[KVCache]) -> torch.Tensor | None:
+                  caches: Sequence[KVCache], placement: str) -> torch.Tensor | None:
     """Run ids [1, s] through this rank's (virtual) stages; on the last stage return the last
     position's logits [V] (vocabulary whole, padding trimmed), elsewhere None."""
     piped = grid is not None and grid.pp > 1
     x = ids
-    for chunk, cache in zip(chunks, caches, strict=True):
-        if piped and not chunk.first:                # 2104.04473 §2.2: from the previous stage
+    for c, (chunk, cache) in enumerate(zip(chunks, caches, strict=True)):
+        prev, next_ = _neighbours(grid, c, len(chunks), placement) if piped else (None, None)
+        if prev is not None:                         # 2104.04473 §2.2: from the previous stage
             buffer = torch.empty(1, ids.shape[1], chunk.config.hidden, device=ids.device,
                                  dtype=next(chunk.parameters()).dtype)
-            x = comm.recv(buffer, grid.prev_rank, "pp activation")
+            x = comm.recv(buffer, prev, "pp activation")
         x = chunk(x, cache=cache)                    # [1, s, h], or [1, s, V_padded/t] if last
-        if piped and not chunk.last:
-            comm.send(x, grid.next_rank, "pp activation")
+        if next_ is not None:
+            comm.send(x, next_, "pp activation")
     if not chunks[-1].last:
         return None
     logits = comm.all_gather(x[0, -1], chunks[-1].tp_group, dim=-1, label="logits")  # [V_padded]
     return logits[: chunks[-1].config.vocab_size]
 
 
+def _neighbours(grid: ParallelGrid, chunk: int, num_chunks: int,
+                placement: str) -> tuple[int | None, int | None]:
+    """The global ranks that chunk ``chunk`` of this rank receives from and sends to — None at
+    the model's two ends, and at ZB-V's turn, where the neighbour is this rank's other chunk
+    (its output stays here: ``x`` flows on in ``_forward_step``'s loop)."""
+    p = grid.pp
+    stage = virtual_stage(grid.pp_rank, chunk, p, placement)
+
+    def holder(s: int) -> int | None:
+        if not 0 <= s < num_chunks * p:
+            return None
+        rank, _ = stage_location(s, p, placement)
+        return None if rank == grid.pp_rank else grid.rank_of(grid.tp_rank, rank, grid.dp_rank)
+
+    return holder(stage - 1), holder(stage + 1)
+
+
 def _next_token(logits: torch.Tensor | None, grid: ParallelGrid | None, sampling: Sampling,
-                generator: torch.Generator, device: torch.device) -> int:
-    """Sample on tp rank 0 of the last stage, then broadcast to every model-parallel rank."""
+                generator: torch.Generator, device: torch.device, last_stage_rank: int) -> int:
+    """Sample on tp rank 0 of the last stage (pipeline rank ``last_stage_rank``), then
+    broadcast to every model-parallel rank."""
     token = torch.zeros(1, dtype=torch.long, device=device)
-    if grid is None or (grid.is_last_stage and grid.tp_rank == 0):
+    if grid is None or (grid.pp_rank == last_stage_rank and grid.tp_rank == 0):
         token[0] = sample(logits.cpu(), sampling, generator)   # on the CPU: same on any device
     if grid is not None:
-        sampler = grid.rank_of(0, grid.pp - 1, grid.dp_rank)
+        sampler = grid.rank_of(0, last_stage_rank, grid.dp_rank)
         comm.broadcast(token, sampler, grid.mp_group, "next token")
     return int(token)
 
@@ -176,21 +196,26 @@ def _as_chunks(model: GPT | Sequence[GPT], grid: ParallelGrid | None) -> list[GP
 def generate(model: GPT | Sequence[GPT], grid: ParallelGrid | None,
              prompt_ids: list[int] | torch.Tensor, max_new_tokens: int, *,
              temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-             greedy: bool = False, seed: int = 0, eos_id: int | None = None) -> list[int]:
+             greedy: bool = False, seed: int = 0, eos_id: int | None = None,
+             placement: str = "interleaved") -> list[int]:
     """The tokens that follow ``prompt_ids``: ``max_new_tokens`` of them, or fewer ending with
-    ``eos_id``. ``model``: a whole GPT (grid None) or this rank's chunks (``build_chunks``).
-    Under a grid, a collective: every rank calls it alike and gets the same list."""
+    ``eos_id``. ``model``: a whole GPT (grid None) or this rank's chunks (``build_chunks``, built
+    on ``placement``: ZB-V's "v" or the interleaved c·p + r). Under a grid, a collective: every
+    rank calls it alike and gets the same list."""
     chunks = _as_chunks(model, grid)
     sampling = Sampling(temperature, top_k, top_p, greedy)
     device = grid.device if grid is not None else next(chunks[0].parameters()).device
     ids = _prompt(prompt_ids, max_new_tokens, chunks[0].config).to(device)   # [1, s]
     generator = torch.Generator().manual_seed(seed)
     caches = [KVCache() for _ in chunks]
+    last_stage_rank = (0 if grid is None else
+                       stage_location(len(chunks) * grid.pp - 1, grid.pp, placement)[0])
     tokens: list[int] = []
     with _eval_mode(chunks):
         for _ in range(max_new_tokens):
-            logits = _forward_step(chunks, grid, ids, caches)
-            tokens.append(_next_token(logits, grid, sampling, generator, device))
+            logits = _forward_step(chunks, grid, ids, caches, placement)
+            tokens.append(_next_token(logits, grid, sampling, generator, device,
+                                      last_stage_rank))
             if tokens[-1] == eos_id:
                 break
             ids = torch.tensor([[tokens[-1]]], device=device)            # [1, 1]: the cache

@@ -64,10 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
     layout.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     layout.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     layout.add_argument("--dp", type=int, help="data-parallel size (default: world / (tp·pp))")
-    layout.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2"],
-                        default="1f1b")
+    layout.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2",
+                                               "zb-v"], default="1f1b",
+                        help="zb-*: zero-bubble schedules (2401.10241), the backward split into "
+                        "input and weight gradients; zb-v places 2 chunks per rank in a V")
     layout.add_argument("--chunks", type=int, default=1, help="model chunks per pipeline rank "
-                        "(interleaved schedule)")
+                        "(interleaved schedule; zb-v: 2)")
     layout.add_argument("--zero1", action="store_true", help="shard optimizer state over dp")
     layout.add_argument("--no-scatter-gather", action="store_true",
                         help="send whole activations between stages (§4.1 off)")
@@ -159,7 +161,12 @@ def validate(args: argparse.Namespace, world_size: int | None = None) -> Plan:
         args.dp = world // (args.tp * args.pp)
     validate_layout(args.tp, args.pp, args.dp, world)
     config = model_config(args)
-    if args.schedule != "interleaved" and args.chunks != 1:
+    if args.schedule == "zb-v":   # 2401.10241 §6: two chunks per rank, down the ranks and back
+        if args.chunks not in (1, 2):
+            raise ValueError(f"--schedule zb-v places exactly 2 chunks per rank, not --chunks "
+                             f"{args.chunks}")
+        args.chunks = 2
+    elif args.schedule != "interleaved" and args.chunks != 1:
         raise ValueError(f"--chunks {args.chunks} needs --schedule interleaved")
     if args.sequence_parallel and args.tp == 1:
         raise ValueError("--sequence-parallel splits the sequence over the tensor-parallel "
@@ -408,11 +415,11 @@ def _sample(args, trainer: PTDP, prompt: list[int]) -> list[int]:
     chunks = trainer.chunks
     if trainer.config.sequence_parallel:
         chunks = build_chunks(replace(trainer.config, sequence_parallel=False), trainer.grid,
-                              len(chunks))
+                              len(chunks), trainer.placement)
         for twin, chunk in zip(chunks, trainer.chunks, strict=True):
             twin.load_state_dict(chunk.state_dict())
     return generate(chunks, trainer.grid, prompt, min(args.sample_tokens, room), top_k=20,
-                    seed=args.seed)
+                    seed=args.seed, placement=trainer.placement)
 
 
 def _median(values: list[float]) -> float | None:

@@ -190,16 +190,20 @@ def test_cached_decoding_under_tp2_gives_the_full_forwards_logits():
 
 # --- every layout of 4 ranks generates the serial text --------------------------------------------
 
-LAYOUTS = [(1, 1, 4, 1), (2, 1, 2, 1), (1, 2, 2, 1), (2, 2, 1, 1), (1, 2, 2, 2)]  # tp, pp, dp, v
+# tp, pp, dp, v, placement ("v": ZB-V's, where rank 0 holds the first and the last stage)
+LAYOUTS = [(1, 1, 4, 1, "interleaved"), (2, 1, 2, 1, "interleaved"), (1, 2, 2, 1, "interleaved"),
+           (2, 2, 1, 1, "interleaved"), (1, 2, 2, 2, "interleaved"), (1, 2, 2, 2, "v"),
+           (2, 2, 1, 2, "v")]
 
 
 def _generate_at_every_layout():
     out = {}
-    for tp, pp, dp, v in LAYOUTS:
+    for tp, pp, dp, v, placement in LAYOUTS:
         grid = ParallelGrid(tp, pp, dp)
-        chunks = build_chunks(gen_config(), grid, num_chunks=v)
-        out[tp, pp, dp, v] = (generate(chunks, grid, PROMPT, NEW, greedy=True),
-                              generate(chunks, grid, PROMPT, NEW, **SAMPLED))
+        chunks = build_chunks(gen_config(), grid, v, placement)
+        out[tp, pp, dp, v, placement] = (
+            generate(chunks, grid, PROMPT, NEW, greedy=True, placement=placement),
+            generate(chunks, grid, PROMPT, NEW, placement=placement, **SAMPLED))
     return out
 
 

@@ -105,7 +105,8 @@ def test_a_checkpoint_reshards_to_other_layouts(tmp_path, cache):
     whole = _losses(_train(tmp_path / "tp2pp2", cache, "--nproc", "4", "--tp", "2", "--pp", "2",
                            *steps))
     saved = tmp_path / "tp2pp2" / "checkpoints" / "step_000003"
-    for layout in (["--tp", "1", "--pp", "4"], ["--tp", "4", "--pp", "1"]):
+    for layout in (["--tp", "1", "--pp", "4"], ["--tp", "4", "--pp", "1"],
+                   ["--tp", "1", "--pp", "2", "--schedule", "zb-v"]):   # V placement, dp = 2
         resumed = _losses(_train(tmp_path / "_".join(layout), cache, "--nproc", "4", *layout,
                                  *steps, "--resume", str(saved)))
         assert resumed[4] == pytest.approx(whole[4], abs=1e-5)
@@ -161,6 +162,8 @@ def test_a_corrupt_checkpoint_is_named(tmp_path, cache, capsys):
     (["--pp", "3", "--nproc", "3"], r"num_layers = 4 is not divisible by pp·chunks"),
     (["--nproc", "2", "--global-batch", "6"], r"global batch 6 is not divisible by dp·micro"),
     (["--chunks", "2"], r"--chunks 2 needs --schedule interleaved"),
+    (["--schedule", "zb-v", "--chunks", "3"], r"zb-v places exactly 2 chunks per rank, not "
+                                              r"--chunks 3"),
     (["--schedule", "interleaved", "--chunks", "2"], r"--chunks 2 needs a pipeline \(--pp ≥ 2\)"),
     (["--nproc", "2", "--pp", "2", "--schedule", "interleaved", "--chunks", "2",
       "--global-batch", "6"], r"microbatches per replica \(m = 3\) to be a multiple of pp = 2"),
