@@ -44,7 +44,8 @@ from megatron_edu.launch import run
 from megatron_edu.model import GPT, GPTConfig
 from megatron_edu.model.gpt import KVCache
 from megatron_edu.pipeline.engine import build_chunks
-from megatron_edu.pipeline.schedules import stage_location, virtual_stage
+from megatron_edu.pipeline.p2p import Message, local, messages_of
+from megatron_edu.pipeline.schedules import Action, stage_location
 
 __all__ = ["Sampling", "sample", "check_length", "generate", "main"]
 
@@ -116,19 +117,20 @@ def _forward_step(chunks: Sequence[GPT], grid: ParallelGrid | None, ids: torch.T
 
 def _neighbours(grid: ParallelGrid, chunk: int, num_chunks: int,
                 placement: str) -> tuple[int | None, int | None]:
-    """The global ranks that chunk ``chunk`` of this rank receives from and sends to — None at
-    the model's two ends, and at ZB-V's turn, where the neighbour is this rank's other chunk
-    (its output stays here: ``x`` flows on in ``_forward_step``'s loop)."""
+    """The global ranks that chunk ``chunk`` of this rank receives from and sends to: the
+    messages of its forward, as the pipeline engine has them (``p2p.messages_of``). None at the
+    model's two ends, and at ZB-V's turn, where the message stays on this rank (``x`` flows on
+    into the other chunk in ``_forward_step``'s loop)."""
     p = grid.pp
-    stage = virtual_stage(grid.pp_rank, chunk, p, placement)
+    receive, send = messages_of(Action("F", 0, chunk), grid.pp_rank, p, num_chunks, placement)
 
-    def holder(s: int) -> int | None:
-        if not 0 <= s < num_chunks * p:
-            return None
-        rank, _ = stage_location(s, p, placement)
-        return None if rank == grid.pp_rank else grid.rank_of(grid.tp_rank, rank, grid.dp_rank)
+    def remote(message: Message | None) -> bool:
+        return message is not None and not local(message, p, placement)
 
-    return holder(stage - 1), holder(stage + 1)
+    return (grid.rank_of(grid.tp_rank, receive.src(p, placement), grid.dp_rank)
+            if remote(receive) else None,
+            grid.rank_of(grid.tp_rank, send.dst(p, placement), grid.dp_rank)
+            if remote(send) else None)
 
 
 def _next_token(logits: torch.Tensor | None, grid: ParallelGrid | None, sampling: Sampling,
