@@ -51,7 +51,7 @@ from megatron_edu.pipeline.simulate import (
     Timeline,
     bubble_formula,
     bubble_size_formula,
-    simulate,
+    simulate_measured,
 )
 
 P, M, MICROBATCH = 4, 8, 2
@@ -105,7 +105,7 @@ def stages(kind: str, grid: ParallelGrid) -> tuple[list[nn.Module], int]:
         hidden, r = 64, grid.pp_rank
         return [SleepStage(hidden, r == 0, r == grid.pp - 1, SLEEP_FORWARD)], hidden
     config = GPTConfig(**GPT_MODEL)
-    return build_chunks(config, grid), config.hidden
+    return build_chunks(config, grid, grid.layout.stages), config.hidden
 
 
 def timelines_on_ranks(kind: str, rounds: int, schedule_name: str = "1f1b"
@@ -137,12 +137,12 @@ def gaps(timeline: Timeline) -> dict[str, list[float]]:
     once — receiving an already-sent message and the engine's own bookkeeping. The simulator
     counts neither as idle; the real run does.
     """
-    p = len(timeline.ranks)
     end = {(rank, action): e for rank, row in enumerate(timeline.ranks) for action, _, e in row}
     found: dict[str, list[float]] = {"send": [], "engine": []}
     for rank, row in enumerate(timeline.ranks):
         for (_, _, free_at), (action, start, _) in pairwise(row):
-            sent = max((end[d] for d in dependencies(rank, action, p) if d[0] != rank),
+            sent = max((end[d] for d in dependencies(rank, action, timeline.stages)
+                        if d[0] != rank),
                        default=float("-inf"))
             if sent > free_at:
                 found["send"].append(start - sent)
@@ -155,13 +155,10 @@ def mean_send_latency(timeline: Timeline) -> float:
     return statistics.mean(gaps(timeline)["send"] or [0.0])
 
 
-def simulated_twin(timeline: Timeline, schedule_name: str = "1f1b") -> Timeline:
+def simulated_twin(timeline: Timeline) -> Timeline:
     """The simulator fed with this run's per-rank mean forward, backward (and weight-gradient)
     times and its mean send latency."""
-    means = {kind: [statistics.mean([e - s for a, s, e in row if a.kind == kind] or [0.0])
-                    for row in timeline.ranks] for kind in "FBW"}
-    return simulate(make_schedule(schedule_name, P, M), means["F"], means["B"],
-                    mean_send_latency(timeline), weight_time=means["W"])
+    return simulate_measured(timeline, mean_send_latency(timeline))
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -190,8 +187,9 @@ def _measure(kind: str, name: str, rounds: int, formula: float) -> tuple[dict, t
     """Run ``name`` on ``kind`` stages; print and record its measured bubble against its twin."""
     per_rank = run(timelines_on_ranks, P, kind, rounds, name, backend="gloo",
                    threads_per_rank=1)
-    measured = [Timeline(list(ranks)) for ranks in zip(*per_rank, strict=True)]
-    simulated = [simulated_twin(t, name) for t in measured]
+    stages = make_schedule(name, P, M).stages
+    measured = [Timeline(list(ranks), stages) for ranks in zip(*per_rank, strict=True)]
+    simulated = [simulated_twin(t) for t in measured]
     bubbles = [float(t.bubble_fraction) for t in measured]
     off = Spread.of([100 * (b / float(s.bubble_fraction) - 1)
                      for b, s in zip(bubbles, simulated, strict=True)])

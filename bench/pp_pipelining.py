@@ -29,7 +29,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleIn
 from bench.common import Spread, Timings, all_close, alternate, ratios, report
 from megatron_edu.grid import ParallelGrid
 from megatron_edu.launch import run
-from megatron_edu.model import GPT, GPTConfig
+from megatron_edu.model import GPTConfig
 from megatron_edu.pipeline.engine import build_chunks, run_schedule
 from megatron_edu.pipeline.schedules import interleaved_one_f_one_b, one_f_one_b
 from megatron_edu.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -48,18 +48,19 @@ def torch_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 class Contenders:
     """One schedule, run by our engine and by PyTorch's, over the same chunks on this rank."""
 
-    def __init__(self, chunks: list[GPT], grid: ParallelGrid, batch: tuple[torch.Tensor, ...],
-                 hidden: int) -> None:
-        self.chunks, self.grid, self.hidden = chunks, grid, hidden
+    def __init__(self, config: GPTConfig, grid: ParallelGrid, v: int,
+                 batch: tuple[torch.Tensor, ...]) -> None:
+        p, m = grid.pp, MICROBATCHES
+        self.ours = one_f_one_b(p, m) if v == 1 else interleaved_one_f_one_b(p, m, v)
+        self.chunks = build_chunks(config, grid, self.ours.stages)
+        self.grid, self.hidden = grid, config.hidden
         self.ids, self.labels = batch
-        p, v, m = grid.pp, len(chunks), MICROBATCHES
-        stages = [PipelineStage(chunk, c * p + grid.pp_rank, v * p, torch.device("cpu"))
-                  for c, chunk in enumerate(chunks)]
+        where = self.ours.stages
+        stages = [PipelineStage(chunk, where.stage(grid.pp_rank, c), where.num_stages,
+                                torch.device("cpu")) for c, chunk in enumerate(self.chunks)]
         if v == 1:
-            self.ours = one_f_one_b(p, m)
             self.theirs = Schedule1F1B(stages[0], m, loss_fn=torch_loss)
         else:
-            self.ours = interleaved_one_f_one_b(p, m, v)
             self.theirs = ScheduleInterleaved1F1B(stages, m, loss_fn=torch_loss)
 
     def megatron_edu(self) -> None:
@@ -102,7 +103,7 @@ def compare_on_ranks(rounds: int) -> dict[str, Timings]:
     batch = tokens[:, :-1], tokens[:, 1:]
     timings = {}
     for name, v in (("1f1b", 1), ("interleaved", CHUNKS)):
-        both = Contenders(build_chunks(config, grid, v), grid, batch, config.hidden)
+        both = Contenders(config, grid, v, batch)
         if not all_close(both.gradients(both.megatron_edu), both.gradients(both.pipelining)):
             raise RuntimeError(f"{name}: our engine and torch.distributed.pipelining disagree "
                                f"on the gradients")

@@ -91,7 +91,7 @@ def save_checkpoint(out_dir: str | Path, step: int, trainer: PTDP,
             shutil.copyfile(tokenizer, staging / TOKENIZER)
         meta = {"format": FORMAT, "step": step, "config": vars(trainer.config),
                 "layout": {"tp": grid.tp, "pp": grid.pp, "dp": grid.dp,
-                           "num_chunks": trainer.options.num_chunks},
+                           "num_chunks": trainer.layout.chunks},
                 "state": state or {},
                 "tokenizer": TOKENIZER if tokenizer is not None else None,
                 **_describe(staging, grid.pp),
@@ -107,7 +107,7 @@ def save_checkpoint(out_dir: str | Path, step: int, trainer: PTDP,
 
 def _local_shards(trainer: PTDP) -> dict[str, Any]:
     """This rank's parameter shards and moments by name (vocabulary padding included)."""
-    if trainer.options.zero1:
+    if trainer.layout.zero1:
         by_param = trainer.optimizer.param_states()
     else:
         by_param = {p: trainer.optimizer.state.get(p, {}) for p in trainer.parameters()}
@@ -362,7 +362,7 @@ def _read_chunks(shards: _Shards, chunks, grid: ParallelGrid,
 def _load_optimizer(trainer: PTDP, by_param: dict) -> None:
     if not by_param:
         return                                   # saved before the first step
-    if trainer.options.zero1:
+    if trainer.layout.zero1:
         trainer.optimizer.load_param_states(by_param)
     else:
         for p, state in by_param.items():

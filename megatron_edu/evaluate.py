@@ -54,7 +54,7 @@ from megatron_edu import comm
 from megatron_edu.checkpoint import load_model_chunks, read_metadata
 from megatron_edu.comm import CommGroup
 from megatron_edu.data import Tokenizer, prepare_data, zeroshot
-from megatron_edu.grid import ParallelGrid, validate_layout
+from megatron_edu.grid import Layout, ParallelGrid
 from megatron_edu.launch import RankError, run
 from megatron_edu.model import BertConfig, GPTConfig, config_from_dict
 from megatron_edu.model.gpt import IGNORE_INDEX
@@ -106,7 +106,7 @@ class Source:
 
     def chunks(self, grid: ParallelGrid) -> list[nn.Module]:
         """This rank's pipeline stage, weights loaded (its slices only, from a checkpoint)."""
-        chunks = build_chunks(self.config, grid)
+        chunks = build_chunks(self.config, grid, grid.layout.stages)
         if self.checkpoint is not None:
             load_model_chunks(self.checkpoint["path"], chunks, grid)
         else:
@@ -161,11 +161,10 @@ def _check_layout(args: argparse.Namespace, config: GPTConfig) -> None:
     if args.tp < 1 or args.pp < 1 or args.nproc % (args.tp * args.pp):
         raise ValueError(f"{args.nproc} ranks do not divide into tp·pp = {args.tp}·{args.pp}")
     args.dp = args.nproc // (args.tp * args.pp)
-    validate_layout(args.tp, args.pp, args.dp, args.nproc)
     if args.batch % (args.dp * args.micro_batch):
         raise ValueError(f"--batch {args.batch} is not divisible by dp·micro-batch = "
                          f"{args.dp}·{args.micro_batch}")
-    config.validate(args.tp, args.pp)
+    Layout(args.tp, args.pp, args.dp).check(config)
 
 
 # --- running batches through the pipeline, forward only -----------------------------------------
@@ -307,7 +306,7 @@ def lambada_result(correct: float, correct_filtered: float, n: int,
 
 def evaluate(args: argparse.Namespace, source: Source, inputs: dict[str, Any]) -> dict[str, Any]:
     """Run on every rank: the task's result (equal on all ranks)."""
-    grid = ParallelGrid(args.tp, args.pp, args.dp)
+    grid = ParallelGrid(tp=args.tp, pp=args.pp, dp=args.dp)
     chunks = source.chunks(grid)
     if args.task == "wikitext103":
         total = _run_batches(chunks, grid, inputs["ids"], inputs["labels"], args,
@@ -327,9 +326,9 @@ def evaluate(args: argparse.Namespace, source: Source, inputs: dict[str, Any]) -
 
 def validation_loss(args: argparse.Namespace, meta: dict[str, Any]) -> dict[str, float]:
     """Run on every rank: the mean validation loss and its perplexity (equal on all ranks)."""
-    grid = ParallelGrid(args.tp, args.pp, args.dp)
+    grid = ParallelGrid(tp=args.tp, pp=args.pp, dp=args.dp)
     config = config_from_dict(meta["config"])
-    chunks = build_chunks(config, grid)
+    chunks = build_chunks(config, grid, grid.layout.stages)
     load_model_chunks(meta["path"], chunks, grid)
     for chunk in chunks:
         chunk.eval()

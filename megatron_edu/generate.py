@@ -44,8 +44,8 @@ from megatron_edu.launch import run
 from megatron_edu.model import GPT, GPTConfig
 from megatron_edu.model.gpt import KVCache
 from megatron_edu.pipeline.engine import build_chunks
-from megatron_edu.pipeline.p2p import Message, local, messages_of
-from megatron_edu.pipeline.schedules import Action, stage_location
+from megatron_edu.pipeline.schedules import Action, messages_of
+from megatron_edu.pipeline.stages import Message, StageMap
 
 __all__ = ["Sampling", "sample", "check_length", "generate", "main"]
 
@@ -95,13 +95,13 @@ def _nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 # --- one step through the pipeline ---------------------------------------------------------------
 
 def _forward_step(chunks: Sequence[GPT], grid: ParallelGrid | None, ids: torch.Tensor,
-                  caches: Sequence[KVCache], placement: str) -> torch.Tensor | None:
+                  caches: Sequence[KVCache]) -> torch.Tensor | None:
     """Run ids [1, s] through this rank's (virtual) stages; on the last stage return the last
     position's logits [V] (vocabulary whole, padding trimmed), elsewhere None."""
     piped = grid is not None and grid.pp > 1
     x = ids
     for c, (chunk, cache) in enumerate(zip(chunks, caches, strict=True)):
-        prev, next_ = _neighbours(grid, c, len(chunks), placement) if piped else (None, None)
+        prev, next_ = _neighbours(grid, c) if piped else (None, None)
         if prev is not None:                         # 2104.04473 §2.2: from the previous stage
             buffer = torch.empty(1, ids.shape[1], chunk.config.hidden, device=ids.device,
                                  dtype=next(chunk.parameters()).dtype)
@@ -115,22 +115,30 @@ def _forward_step(chunks: Sequence[GPT], grid: ParallelGrid | None, ids: torch.T
     return logits[: chunks[-1].config.vocab_size]
 
 
-def _neighbours(grid: ParallelGrid, chunk: int, num_chunks: int,
-                placement: str) -> tuple[int | None, int | None]:
+def _neighbours(grid: ParallelGrid, chunk: int) -> tuple[int | None, int | None]:
     """The global ranks that chunk ``chunk`` of this rank receives from and sends to: the
-    messages of its forward, as the pipeline engine has them (``p2p.messages_of``). None at the
-    model's two ends, and at ZB-V's turn, where the message stays on this rank (``x`` flows on
-    into the other chunk in ``_forward_step``'s loop)."""
-    p = grid.pp
-    receive, send = messages_of(Action("F", 0, chunk), grid.pp_rank, p, num_chunks, placement)
+    messages of its forward on the grid's stage map, as the pipeline engine has them
+    (``schedules.messages_of``). None at the model's two ends, and at ZB-V's turn, where the
+    message stays on this rank (``x`` flows on into the other chunk in ``_forward_step``)."""
+    stages = grid.layout.stages
+    receive, send = messages_of(Action("F", 0, chunk), grid.pp_rank, stages)
 
-    def remote(message: Message | None) -> bool:
-        return message is not None and not local(message, p, placement)
+    def peer(message: Message | None, rank_of_stage) -> int | None:
+        if message is None or stages.is_local(message):
+            return None
+        return grid.pp_group.ranks[rank_of_stage(message)]
 
-    return (grid.rank_of(grid.tp_rank, receive.src(p, placement), grid.dp_rank)
-            if remote(receive) else None,
-            grid.rank_of(grid.tp_rank, send.dst(p, placement), grid.dp_rank)
-            if remote(send) else None)
+    return peer(receive, stages.sender), peer(send, stages.receiver)
+
+
+def _stages(grid: ParallelGrid, chunks: Sequence[GPT]) -> StageMap:
+    """The grid's stage map, which the chunks must have been built on."""
+    stages = grid.layout.stages
+    if len(chunks) != stages.v:
+        raise ValueError(f"{len(chunks)} chunks on this rank, but the grid's layout places "
+                         f"{stages.v} per rank ({stages}): build them with build_chunks(config, "
+                         "grid, grid.layout.stages)")
+    return stages
 
 
 def _next_token(logits: torch.Tensor | None, grid: ParallelGrid | None, sampling: Sampling,
@@ -198,24 +206,22 @@ def _as_chunks(model: GPT | Sequence[GPT], grid: ParallelGrid | None) -> list[GP
 def generate(model: GPT | Sequence[GPT], grid: ParallelGrid | None,
              prompt_ids: list[int] | torch.Tensor, max_new_tokens: int, *,
              temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-             greedy: bool = False, seed: int = 0, eos_id: int | None = None,
-             placement: str = "interleaved") -> list[int]:
+             greedy: bool = False, seed: int = 0, eos_id: int | None = None) -> list[int]:
     """The tokens that follow ``prompt_ids``: ``max_new_tokens`` of them, or fewer ending with
-    ``eos_id``. ``model``: a whole GPT (grid None) or this rank's chunks (``build_chunks``, built
-    on ``placement``: ZB-V's "v" or the interleaved c·p + r). Under a grid, a collective: every
-    rank calls it alike and gets the same list."""
+    ``eos_id``. ``model``: a whole GPT (grid None) or this rank's chunks, built on the grid's
+    stage map (``build_chunks(config, grid, grid.layout.stages)``). Under a grid, a
+    collective: every rank calls it alike and gets the same list."""
     chunks = _as_chunks(model, grid)
     sampling = Sampling(temperature, top_k, top_p, greedy)
     device = grid.device if grid is not None else next(chunks[0].parameters()).device
     ids = _prompt(prompt_ids, max_new_tokens, chunks[0].config).to(device)   # [1, s]
     generator = torch.Generator().manual_seed(seed)
     caches = [KVCache() for _ in chunks]
-    last_stage_rank = (0 if grid is None else
-                       stage_location(len(chunks) * grid.pp - 1, grid.pp, placement)[0])
+    last_stage_rank = 0 if grid is None else _stages(grid, chunks).last_rank
     tokens: list[int] = []
     with _eval_mode(chunks):
         for _ in range(max_new_tokens):
-            logits = _forward_step(chunks, grid, ids, caches, placement)
+            logits = _forward_step(chunks, grid, ids, caches)
             tokens.append(_next_token(logits, grid, sampling, generator, device,
                                       last_stage_rank))
             if tokens[-1] == eos_id:
@@ -275,7 +281,7 @@ def _generate_on_rank(path: Path, config: GPTConfig, tp: int, pp: int, prompt: l
                       max_new_tokens: int, sampling: Sampling, seed: int,
                       eos_id: int) -> list[int]:
     grid = ParallelGrid(tp=tp, pp=pp)
-    chunks = build_chunks(config, grid)
+    chunks = build_chunks(config, grid, grid.layout.stages)
     load_model_chunks(path, chunks, grid)
     return generate(chunks, grid, prompt, max_new_tokens, seed=seed, eos_id=eos_id,
                     **asdict(sampling))

@@ -1,4 +1,11 @@
-"""The process grid of PTD-P: which rank does which slice of the work (2104.04473 §3).
+"""The layout of a PTD-P run, and the process grid it gives: which rank does which slice of the
+work (2104.04473 §3).
+
+``Layout`` is the one description of how a run is split — tp × pp × dp ranks, the pipeline
+schedule and its chunks per rank, the microbatches, ZeRO-1 — validated once, when it is made,
+before any process starts (torchtitan's ``ParallelDims`` plays this part). Everything else takes
+it: the grid, PTD-P, the training script, the memory model and the advisor. It is pure arithmetic
+(no processes), so a notebook can draw a 1024-GPU cluster with it.
 
 ``world = tp · dp · pp`` ranks are laid out as a tensor ``ranks[pp, dp, tp]`` — tensor-parallel
 rank fastest, then data-parallel, then pipeline — exactly like Megatron-LM:
@@ -11,47 +18,84 @@ GPUs of one node, on NVLink. Data parallelism exchanges gradients once per step;
 parallelism sends one activation per microbatch per stage boundary, the least traffic of all, so
 it is the dimension that may cross the slow links between nodes.
 
-``GridLayout`` is the pure arithmetic (no processes: a notebook can draw a 1024-GPU cluster).
-``ParallelGrid`` is built inside a launched rank and adds the process groups.
+``ParallelGrid`` is built inside a launched rank from a layout and adds the process groups.
 """
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from megatron_edu.comm import CommGroup
+from megatron_edu.pipeline.schedules import Schedule, check_layout, make_schedule, stage_map
+from megatron_edu.pipeline.stages import StageMap
 
-__all__ = ["GridLayout", "ParallelGrid", "validate_layout"]
+if TYPE_CHECKING:  # the model is built on a grid: the model package imports this module
+    from megatron_edu.model.config import GPTConfig
 
-
-def validate_layout(tp: int, pp: int, dp: int, world_size: int) -> None:
-    """Raise a ValueError naming the numbers unless tp·pp·dp == world_size, all positive."""
-    for name, size in (("tp", tp), ("pp", pp), ("dp", dp)):
-        if not isinstance(size, int) or size < 1:
-            raise ValueError(f"{name} must be a positive integer, got {size!r}")
-    if tp * pp * dp != world_size:
-        raise ValueError(f"tp·pp·dp = {tp}·{pp}·{dp} = {tp * pp * dp} ranks, but the world has "
-                         f"{world_size}: they must be equal")
+__all__ = ["Layout", "ParallelGrid", "all_layouts"]
 
 
-@dataclass
-class GridLayout:
-    """The rank arithmetic of a tp × pp × dp grid, without any process group."""
+@dataclass(frozen=True)
+class Layout:
+    """How one run is split: tp × pp × dp ranks; the pipeline ``schedule`` (a name of
+    ``pipeline.schedules.SCHEDULES``) with ``chunks`` model chunks per rank (None: the
+    schedule's own — 2 for ZB-V, else 1); ``num_microbatches`` m of ``microbatch`` b sequences
+    per replica and step; ``zero1``: the optimizer state sharded over dp. A ValueError naming the
+    numbers if any of it cannot work."""
 
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    schedule: str = "1f1b"
+    chunks: int | None = None
+    microbatch: int = 1
+    num_microbatches: int = 1
+    zero1: bool = False
 
     def __post_init__(self) -> None:
-        validate_layout(self.tp, self.pp, self.dp, self.tp * self.pp * self.dp)
+        for name in ("tp", "pp", "dp", "microbatch"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        v = check_layout(self.schedule, self.pp, self.num_microbatches, self.chunks)
+        if v > 1 and self.pp == 1:
+            raise ValueError(f"{v} model chunks per rank need a pipeline (pp ≥ 2): with one "
+                             "stage there is nothing to interleave")
+        object.__setattr__(self, "chunks", v)
 
     @property
     def world_size(self) -> int:
         return self.tp * self.pp * self.dp
+
+    @property
+    def global_batch(self) -> int:
+        """B = dp · m · b sequences per optimizer step."""
+        return self.dp * self.num_microbatches * self.microbatch
+
+    @property
+    def stages(self) -> StageMap:
+        """Where the schedule puts the pp · v virtual stages."""
+        return stage_map(self.schedule, self.pp, self.chunks)
+
+    def make_schedule(self) -> Schedule:
+        """The schedule every pipeline runs: p stages, m microbatches, v chunks per rank."""
+        return make_schedule(self.schedule, self.pp, self.num_microbatches, self.chunks)
+
+    def check(self, config: GPTConfig) -> None:
+        """Raise a ValueError naming the numbers if ``config``'s model cannot be split this way:
+        tp must divide the heads and the MLP, the pp · v stages the layers."""
+        config.validate(self.tp, self.pp, self.chunks)
+
+    def check_world(self, world_size: int) -> None:
+        """Raise a ValueError unless this layout fills exactly ``world_size`` ranks."""
+        if self.world_size != world_size:
+            raise ValueError(f"tp·pp·dp = {self.tp}·{self.pp}·{self.dp} = {self.world_size} "
+                             f"ranks, but the world has {world_size}: they must be equal")
 
     @property
     def ranks(self) -> torch.Tensor:
@@ -63,6 +107,7 @@ class GridLayout:
         return rank % self.tp, rank // (self.tp * self.dp), (rank // self.tp) % self.dp
 
     def rank_of(self, tp_rank: int, pp_rank: int, dp_rank: int) -> int:
+        """The global rank at these coordinates."""
         return pp_rank * self.dp * self.tp + dp_rank * self.tp + tp_rank
 
     # Each group is the set of ranks that differ only in one coordinate.
@@ -76,34 +121,49 @@ class GridLayout:
         return self.ranks.permute(1, 2, 0).reshape(-1, self.pp).tolist()
 
     def embedding_groups(self) -> list[list[int]]:
-        """First and last stage of each pipeline: they hold the tied input/output embedding."""
-        return [sorted({g[0], g[-1]}) for g in self.pp_groups()]
+        """The ranks of the first and the last stage of each pipeline, which hold the tied
+        input/output embedding: the two ends of the pipeline, or one rank under ZB-V's V."""
+        ends = (self.stages.first_rank, self.stages.last_rank)
+        return [sorted({group[r] for r in ends}) for group in self.pp_groups()]
+
+    def model_parallel_groups(self) -> list[list[int]]:
+        """The tp × pp ranks of each model replica."""
+        return [self.ranks[:, d, :].flatten().tolist() for d in range(self.dp)]
 
 
-class ParallelGrid(GridLayout):
-    """This rank's place in the grid and its tp, pp, dp and embedding process groups.
+class ParallelGrid:
+    """This rank's place in a ``Layout`` and its tp, pp, dp, embedding and model-parallel process
+    groups. ``ParallelGrid(tp=2, dp=2)`` is the grid of ``Layout(tp=2, dp=2)``.
 
     Build it inside a launched rank (``megatron_edu.launch.run``): every rank must construct the
     same grid, since creating a process group is itself a collective.
     """
 
-    def __init__(self, tp: int = 1, pp: int = 1, dp: int = 1) -> None:
+    def __init__(self, layout: Layout | None = None, *, tp: int = 1, pp: int = 1,
+                 dp: int = 1) -> None:
         if not dist.is_initialized():
             raise RuntimeError("ParallelGrid needs torch.distributed initialised: build it inside "
                                "a function started by megatron_edu.launch.run")
-        validate_layout(tp, pp, dp, dist.get_world_size())
-        super().__init__(tp, pp, dp)
+        if layout is not None and (tp, pp, dp) != (1, 1, 1):
+            raise ValueError("give a Layout or the sizes tp, pp, dp, not both")
+        self.layout = layout if layout is not None else Layout(tp=tp, pp=pp, dp=dp)
+        self.layout.check_world(dist.get_world_size())
+        self.tp, self.pp, self.dp = self.layout.tp, self.layout.pp, self.layout.dp
         self.rank = dist.get_rank()
-        self.tp_rank, self.pp_rank, self.dp_rank = self.coords(self.rank)
-        self.tp_group = self._new_group("tp", self.tp_groups())
-        self.pp_group = self._new_group("pp", self.pp_groups())
-        self.dp_group = self._new_group("dp", self.dp_groups())
-        self.embedding_group = self._new_group("embedding", self.embedding_groups())
+        self.tp_rank, self.pp_rank, self.dp_rank = self.layout.coords(self.rank)
+        self.tp_group = self._new_group("tp", self.layout.tp_groups())
+        self.pp_group = self._new_group("pp", self.layout.pp_groups())
+        self.dp_group = self._new_group("dp", self.layout.dp_groups())
+        self.embedding_group = self._new_group("embedding", self.layout.embedding_groups())
         # Model-parallel ranks (tp × pp) share one model replica: global gradient norms reduce here.
-        self.mp_group = self._new_group("mp", self._model_parallel_groups())
+        self.mp_group = self._new_group("mp", self.layout.model_parallel_groups())
         # gloo's pipeline messages travel on channels of their own; NCCL's in batches over the
         # pipeline group (pipeline/p2p.py), which needs no extra communicators.
         self.p2p_channels = self._new_p2p_channels() if dist.get_backend() != "nccl" else {}
+
+    def rank_of(self, tp_rank: int, pp_rank: int, dp_rank: int) -> int:
+        """The global rank at these coordinates."""
+        return self.layout.rank_of(tp_rank, pp_rank, dp_rank)
 
     def _new_group(self, name: str, groups: list[list[int]]) -> CommGroup:
         """Create every group of this kind (a collective call on all ranks); keep ours. A rank
@@ -123,7 +183,7 @@ class ParallelGrid(GridLayout):
         the gloo mailbox can keep a receive posted on each (pipeline/p2p.py). Each is used once
         here, so that every pair connects now, in the same order everywhere."""
         channels = {}
-        for pipeline in self.pp_groups() if self.pp > 1 else []:
+        for pipeline in self.layout.pp_groups() if self.pp > 1 else []:
             for a, b in zip(pipeline, pipeline[1:] + pipeline[:1], strict=True):
                 for kind, src, dst in (("act", a, b), ("grad", b, a)):
                     pg = dist.new_group(sorted((src, dst)))
@@ -131,26 +191,6 @@ class ParallelGrid(GridLayout):
                         dist.barrier(group=pg)
                         channels[kind, src, dst] = pg
         return channels
-
-    def _model_parallel_groups(self) -> list[list[int]]:
-        return [self.ranks[:, d, :].flatten().tolist() for d in range(self.dp)]
-
-    # --- pipeline neighbours (global ranks; they wrap around for the interleaved schedule) ---
-    @property
-    def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.pp_rank == self.pp - 1
-
-    @property
-    def next_rank(self) -> int:
-        return self.rank_of(self.tp_rank, (self.pp_rank + 1) % self.pp, self.dp_rank)
-
-    @property
-    def prev_rank(self) -> int:
-        return self.rank_of(self.tp_rank, (self.pp_rank - 1) % self.pp, self.dp_rank)
 
     @property
     def device(self) -> torch.device:
@@ -164,8 +204,8 @@ class ParallelGrid(GridLayout):
                 f"tp {self.tp_rank}, pp {self.pp_rank}, dp {self.dp_rank})")
 
 
-def all_layouts(world_size: int) -> list[GridLayout]:
-    """Every (tp, pp, dp) factorisation of ``world_size``."""
+def all_layouts(world_size: int) -> list[Layout]:
+    """Every (tp, pp, dp) factorisation of ``world_size`` (1F1B, one microbatch)."""
     sizes = [d for d in range(1, world_size + 1) if world_size % d == 0]
-    return [GridLayout(tp, pp, world_size // (tp * pp))
+    return [Layout(tp, pp, world_size // (tp * pp))
             for tp, pp in itertools.product(sizes, sizes) if world_size % (tp * pp) == 0]

@@ -1,5 +1,8 @@
 """PTD-P: one GPT trained on a tp × pp × dp grid of ranks (2104.04473 §3, Figure 5 idea).
 
+How the run is split — sizes, schedule, chunks, microbatches, ZeRO-1 — is the grid's ``Layout``;
+how it optimises is ``PTDPOptions``.
+
 The three parallelisms compose without knowing much of each other:
 
 * **tensor** (1909.08053 §3): every matrix of a stage is split over the tp ranks; the layers
@@ -19,7 +22,8 @@ What only the composition has to do, in ``train_step``:
 2. the **tied embedding** (GPT-2's output layer is the input embedding): the first and the last
    pipeline stage each hold a copy, which must stay equal, so their gradients are summed over
    ``grid.embedding_group`` before the update (Megatron-LM's ``_allreduce_word_embedding_grads``)
-   — under ZeRO-1 only the shard this rank updates;
+   — under ZeRO-1 only the shard this rank updates; under ZB-V both copies are on rank 0,
+   whose embedding group is itself: the sum is local;
 3. under **sequence parallelism** (2205.05198), the replicated parameters' gradients — each tp
    rank saw only its part of the sequence — are summed over tp;
 4. under **fp16 loss scaling** (1909.08053), the gradients are divided by the scale backward
@@ -49,7 +53,7 @@ from megatron_edu.model import GPTConfig
 from megatron_edu.model.gpt import IGNORE_INDEX
 from megatron_edu.optim import DynamicLossScale, build_param_groups, clip_grad_norm_
 from megatron_edu.pipeline.engine import build_chunks, run_schedule
-from megatron_edu.pipeline.schedules import Action, forward_only, make_schedule, placement_of
+from megatron_edu.pipeline.schedules import Action, forward_only
 from megatron_edu.tensor_parallel.layers import sum_replicated_grads_
 
 __all__ = ["PTDPOptions", "PTDP", "StepResult"]
@@ -57,13 +61,9 @@ __all__ = ["PTDPOptions", "PTDP", "StepResult"]
 
 @dataclass
 class PTDPOptions:
-    """How to split and how to optimise (the model itself is a ``GPTConfig``)."""
+    """How to optimise (how to split is the grid's ``Layout``; the model a ``GPTConfig``)."""
 
-    schedule: str = "1f1b"           # "gpipe" | "1f1b" | "interleaved" | "zb-h1" | "zb-h2" | "zb-v"
-    num_chunks: int = 1              # v, model chunks per pipeline rank (interleaved; ZB-V: 2)
-    num_microbatches: int = 1        # m, per data-parallel replica and step
     scatter_gather: bool = True      # 2104.04473 §4.1, used when tp > 1
-    zero1: bool = False              # shard the optimizer state over dp
     bucket_mb: float = 25.0
     overlap: bool = True             # launch gradient all-reduces during backward
     lr: float = 3e-4
@@ -87,25 +87,26 @@ class PTDP:
     """This rank's share of a GPT — its model chunks, its dp wrapper, its optimizer — and the
     collective training step. Build it on every rank of the grid with the same arguments."""
 
-    def __init__(self, config: GPTConfig, grid: ParallelGrid, options: PTDPOptions) -> None:
-        self.config, self.grid, self.options = config, grid, options
-        self.schedule = make_schedule(options.schedule, grid.pp, options.num_microbatches,
-                                      options.num_chunks)
-        self.placement = placement_of(options.schedule)  # ZB-V: the V, else c·p + r
-        self.chunks = build_chunks(config, grid, options.num_chunks, self.placement)
+    def __init__(self, config: GPTConfig, grid: ParallelGrid,
+                 options: PTDPOptions | None = None) -> None:
+        self.config, self.grid, self.layout = config, grid, grid.layout
+        self.options = options = options or PTDPOptions()
+        self.layout.check(config)
+        self.schedule = self.layout.make_schedule()
+        self.chunks = build_chunks(config, grid, self.schedule.stages)
         self.iteration = 0                # optimizer steps taken (skipped ones included)
         tied = [c.embedding.word.weight for c in self.chunks if c.first or c.last]
-        self.tied = tied if grid.pp * options.num_chunks > 1 else []
+        self.tied = tied if self.schedule.stages.num_stages > 1 else []
         # the last stage's copy: its original, on the first stage, is the one the norm counts
         self.tied_copies = [c.embedding.word.weight for c in self.chunks
                             if c.last and not c.first and self.tied]
         self.ddp = DataParallel(self.chunks, grid.dp_group, options.bucket_mb, options.overlap,
-                                sharded=options.zero1, average=False,
-                                alone=self.tied if options.zero1 else ())
+                                sharded=self.layout.zero1, average=False,
+                                alone=self.tied if self.layout.zero1 else ())
         groups = build_param_groups(self.chunks, options.weight_decay)
         adamw = dict(lr=options.lr, betas=options.betas, eps=options.eps)
         self.optimizer = (DistributedOptimizer(groups, self.ddp, torch.optim.AdamW, **adamw)
-                          if options.zero1 else torch.optim.AdamW(groups, **adamw))
+                          if self.layout.zero1 else torch.optim.AdamW(groups, **adamw))
         self.loss_scale = DynamicLossScale() if options.loss_scaling else None
         self.sequence_parts = grid.tp if config.sequence_parallel else 1
 
@@ -146,13 +147,12 @@ class PTDP:
         tokens = comm.all_reduce(torch.tensor(float((labels != IGNORE_INDEX).sum()),
                                               device=device), self.grid.dp_group, "dp tokens")
         return run_schedule(schedule, self.chunks, self.grid, input_ids.to(device),
-                            labels.to(device), self.options.num_microbatches, self.config.hidden,
+                            labels.to(device), self.layout.num_microbatches, self.config.hidden,
                             scatter_gather=(self.options.scatter_gather and self.grid.tp > 1
                                             and self.sequence_parts == 1),
                             grad_sync=grad_sync, num_tokens=int(tokens.item()),
                             step=self.iteration, first_sample=self.grid.dp_rank * b,
-                            loss_scale=loss_scale, sequence_parts=self.sequence_parts,
-                            placement=self.placement)
+                            loss_scale=loss_scale, sequence_parts=self.sequence_parts)
 
     @torch.no_grad()
     def _sum_tied_embedding_grads(self) -> None:
@@ -160,13 +160,12 @@ class PTDP:
         gradient of the one shared matrix), so that they stay equal after the step. Under ZeRO-1
         each copy has a bucket of its own, laid out alike on both stages: only the shard this
         rank updates is summed — 1/dp of the bytes. Under ZB-V's V placement the first and the
-        last stage are both on pipeline rank 0: the sum is local, and nothing is sent."""
+        last stage are both on pipeline rank 0, whose embedding group is itself: the sum is
+        local, and nothing is sent."""
         if not self.tied:
             return
-        grads = [self._owned_grad(p) if self.options.zero1 else p.grad for p in self.tied]
-        total = sum(grads)
-        if self.placement != "v":
-            total = comm.all_reduce(total, self.grid.embedding_group, "embedding grads")
+        grads = [self._owned_grad(p) if self.layout.zero1 else p.grad for p in self.tied]
+        total = comm.all_reduce(sum(grads), self.grid.embedding_group, "embedding grads")
         for grad in grads:
             grad.copy_(total)
 
@@ -181,7 +180,7 @@ class PTDP:
         part of the sequence only; sum them over tp (under ZeRO-1, the shard this rank holds)."""
         if self.sequence_parts == 1:
             return
-        if self.options.zero1:
+        if self.layout.zero1:
             grads = [piece.tensor.grad for piece in self.optimizer.pieces
                      if piece.param.tp_dim is None]
         else:
@@ -190,7 +189,7 @@ class PTDP:
 
     def _clip(self) -> float:
         max_norm = self.options.clip if self.options.clip > 0 else float("inf")
-        if self.options.zero1:
+        if self.layout.zero1:
             return self.optimizer.clip_grad_norm_(max_norm, self.grid, self.tied_copies)
         return clip_grad_norm_(self.parameters(), max_norm, self.grid, self.tied_copies)
 

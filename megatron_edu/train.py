@@ -40,14 +40,15 @@ from megatron_edu import comm
 from megatron_edu.checkpoint import check_model, load_checkpoint, read_metadata, save_checkpoint
 from megatron_edu.data import BatchSampler, TokenDataset, prepare_data, unigram_entropy
 from megatron_edu.data.bert import prepare_bert_data
-from megatron_edu.grid import ParallelGrid, validate_layout
+from megatron_edu.grid import Layout, ParallelGrid
 from megatron_edu.launch import RankError, run, under_torchrun
 from megatron_edu.model import BertConfig, GPTConfig
-from megatron_edu.model.config import LN_PLACEMENTS, PRESETS
+from megatron_edu.model.config import LN_PLACEMENTS, PRESETS, RECOMPUTE
 from megatron_edu.optim import DynamicLossScale, warmup_cosine
 from megatron_edu.perf import model_flops_utilization, training_flops
 from megatron_edu.perf.flops import datasheet_peak_flops, measure_matmul_flops
 from megatron_edu.pipeline.engine import build_chunks
+from megatron_edu.pipeline.schedules import SCHEDULES
 from megatron_edu.ptdp import PTDP, PTDPOptions, StepResult
 
 __all__ = ["parse_args", "validate", "main", "train"]
@@ -64,12 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
     layout.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     layout.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     layout.add_argument("--dp", type=int, help="data-parallel size (default: world / (tp·pp))")
-    layout.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2",
-                                               "zb-v"], default="1f1b",
+    layout.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b",
                         help="zb-*: zero-bubble schedules (2401.10241), the backward split into "
                         "input and weight gradients; zb-v places 2 chunks per rank in a V")
-    layout.add_argument("--chunks", type=int, default=1, help="model chunks per pipeline rank "
-                        "(interleaved schedule; zb-v: 2)")
+    layout.add_argument("--chunks", type=int, help="model chunks per pipeline rank v "
+                        "(the interleaved schedule needs it; default: the schedule's own, zb-v 2, "
+                        "others 1)")
     layout.add_argument("--zero1", action="store_true", help="shard optimizer state over dp")
     layout.add_argument("--no-scatter-gather", action="store_true",
                         help="send whole activations between stages (§4.1 off)")
@@ -85,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
         model.add_argument(f"--{name}", type=int, help="override the preset")
     model.add_argument("--dropout", type=float, default=0.0)
     model.add_argument("--recompute", nargs="?", const="full", default="none",
-                       choices=["none", "selective", "full"],
+                       choices=list(RECOMPUTE),
                        help="activation recomputation: the whole layer (full; the flag alone) or "
                        "only the attention core (selective) (2104.04473 §3.5, 2205.05198 §5)")
     model.add_argument("--sequence-parallel", action="store_true", help="split the sequence over "
@@ -145,11 +146,10 @@ def model_config(args: argparse.Namespace) -> GPTConfig:
 
 @dataclass
 class Plan:
-    """What validation derives: the world, the model and the microbatch count."""
+    """What validation derives: how the run is split, and the model."""
 
-    world_size: int
+    layout: Layout
     config: GPTConfig
-    num_microbatches: int
 
 
 def validate(args: argparse.Namespace, world_size: int | None = None) -> Plan:
@@ -159,29 +159,17 @@ def validate(args: argparse.Namespace, world_size: int | None = None) -> Plan:
         if world % (args.tp * args.pp):
             raise ValueError(f"{world} ranks do not divide into tp·pp = {args.tp}·{args.pp}")
         args.dp = world // (args.tp * args.pp)
-    validate_layout(args.tp, args.pp, args.dp, world)
+    if min(args.dp, args.micro_batch) >= 1 and args.global_batch % (args.dp * args.micro_batch):
+        raise ValueError(f"global batch {args.global_batch} is not divisible by dp·micro-batch "
+                         f"= {args.dp}·{args.micro_batch}: each replica runs whole microbatches")
+    layout = Layout(args.tp, args.pp, args.dp, args.schedule, args.chunks, args.micro_batch,
+                    args.global_batch // max(args.dp * args.micro_batch, 1), args.zero1)
+    layout.check_world(world)
     config = model_config(args)
-    if args.schedule == "zb-v":   # 2401.10241 §6: two chunks per rank, down the ranks and back
-        if args.chunks not in (1, 2):
-            raise ValueError(f"--schedule zb-v places exactly 2 chunks per rank, not --chunks "
-                             f"{args.chunks}")
-        args.chunks = 2
-    elif args.schedule != "interleaved" and args.chunks != 1:
-        raise ValueError(f"--chunks {args.chunks} needs --schedule interleaved")
+    layout.check(config)
     if args.sequence_parallel and args.tp == 1:
         raise ValueError("--sequence-parallel splits the sequence over the tensor-parallel "
                          "ranks: it needs --tp > 1")
-    if args.chunks > 1 and args.pp == 1:
-        raise ValueError(f"--chunks {args.chunks} needs a pipeline (--pp ≥ 2): with one stage "
-                         f"there is nothing to interleave")
-    config.validate(args.tp, args.pp, args.chunks)
-    if args.global_batch % (args.dp * args.micro_batch):
-        raise ValueError(f"global batch {args.global_batch} is not divisible by dp·micro-batch "
-                         f"= {args.dp}·{args.micro_batch}: each replica runs whole microbatches")
-    m = args.global_batch // (args.dp * args.micro_batch)  # microbatches per replica and step
-    if args.schedule == "interleaved" and m % args.pp:
-        raise ValueError(f"the interleaved schedule needs the microbatches per replica "
-                         f"(m = {m}) to be a multiple of pp = {args.pp}")
     for name in ("steps", "eval_interval", "eval_batches", "save_interval"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
@@ -194,21 +182,20 @@ def validate(args: argparse.Namespace, world_size: int | None = None) -> Plan:
     if args.resume not in (None, "auto") or (args.resume == "auto" and
                                               (args.out / "checkpoints" / "latest").exists()):
         check_model(read_metadata(resume_from), config)  # missing, incomplete or another model
-    return Plan(world, config, m)
+    return Plan(layout, config)
 
 
 # --- one rank's training loop --------------------------------------------------------------------
 
 def train(args: argparse.Namespace, plan: Plan) -> dict[str, Any]:
     """Run on every rank; returns a summary (the same on every rank)."""
-    grid = ParallelGrid(args.tp, args.pp, args.dp)
+    grid = ParallelGrid(plan.layout)
     torch.manual_seed(args.seed)
     config = plan.config
     tokenizer, train_set, val_set = _data(args, config)
     trainer = PTDP(config, grid, PTDPOptions(
-        schedule=args.schedule, num_chunks=args.chunks, num_microbatches=plan.num_microbatches,
-        scatter_gather=not args.no_scatter_gather, zero1=args.zero1, lr=args.lr,
-        weight_decay=args.weight_decay, clip=args.clip, loss_scaling=args.dtype == "fp16"))
+        scatter_gather=not args.no_scatter_gather, lr=args.lr, weight_decay=args.weight_decay,
+        clip=args.clip, loss_scaling=args.dtype == "fp16"))
     sampler = BatchSampler(len(train_set), args.global_batch, grid.dp_rank, grid.dp, args.seed)
     start = _resume(args, trainer, sampler)
     log = _Log(args.out / "log.jsonl", grid.rank == 0, start)
@@ -415,11 +402,11 @@ def _sample(args, trainer: PTDP, prompt: list[int]) -> list[int]:
     chunks = trainer.chunks
     if trainer.config.sequence_parallel:
         chunks = build_chunks(replace(trainer.config, sequence_parallel=False), trainer.grid,
-                              len(chunks), trainer.placement)
+                              trainer.schedule.stages)
         for twin, chunk in zip(chunks, trainer.chunks, strict=True):
             twin.load_state_dict(chunk.state_dict())
     return generate(chunks, trainer.grid, prompt, min(args.sample_tokens, room), top_k=20,
-                    seed=args.seed, placement=trainer.placement)
+                    seed=args.seed)
 
 
 def _median(values: list[float]) -> float | None:
@@ -438,7 +425,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     try:
-        summaries = run(train, plan.world_size, args, plan, backend=args.backend, timeout=None,
+        summaries = run(train, plan.layout.world_size, args, plan, backend=args.backend,
+                        timeout=None,
                         capture_output=False)
     except RankError as err:  # the failing rank's traceback, without the launcher's own
         print(f"error: training failed on {err}", file=sys.stderr)

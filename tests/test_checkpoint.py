@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from megatron_edu import checkpoint
 from megatron_edu.checkpoint import MOMENTS, load_full_model_state
-from megatron_edu.grid import ParallelGrid
+from megatron_edu.grid import Layout, ParallelGrid
 from megatron_edu.launch import run
 from megatron_edu.model import GPTConfig
 from megatron_edu.model.gpt import WORD_EMBEDDING
@@ -24,7 +24,7 @@ KINDS = ("param", *MOMENTS)
 
 
 def _trainer(tp, pp, dp=1, zero1=False):
-    return PTDP(CONFIG, ParallelGrid(tp=tp, pp=pp, dp=dp), PTDPOptions(zero1=zero1, lr=1e-2))
+    return PTDP(CONFIG, ParallelGrid(Layout(tp, pp, dp, zero1=zero1)), PTDPOptions(lr=1e-2))
 
 
 def _save(out, tp, pp, dp, zero1):

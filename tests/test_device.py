@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import batch, tiny_config
 
-from megatron_edu.grid import ParallelGrid
+from megatron_edu.grid import Layout, ParallelGrid
 from megatron_edu.launch import run
 from megatron_edu.model import GPT, GPTConfig
 from megatron_edu.optim import build_param_groups
@@ -100,10 +100,10 @@ def _serial() -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, model.full_state_dict()
 
 
-def _ptdp(pp: int, options: PTDPOptions) -> tuple[str, list[float], dict[str, torch.Tensor]]:
+def _ptdp(layout: Layout, options: PTDPOptions) -> tuple[str, list[float], dict[str, torch.Tensor]]:
     """In a rank: this rank's device, the losses of ``STEPS`` steps and its stage's parameters."""
     _exact_fp32()
-    grid = ParallelGrid(pp=pp)
+    grid = ParallelGrid(layout)
     trainer = PTDP(CONFIG, grid, options)
     losses = [trainer.train_step(ids, labels, LR).loss for ids, labels in _batches()]
     params = {name: value.cpu() for chunk in trainer.chunks
@@ -123,9 +123,8 @@ def test_ptdp_steps_on_the_device_equal_the_serial_cpu_steps(device, serial, pp,
                                                              chunks):
     if device == "cuda" and torch.cuda.device_count() < pp:
         pytest.skip(f"pp = {pp} needs {pp} GPUs, this machine has {torch.cuda.device_count()}")
-    options = PTDPOptions(schedule=schedule, num_chunks=chunks, num_microbatches=2, lr=LR,
-                          clip=CLIP, eps=EPS)
-    out = run(_ptdp, pp, pp, options, backend=BACKEND[device])
+    layout = Layout(pp=pp, schedule=schedule, chunks=chunks, num_microbatches=2)
+    out = run(_ptdp, pp, layout, PTDPOptions(lr=LR, clip=CLIP, eps=EPS), backend=BACKEND[device])
     serial_losses, serial_params = serial
     merged = {}
     for on, losses, params in out:

@@ -7,8 +7,8 @@ import torch.nn.functional as F
 
 from megatron_edu import comm
 from megatron_edu.exercises import check, nb03, nb05
-from megatron_edu.pipeline.p2p import Message
 from megatron_edu.pipeline.schedules import Action
+from megatron_edu.pipeline.stages import Message
 
 
 def _passes(exercise, fn):
@@ -379,12 +379,15 @@ def test_05_1_mistakes_get_their_hint(schedule, words):
 
 # --- 05.2 the message keys --------------------------------------------------------------------
 
-def messages_of(action, rank, p, v, stage_of=lambda action, rank, p: action.chunk * p + rank,
+def messages_of(action, rank, stages, stage_of=lambda s, rank, chunk: s.stage(rank, chunk),
                 first_receives=False, last_sends=False, grad_forward=False):
-    stage, last, mb = stage_of(action, rank, p), v * p - 1, action.microbatch
+    stage, last = stage_of(stages, rank, action.chunk), stages.num_stages - 1
+    mb = action.microbatch
     if action.kind == "F":
         return (Message("act", mb, stage) if stage > 0 or first_receives else None,
                 Message("act", mb, stage + 1) if stage < last or last_sends else None)
+    if action.kind == "W":
+        return None, None
     return (Message("grad", mb, stage) if stage < last else None,
             Message("grad", mb, stage + 1 if grad_forward else stage - 1) if stage > 0 else None)
 
@@ -395,16 +398,20 @@ def test_05_2_the_message_keys_pass_and_run_in_the_engine():
 
 
 @pytest.mark.parametrize("fn, words", [
-    (lambda a, r, p, v: messages_of(a, r, p, v, stage_of=lambda a, r, p: r),
-     ["F0.1 on rank 0 (p=2, v=2, virtual stage 2)", "c·p + r = 2, not r"]),
-    (lambda a, r, p, v: messages_of(a, r, p, v, first_receives=True),
-     ["F0 on rank 0 (p=4, v=1, virtual stage 0) reads the token ids"]),
-    (lambda a, r, p, v: messages_of(a, r, p, v, last_sends=True),
+    (lambda a, r, s: messages_of(a, r, s, stage_of=lambda s, r, c: r),
+     ["F0.1 on rank 0 (StageMap(p=2, v=2, kind='interleaved'): virtual stage 2)",
+      "stages.stage(rank, chunk) = 2, not 0"]),
+    (lambda a, r, s: messages_of(a, r, s, stage_of=lambda s, r, c: c * s.p + r),
+     ["under ZB-V's V the chunks do not sit at c·p + r"]),
+    (lambda a, r, s: messages_of(a, r, s, first_receives=True),
+     ["F0 on rank 0 (StageMap(p=4, v=1, kind='interleaved'): virtual stage 0) reads the token"]),
+    (lambda a, r, s: messages_of(a, r, s, last_sends=True),
      ["is the last virtual stage", "sends nothing"]),
-    (lambda a, r, p, v: messages_of(a, r, p, v, grad_forward=True),
+    (lambda a, r, s: messages_of(a, r, s, grad_forward=True),
      ["B0 on rank 1", "a gradient for s − 1 from B of s"]),
-    (lambda a, r, p, v: [None, None], ["returned [None, None]", "a pair"]),
-], ids=["rank-not-stage", "first-receives", "last-sends", "grad-forward", "list"])
+    (lambda a, r, s: [None, None], ["returned [None, None]", "a pair"]),
+], ids=["rank-not-stage", "interleaved-under-v", "first-receives", "last-sends", "grad-forward",
+        "list"])
 def test_05_2_mistakes_get_their_hint(fn, words):
     _hints("05.2", fn, *words)
 

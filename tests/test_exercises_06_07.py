@@ -299,7 +299,7 @@ def sums_over_the_pipeline(grad, grid):  # right at pp = 2; the middle stages ne
 
 
 def sums_on_the_first_stage_only(grad, grid):  # the last stage never joins: a deadlock
-    if grid.is_first_stage:
+    if grid.pp_rank == 0:
         return comm.all_reduce(grad, grid.embedding_group)
     return grad
 

@@ -17,7 +17,7 @@ from megatron_edu.exercises.nb08 import (
     _formula,
     measured_layer_flops,
 )
-from megatron_edu.grid import ParallelGrid
+from megatron_edu.grid import Layout, ParallelGrid
 from megatron_edu.model import GPTConfig
 from megatron_edu.perf import Hardware, advise, num_parameters
 from megatron_edu.ptdp import PTDP, PTDPOptions
@@ -197,9 +197,11 @@ def test_09_1_stub_is_not_done_yet():
 
 
 def resume(checkpoint, tp, pp, run, load="all", restore_sampler=True, grid_tp=None):
-    grid = ParallelGrid(tp=grid_tp or tp, pp=pp if grid_tp is None else 1)
-    m = run.global_batch // (grid.dp * run.micro_batch)
-    trainer = PTDP(run.config, grid, PTDPOptions(num_microbatches=m, lr=run.lr))
+    tp, pp = (grid_tp, 1) if grid_tp is not None else (tp, pp)
+    dp = torch.distributed.get_world_size() // (tp * pp)
+    grid = ParallelGrid(Layout(tp, pp, dp, microbatch=run.micro_batch,
+                               num_microbatches=run.global_batch // (dp * run.micro_batch)))
+    trainer = PTDP(run.config, grid, PTDPOptions(lr=run.lr))
     meta = (load_checkpoint(checkpoint, trainer) if load == "all" else
             load_model_chunks(checkpoint, trainer.chunks, grid) if load == "weights" else
             read_metadata(checkpoint))

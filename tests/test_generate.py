@@ -12,7 +12,7 @@ from megatron_edu import comm
 from megatron_edu.checkpoint import load_full_model_state, save_checkpoint
 from megatron_edu.data import train_tokenizer
 from megatron_edu.generate import Sampling, generate, main, sample
-from megatron_edu.grid import ParallelGrid
+from megatron_edu.grid import Layout, ParallelGrid
 from megatron_edu.launch import run
 from megatron_edu.model import GPT
 from megatron_edu.model.gpt import KVCache
@@ -190,20 +190,18 @@ def test_cached_decoding_under_tp2_gives_the_full_forwards_logits():
 
 # --- every layout of 4 ranks generates the serial text --------------------------------------------
 
-# tp, pp, dp, v, placement ("v": ZB-V's, where rank 0 holds the first and the last stage)
-LAYOUTS = [(1, 1, 4, 1, "interleaved"), (2, 1, 2, 1, "interleaved"), (1, 2, 2, 1, "interleaved"),
-           (2, 2, 1, 1, "interleaved"), (1, 2, 2, 2, "interleaved"), (1, 2, 2, 2, "v"),
-           (2, 2, 1, 2, "v")]
+# tp, pp, dp, schedule (ZB-V: rank 0 holds the first and the last stage), chunks
+LAYOUTS = [(1, 1, 4, "1f1b", 1), (2, 1, 2, "1f1b", 1), (1, 2, 2, "1f1b", 1), (2, 2, 1, "1f1b", 1),
+           (1, 2, 2, "interleaved", 2), (1, 2, 2, "zb-v", 2), (2, 2, 1, "zb-v", 2)]
 
 
 def _generate_at_every_layout():
     out = {}
-    for tp, pp, dp, v, placement in LAYOUTS:
-        grid = ParallelGrid(tp, pp, dp)
-        chunks = build_chunks(gen_config(), grid, v, placement)
-        out[tp, pp, dp, v, placement] = (
-            generate(chunks, grid, PROMPT, NEW, greedy=True, placement=placement),
-            generate(chunks, grid, PROMPT, NEW, placement=placement, **SAMPLED))
+    for tp, pp, dp, schedule, v in LAYOUTS:
+        grid = ParallelGrid(Layout(tp, pp, dp, schedule, v, num_microbatches=2))
+        chunks = build_chunks(gen_config(), grid, grid.layout.stages)
+        out[tp, pp, dp, schedule] = (generate(chunks, grid, PROMPT, NEW, greedy=True),
+                                     generate(chunks, grid, PROMPT, NEW, **SAMPLED))
     return out
 
 

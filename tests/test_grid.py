@@ -1,14 +1,16 @@
-"""The process grid: Megatron's rank order (tp fastest, then dp, then pp) and its groups."""
+"""The layout and its process grid: Megatron's rank order (tp fastest, then dp, then pp), its
+groups, and every impossible layout refused with its numbers before any process starts."""
 
 import pytest
 import torch.distributed as dist
 
-from megatron_edu.grid import GridLayout, ParallelGrid, all_layouts, validate_layout
+from megatron_edu.grid import Layout, ParallelGrid, all_layouts
 from megatron_edu.launch import RankError, run
+from megatron_edu.model import GPTConfig
 
 
 def test_rank_order_is_tp_fastest_then_dp_then_pp():
-    layout = GridLayout(tp=2, pp=4, dp=2)
+    layout = Layout(tp=2, pp=4, dp=2)
     assert layout.coords(0) == (0, 0, 0)
     assert layout.coords(1) == (1, 0, 0)   # next tp rank
     assert layout.coords(2) == (0, 0, 1)   # next dp replica
@@ -17,13 +19,23 @@ def test_rank_order_is_tp_fastest_then_dp_then_pp():
 
 
 def test_groups_of_16_ranks_as_tp2_pp4_dp2():
-    layout = GridLayout(tp=2, pp=4, dp=2)
+    layout = Layout(tp=2, pp=4, dp=2)
     assert layout.tp_groups() == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13],
                                   [14, 15]]
     assert layout.dp_groups() == [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14],
                                   [13, 15]]
     assert layout.pp_groups() == [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]]
     assert layout.embedding_groups() == [[0, 12], [1, 13], [2, 14], [3, 15]]
+
+
+def test_the_embedding_groups_follow_the_stage_map():
+    """Under ZB-V's V the first and the last stage are both on pipeline rank 0: each tied
+    embedding's two copies are on one rank, whose embedding group is itself."""
+    layout = Layout(tp=2, pp=4, dp=2, schedule="zb-v", num_microbatches=8)
+    assert layout.chunks == 2 and layout.stages.kind == "v"
+    assert layout.embedding_groups() == [[0], [1], [2], [3]]
+    interleaved = Layout(pp=4, schedule="interleaved", chunks=2, num_microbatches=8)
+    assert interleaved.embedding_groups() == [[0, 3]]
 
 
 @pytest.mark.parametrize("layout", all_layouts(8), ids=str)
@@ -36,30 +48,43 @@ def test_all_layouts_of_8_are_the_ten_factorisations():
     assert len(all_layouts(8)) == 10
 
 
-@pytest.mark.parametrize(("tp", "pp", "dp", "world", "message"), [
-    (2, 2, 2, 4, r"tp·pp·dp = 2·2·2 = 8 ranks, but the world has 4"),
-    (0, 1, 1, 1, "tp must be a positive integer, got 0"),
-    (1, 1.5, 1, 1, "pp must be a positive integer"),
+@pytest.mark.parametrize(("build", "message"), [
+    (lambda: Layout(2, 2, 2).check_world(4), r"tp·pp·dp = 2·2·2 = 8 ranks, but the world has 4"),
+    (lambda: Layout(tp=0), "tp must be a positive integer, got 0"),
+    (lambda: Layout(pp=1.5), "pp must be a positive integer"),
+    (lambda: Layout(microbatch=0), "microbatch must be a positive integer, got 0"),
+    (lambda: Layout(num_microbatches=0), "num_microbatches must be at least 1, got 0"),
+    (lambda: Layout(schedule="zigzag"), "unknown schedule 'zigzag'"),
+    (lambda: Layout(pp=2, schedule="interleaved", num_microbatches=4), "needs its number of"),
+    (lambda: Layout(pp=4, schedule="interleaved", chunks=2, num_microbatches=6),
+     "num_microbatches=6, num_stages=4"),
+    (lambda: Layout(pp=2, chunks=2), "the 1f1b schedule has one model chunk per rank; got v=2"),
+    (lambda: Layout(pp=1, schedule="zb-v"), "2 model chunks per rank need a pipeline"),
+    (lambda: Layout(tp=3).check(GPTConfig(num_heads=4, hidden=64)),
+     "num_heads = 4 is not divisible by the tensor-parallel size tp = 3"),
+    (lambda: Layout(pp=4, schedule="zb-v", num_microbatches=8).check(GPTConfig(num_layers=4)),
+     "num_layers = 4 is not divisible by pp·chunks = 4·2"),
 ])
-def test_bad_layouts_name_the_numbers(tp, pp, dp, world, message):
+def test_bad_layouts_name_the_numbers(build, message):
     with pytest.raises(ValueError, match=message):
-        validate_layout(tp, pp, dp, world)
+        build()
 
 
 def _grid_facts(tp, pp, dp):
     grid = ParallelGrid(tp=tp, pp=pp, dp=dp)
     return (grid.tp_rank, grid.pp_rank, grid.dp_rank, grid.tp_group.ranks, grid.pp_group.ranks,
-            grid.dp_group.ranks, grid.embedding_group.ranks, grid.prev_rank, grid.next_rank)
+            grid.dp_group.ranks, grid.embedding_group.ranks)
 
 
 @pytest.mark.parametrize(("tp", "pp", "dp"), [(2, 2, 1), (1, 2, 2), (2, 1, 2), (4, 1, 1)])
 def test_each_rank_sees_its_coordinates_and_groups(tp, pp, dp):
-    layout = GridLayout(tp, pp, dp)
+    layout = Layout(tp, pp, dp)
     for rank, facts in enumerate(run(_grid_facts, 4, tp, pp, dp)):
         t, p, d = layout.coords(rank)
         assert facts[:3] == (t, p, d)
         assert rank in facts[3] and rank in facts[4] and rank in facts[5]
-        assert facts[7:] == (layout.rank_of(t, (p - 1) % pp, d), layout.rank_of(t, (p + 1) % pp, d))
+        # a rank that holds no embedding (a middle stage) is a group of itself: a no-op
+        assert list(facts[6]) == next((g for g in layout.embedding_groups() if rank in g), [rank])
 
 
 def _sum_over_each_group(tp, pp, dp):

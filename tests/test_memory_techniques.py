@@ -10,7 +10,7 @@ import torch
 from helpers import tiny_config
 
 from megatron_edu import comm
-from megatron_edu.grid import ParallelGrid
+from megatron_edu.grid import Layout, ParallelGrid
 from megatron_edu.launch import run
 from megatron_edu.model import GPT, GPTConfig
 from megatron_edu.optim import DynamicLossScale
@@ -84,8 +84,8 @@ def test_sequence_parallel_turns_each_all_reduce_into_an_all_gather_and_a_reduce
 
 
 def _ptdp_losses(config, tp, pp, steps=3):
-    grid = ParallelGrid(tp=tp, pp=pp)
-    trainer = PTDP(config, grid, PTDPOptions(num_microbatches=2, lr=1e-2, eps=1e-4))
+    grid = ParallelGrid(Layout(tp=tp, pp=pp, num_microbatches=2))
+    trainer = PTDP(config, grid, PTDPOptions(lr=1e-2, eps=1e-4))
     losses = [trainer.train_step(*_batch(4, seed=step), 1e-2).loss for step in range(steps)]
     params = {}
     for chunk in trainer.chunks:
@@ -161,7 +161,7 @@ def test_the_loss_scale_halves_on_an_overflow_and_doubles_after_clean_steps():
 def _fp16_steps(bad_rank):
     """fp16 autocast on CPU, PTD-P at tp=2 × dp=2: step 1 overflows on one rank only."""
     grid = ParallelGrid(tp=2, dp=2)
-    trainer = PTDP(tiny_config(), grid, PTDPOptions(num_microbatches=1, loss_scaling=True))
+    trainer = PTDP(tiny_config(), grid, PTDPOptions(loss_scaling=True))
     trainer.loss_scale.growth_interval = 2
     unscale = trainer._sum_tied_embedding_grads
 

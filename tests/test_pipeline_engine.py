@@ -8,8 +8,8 @@ from megatron_edu.grid import ParallelGrid
 from megatron_edu.launch import run
 from megatron_edu.model import GPT, GPTConfig
 from megatron_edu.pipeline.engine import build_chunks, run_schedule
-from megatron_edu.pipeline.p2p import LABELS, messages_of
-from megatron_edu.pipeline.schedules import make_schedule, placement_of
+from megatron_edu.pipeline.p2p import LABELS
+from megatron_edu.pipeline.schedules import make_schedule, messages_of
 
 CONFIG = GPTConfig(vocab_size=100, seq_len=8, num_layers=8, hidden=32, num_heads=4, dropout=0.0)
 BATCH, MICROBATCHES = 8, 4
@@ -30,12 +30,11 @@ def _serial():
 
 def _pipelined(name, tp, pp, v, scatter_gather=False, transport="auto"):
     grid = ParallelGrid(tp=tp, pp=pp)
-    chunks = build_chunks(CONFIG, grid, v, placement_of(name))
     schedule = make_schedule(name, pp, MICROBATCHES, v)
+    chunks = build_chunks(CONFIG, grid, schedule.stages)
     with comm.record() as log:
         result = run_schedule(schedule, chunks, grid, *_batch(), MICROBATCHES, CONFIG.hidden,
-                              scatter_gather=scatter_gather, transport=transport,
-                              placement=placement_of(name))
+                              scatter_gather=scatter_gather, transport=transport)
     grads = [chunk.full_state_dict(grads=True) for chunk in chunks]
     return result.loss, grads, result.timeline, log
 
@@ -83,8 +82,8 @@ def test_each_rank_sends_what_its_schedule_produces_in_its_order(transport):
     schedule = make_schedule("interleaved", p, MICROBATCHES, v)
     out = run(_pipelined, p, "interleaved", 1, p, v, transport=transport)
     for rank, (_, _, _, log) in enumerate(out):
-        expected = [(m.dst(p), LABELS[m.kind]) for a in schedule[rank]
-                    if (m := messages_of(a, rank, p, v)[1]) is not None]
+        expected = [(schedule.stages.receiver(m), LABELS[m.kind]) for a in schedule[rank]
+                    if (m := messages_of(a, rank, schedule.stages)[1]) is not None]
         assert [(e.peer, e.label) for e in log.select("send")] == expected
         assert len(expected) == MICROBATCHES * (2 * v - (rank == 0) - (rank == p - 1))
 
@@ -103,7 +102,7 @@ def test_scatter_gather_sends_a_tp_th_of_the_bytes_with_the_same_result(serial):
 
 def _bytes_per_activation_element(autocast: bool, param_dtype: torch.dtype) -> float:
     grid = ParallelGrid(pp=2)
-    chunks = [c.to(param_dtype) for c in build_chunks(CONFIG, grid)]
+    chunks = [c.to(param_dtype) for c in build_chunks(CONFIG, grid, grid.layout.stages)]
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), comm.record() as log:
         result = run_schedule(make_schedule("1f1b", 2, MICROBATCHES), chunks, grid, *_batch(),
                               MICROBATCHES, CONFIG.hidden)

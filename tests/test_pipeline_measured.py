@@ -5,8 +5,8 @@ from fractions import Fraction
 import matplotlib.pyplot as plt
 
 from megatron_edu.pipeline.schedules import make_schedule
-from megatron_edu.pipeline.simulate import simulate
-from megatron_edu.viz.pipeline import draw_measured_run, measured_costs, simulate_measured
+from megatron_edu.pipeline.simulate import Timeline, measured_costs, simulate, simulate_measured
+from megatron_edu.viz.pipeline import draw_measured_run
 
 FORWARD, BACKWARD = [1, 1, 1.5, 1], [2, 2, 3, 2]  # rank 2 is slower: costs per rank survive
 
@@ -21,28 +21,24 @@ def test_interleaved_chunk_times_are_scaled_to_whole_stages():
     assert measured_costs(timeline) == ([1] * 4, [2] * 4)
 
 
-def test_measured_costs_accept_the_engines_per_rank_lists():
-    per_rank = simulate(make_schedule("gpipe", 2, 4), 3, 5).ranks
-    assert measured_costs(per_rank) == ([3, 3], [5, 5])
-
-
 def test_simulating_a_simulation_with_its_own_costs_reproduces_it():
     schedule = make_schedule("interleaved", 4, 8, 2)
     timeline = simulate(schedule, FORWARD, BACKWARD)
-    assert simulate_measured(timeline, schedule) == timeline
+    assert simulate_measured(timeline) == timeline
 
 
 def test_balanced_measured_costs_give_the_papers_bubble():
     schedule = make_schedule("1f1b", 4, 8)
-    measured = [[(action, 4 * i, 4 * i + 3) for i, action in enumerate(row)]
-                for row in schedule]  # every action 3 ms long; the waits do not matter
-    assert simulate_measured(measured, schedule).bubble_fraction == Fraction(3, 8)
+    measured = Timeline([[(action, 4 * i, 4 * i + 3) for i, action in enumerate(row)]
+                         for row in schedule], schedule.stages)  # every action 3 ms; waits free
+    assert simulate_measured(measured).bubble_fraction == Fraction(3, 8)
 
 
 def test_measured_run_is_drawn_above_its_simulation_on_one_time_axis():
     schedule = make_schedule("1f1b", 2, 4)
-    measured = [[(action, 4 * i, 4 * i + 3) for i, action in enumerate(row)] for row in schedule]
-    figure = draw_measured_run(measured, schedule, "1F1B")
+    measured = Timeline([[(action, 4 * i, 4 * i + 3) for i, action in enumerate(row)]
+                         for row in schedule], schedule.stages)
+    figure = draw_measured_run(measured, "1F1B")
     top, bottom = figure.axes
     plt.close(figure)
     assert top.get_xlim() == bottom.get_xlim() == (0, 31)  # the longer run: 8 actions, 4 apart

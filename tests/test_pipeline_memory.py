@@ -13,7 +13,7 @@ from megatron_edu.model import GPTConfig
 from megatron_edu.perf.measure import MemoryMeter
 from megatron_edu.pipeline.backward import backward_input
 from megatron_edu.pipeline.engine import build_chunks, run_schedule
-from megatron_edu.pipeline.schedules import make_schedule, splits_backward
+from megatron_edu.pipeline.schedules import make_schedule
 from megatron_edu.tensor_parallel.random import DropoutKey
 
 P, M, MICRO = 4, 8, 2
@@ -52,10 +52,9 @@ def _one_microbatch_bytes(chunks):
 
 def _memory(name, transport):
     grid = ParallelGrid(pp=P)
-    v = SCHEDULES[name]
-    chunks = build_chunks(CONFIG, grid, v)
+    schedule = make_schedule(name, P, M, SCHEDULES[name])
+    chunks = build_chunks(CONFIG, grid, schedule.stages)
     per_microbatch, after_b = _one_microbatch_bytes(chunks)
-    schedule = make_schedule(name, P, M, v)
     for p in (p for c in chunks for p in c.parameters()):  # as in training, gradients exist:
         p.grad = torch.zeros_like(p)                       # accumulated in place, not counted
     with MemoryMeter() as meter:
@@ -64,14 +63,14 @@ def _memory(name, transport):
     actions = schedule[grid.pp_rank]
     return dict(peak=meter.peak, boundary=result.peak_boundary_tensors,
                 expected=_held_by_schedule(actions, per_microbatch, after_b),
-                in_flight=_held_by_schedule(actions, [1] * v, [1] * v),
+                in_flight=_held_by_schedule(actions, [1] * len(chunks), [1] * len(chunks)),
                 per_microbatch=per_microbatch, after_b=after_b)
 
 
 def _held_by_schedule(actions, per_microbatch, after_b):
     """The peak of what the rank holds, walking its list: F adds its chunk's share, B frees it —
     or, when the backward is split, B grows it to ``after_b`` and W frees that."""
-    split, held, peak = splits_backward([actions]), 0, 0
+    split, held, peak = any(a.kind == "W" for a in actions), 0, 0
     for action in actions:
         c = action.chunk
         held += {"F": per_microbatch[c], "W": -after_b[c],

@@ -12,8 +12,9 @@ from megatron_edu.grid import ParallelGrid
 from megatron_edu.launch import run
 from megatron_edu.model import GPT, GPTConfig
 from megatron_edu.pipeline.engine import build_chunks, run_schedule
-from megatron_edu.pipeline.p2p import Message, exchange_plan, local, messages_of
-from megatron_edu.pipeline.schedules import make_schedule, placement_of
+from megatron_edu.pipeline.p2p import exchange_plan
+from megatron_edu.pipeline.schedules import make_schedule, messages_of
+from megatron_edu.pipeline.stages import Message, StageMap
 
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3),
              ("zb-h1", 1), ("zb-h2", 1), ("zb-v", 2)]  # 2401.10241: W sends nothing
@@ -27,8 +28,8 @@ def _cases():
 @pytest.mark.parametrize(("name", "p", "m", "v"), list(_cases()),
                          ids=lambda x: str(x))
 def test_the_plan_matches_both_sides_and_delivers_every_input_in_time(name, p, m, v):
-    schedule, placement = make_schedule(name, p, m, v), placement_of(name)
-    plan = exchange_plan(schedule, v, placement)
+    schedule = make_schedule(name, p, m, v)
+    stages, plan = schedule.stages, exchange_plan(schedule)
     for a, b in itertools.combinations(range(p), 2):  # the same batches, in the same order
         seen_by_a = [e.messages for point in plan[a] for e in point if e.peer == b]
         seen_by_b = [e.messages for point in plan[b] for e in point if e.peer == a]
@@ -39,20 +40,19 @@ def test_the_plan_matches_both_sides_and_delivers_every_input_in_time(name, p, m
         for i, action in enumerate([*row, None]):  # the last point comes after the last action
             for exchange in plan[rank][i]:
                 assert exchange.peer != rank and exchange.messages
-                inbox |= {msg for msg in exchange.messages if msg.dst(p, placement) == rank}
-                sent += [msg for msg in exchange.messages if msg.src(p, placement) == rank]
+                inbox |= {msg for msg in exchange.messages if stages.receiver(msg) == rank}
+                sent += [msg for msg in exchange.messages if stages.sender(msg) == rank]
             if action is None:
                 break
-            needs, sends = messages_of(action, rank, p, v, placement)
-            if sends is not None and local(sends, p, placement):
+            needs, sends = messages_of(action, rank, stages)
+            if sends is not None and stages.is_local(sends):
                 inbox.add(sends)  # ZB-V's turn: handed to the same rank's next chunk
             assert needs is None or needs in inbox, f"rank {rank} runs {action} without {needs}"
             inbox.discard(needs)
         assert not inbox
-    produced = [messages_of(a, r, p, v, placement)[1] for r, row in enumerate(schedule)
-                for a in row]
+    produced = [messages_of(a, r, stages)[1] for r, row in enumerate(schedule) for a in row]
     assert sorted(sent, key=repr) == sorted(  # each once, on the wire unless local
-        (m for m in produced if m is not None and not local(m, p, placement)), key=repr)
+        (m for m in produced if m is not None and not stages.is_local(m)), key=repr)
 
 
 def test_a_weight_pass_neither_receives_nor_sends():
@@ -61,21 +61,22 @@ def test_a_weight_pass_neither_receives_nor_sends():
         for rank, row in enumerate(schedule):
             for action in row:
                 if action.kind == "W":
-                    assert messages_of(action, rank, 4, v, placement_of(name)) == (None, None)
+                    assert messages_of(action, rank, schedule.stages) == (None, None)
 
 
 def test_zb_v_hands_its_turn_over_on_the_last_rank():
     """Stage p − 1 (chunk 0) and stage p (chunk 1) both live on rank p − 1: no wire."""
-    plan = exchange_plan(make_schedule("zb-v", 2, 4, 2), 2, "v")
+    plan = exchange_plan(make_schedule("zb-v", 2, 4))
     on_wire = {m for row in plan for point in row for e in point for m in e.messages}
     assert Message("act", 0, 2) not in on_wire and Message("grad", 0, 1) not in on_wire
-    assert local(Message("act", 0, 2), 2, "v") and not local(Message("act", 0, 1), 2, "v")
+    v = StageMap(2, 2, "v")
+    assert v.is_local(Message("act", 0, 2)) and not v.is_local(Message("act", 0, 1))
 
 
 def test_1f1b_steady_state_pairs_send_forward_with_receive_backward():
     """Megatron-LM's send_forward_recv_backward: after F, stage 0 sends the activation and
     receives a gradient in one batch with stage 1."""
-    plan = exchange_plan(make_schedule("1f1b", 2, 3), 1)
+    plan = exchange_plan(make_schedule("1f1b", 2, 3))
     assert [e.messages for e in plan[0][2]] == [(Message("act", 1, 1), Message("grad", 0, 0))]
 
 
@@ -97,10 +98,10 @@ def _batches_of_every_schedule(p):
     results = {}
     for name, v in SCHEDULES:
         m = 2 * p
-        chunks = build_chunks(_config(p, v), grid, v, placement_of(name))
+        schedule = make_schedule(name, p, m, v)
+        chunks = build_chunks(_config(p, v), grid, schedule.stages)
         with comm.record() as log:
-            run_schedule(make_schedule(name, p, m, v), chunks, grid, *_batch(m), m, 16,
-                         transport="batched", placement=placement_of(name))
+            run_schedule(schedule, chunks, grid, *_batch(m), m, 16, transport="batched")
         grads = [c.full_state_dict(grads=True) for c in chunks]
         results[name, v] = (_batches(log), grads)
     return results

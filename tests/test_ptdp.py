@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron_edu import comm
-from megatron_edu.grid import ParallelGrid, all_layouts
+from megatron_edu.grid import Layout, ParallelGrid, all_layouts
 from megatron_edu.launch import run
 from megatron_edu.model import GPT, GPTConfig
 from megatron_edu.model.gpt import IGNORE_INDEX
@@ -52,9 +52,10 @@ def _serial(config=CONFIG, masked=False):
     return losses, norms, model.full_state_dict()
 
 
-def _ptdp(tp, pp, dp, options, config=CONFIG, masked=False):
-    grid = ParallelGrid(tp=tp, pp=pp, dp=dp)
+def _ptdp(layout, options, config=CONFIG, masked=False):
+    grid = ParallelGrid(layout)
     trainer = PTDP(config, grid, options)
+    dp = layout.dp
     losses, norms = [], []
     with comm.record() as log:
         for ids, labels in _batches(masked):
@@ -90,18 +91,25 @@ def _check_equal_to_serial(serial, out):
     assert held == serial_params.keys()
 
 
-def _options(**overrides):
-    return PTDPOptions(**{"num_microbatches": 2, "lr": LR, "clip": CLIP, "eps": EPS, **overrides})
+LAYOUT_FIELDS = {"schedule", "chunks", "num_microbatches", "zero1"}
+
+
+def _split(tp, pp, dp, **overrides):
+    """(the Layout, the PTDPOptions) of a run: two microbatches unless said otherwise."""
+    layout = {k: v for k, v in overrides.items() if k in LAYOUT_FIELDS}
+    options = {k: v for k, v in overrides.items() if k not in LAYOUT_FIELDS}
+    return (Layout(tp, pp, dp, **{"num_microbatches": 2, **layout}),
+            PTDPOptions(**{"lr": LR, "clip": CLIP, "eps": EPS, **options}))
 
 
 @pytest.mark.parametrize("layout", all_layouts(8), ids=lambda g: f"tp{g.tp}-pp{g.pp}-dp{g.dp}")
 def test_every_layout_of_8_ranks_takes_the_serial_steps(serial, layout):
-    out = run(_ptdp, 8, layout.tp, layout.pp, layout.dp, _options())
+    out = run(_ptdp, 8, *_split(layout.tp, layout.pp, layout.dp))
     _check_equal_to_serial(serial, out)
 
 
 @pytest.mark.parametrize(("tp", "pp", "dp", "overrides"), [
-    (1, 2, 2, dict(schedule="interleaved", num_chunks=2)),
+    (1, 2, 2, dict(schedule="interleaved", chunks=2)),
     (2, 2, 1, dict(schedule="gpipe")),
     (1, 1, 4, dict(zero1=True)),
     (2, 1, 2, dict(zero1=True)),
@@ -109,20 +117,20 @@ def test_every_layout_of_8_ranks_takes_the_serial_steps(serial, layout):
     (1, 2, 2, dict(overlap=False, bucket_mb=1e6)),
 ], ids=["interleaved", "gpipe-tp", "zero1-dp4", "zero1-tp2", "zero1-buckets", "one-bucket"])
 def test_schedules_zero1_and_buckets_take_the_serial_steps(serial, tp, pp, dp, overrides):
-    out = run(_ptdp, tp * pp * dp, tp, pp, dp, _options(**overrides))
+    out = run(_ptdp, tp * pp * dp, *_split(tp, pp, dp, **overrides))
     _check_equal_to_serial(serial, out)
 
 
 def test_dp_gradients_are_all_reduced_once_per_step_not_per_microbatch():
-    out = run(_ptdp, 4, 1, 2, 2, _options(num_microbatches=4, bucket_mb=1e6))
+    out = run(_ptdp, 4, *_split(1, 2, 2, num_microbatches=4, bucket_mb=1e6))
     for *_, log in out:
         assert log.count("all_reduce", group="dp", label="dp grads") == STEPS  # one bucket
         assert log.count(label="embedding grads") == STEPS  # pp=2: both stages hold a copy
 
 
 def test_scatter_gather_divides_the_bytes_between_stages_by_tp():
-    plain = run(_ptdp, 4, 2, 2, 1, _options(scatter_gather=False))
-    split = run(_ptdp, 4, 2, 2, 1, _options(scatter_gather=True))
+    plain = run(_ptdp, 4, *_split(2, 2, 1, scatter_gather=False))
+    split = run(_ptdp, 4, *_split(2, 2, 1, scatter_gather=True))
     for (losses_a, *_, log_a), (losses_b, *_, log_b) in zip(plain, split, strict=True):
         assert losses_a == pytest.approx(losses_b, abs=1e-6)
         assert log_a.total_bytes("send") == 2 * log_b.total_bytes("send") > 0
@@ -139,12 +147,12 @@ def serial_with_dropout():
 
 
 @pytest.mark.parametrize(("pp", "dp", "overrides"), [
-    (1, 1, {}), (2, 1, {}), (4, 1, {}), (2, 1, dict(schedule="interleaved", num_chunks=2)),
+    (1, 1, {}), (2, 1, {}), (4, 1, {}), (2, 1, dict(schedule="interleaved", chunks=2)),
     (1, 2, {}), (1, 4, {}), (2, 2, dict(zero1=True)),
 ], ids=["serial-ptdp", "pp2", "pp4", "interleaved", "dp2", "dp4", "pp2-dp2-zero1"])
 def test_with_dropout_every_tp1_layout_takes_the_serial_steps(serial_with_dropout, pp, dp,
                                                               overrides):
-    out = run(_ptdp, pp * dp, 1, pp, dp, _options(**overrides), DROPOUT)
+    out = run(_ptdp, pp * dp, *_split(1, pp, dp, **overrides), DROPOUT)
     _check_equal_to_serial(serial_with_dropout, out)
 
 
@@ -157,15 +165,16 @@ def test_dropout_changes_the_steps(serial, serial_with_dropout):
 @pytest.mark.parametrize(("tp", "pp", "dp"), [(1, 2, 2), (2, 1, 2), (1, 1, 4)])
 def test_a_masked_batch_gives_the_global_token_mean_on_every_layout(tp, pp, dp):
     serial = run(_serial, 1, CONFIG, True)[0]
-    out = run(_ptdp, tp * pp * dp, tp, pp, dp, _options(num_microbatches=2), CONFIG, True)
+    out = run(_ptdp, tp * pp * dp, *_split(tp, pp, dp), CONFIG, True)
     _check_equal_to_serial(serial, out)
 
 
 # --- a non-finite gradient skips the step on every rank -----------------------------------------
 
 def _inf_on_one_rank(tp, pp, dp, zero1, bad_rank):
-    grid = ParallelGrid(tp=tp, pp=pp, dp=dp)
-    trainer = PTDP(CONFIG, grid, _options(zero1=zero1))
+    layout, options = _split(tp, pp, dp, zero1=zero1)
+    grid = ParallelGrid(layout)
+    trainer = PTDP(CONFIG, grid, options)
     (ids, labels), *_ = _batches()
     mine = slice(grid.dp_rank * GLOBAL_BATCH // dp, (grid.dp_rank + 1) * GLOBAL_BATCH // dp)
     before = {k: v.clone() for c in trainer.chunks for k, v in c.state_dict().items()}
@@ -200,7 +209,7 @@ def test_an_inf_gradient_on_one_rank_skips_the_step_on_every_rank(tp, pp, dp, ze
 
 def test_zero1_sums_a_dp_th_of_the_tied_embedding():
     def embedding_bytes(zero1):
-        return run(_ptdp, 4, 1, 2, 2, _options(zero1=zero1))[0][3].total_bytes(
+        return run(_ptdp, 4, *_split(1, 2, 2, zero1=zero1))[0][3].total_bytes(
             label="embedding grads")
 
     assert embedding_bytes(True) * 2 == embedding_bytes(False) > 0

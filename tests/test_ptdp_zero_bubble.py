@@ -8,9 +8,9 @@ import dataclasses
 import pytest
 import torch
 from test_memory_techniques import DROPOUT, _batch
-from test_ptdp import STEPS, _check_equal_to_serial, _options, _ptdp, serial  # noqa: F401
+from test_ptdp import STEPS, _check_equal_to_serial, _ptdp, _split, serial  # noqa: F401
 
-from megatron_edu.grid import ParallelGrid
+from megatron_edu.grid import Layout, ParallelGrid
 from megatron_edu.launch import run
 from megatron_edu.ptdp import PTDP, PTDPOptions
 
@@ -19,25 +19,24 @@ from megatron_edu.ptdp import PTDP, PTDPOptions
     (1, 2, 2, dict(schedule="zb-h1", num_microbatches=4)),
     (2, 2, 1, dict(schedule="zb-h2", num_microbatches=4)),
     (1, 2, 2, dict(schedule="zb-h1", zero1=True, bucket_mb=0.01)),
-    (2, 2, 1, dict(schedule="zb-v", num_chunks=2, num_microbatches=4)),
-    (1, 2, 2, dict(schedule="zb-v", num_chunks=2, num_microbatches=4, zero1=True)),
+    (2, 2, 1, dict(schedule="zb-v", num_microbatches=4)),
+    (1, 2, 2, dict(schedule="zb-v", num_microbatches=4, zero1=True)),
 ], ids=["zb-h1-dp2", "zb-h2-tp2", "zb-h1-zero1-buckets", "zb-v-tp2", "zb-v-zero1"])
 def test_zero_bubble_schedules_take_the_serial_steps(serial, tp, pp, dp, overrides):  # noqa: F811
-    out = run(_ptdp, tp * pp * dp, tp, pp, dp, _options(**overrides))
+    out = run(_ptdp, tp * pp * dp, *_split(tp, pp, dp, **overrides))
     _check_equal_to_serial(serial, out)
 
 
 def test_dp_gradients_are_all_reduced_once_per_step_after_the_last_w():
     # grad_sync wraps each W; the chunk's last W launches the bucket's all-reduce
-    out = run(_ptdp, 4, 1, 2, 2, _options(schedule="zb-h1", num_microbatches=4, bucket_mb=1e6))
+    out = run(_ptdp, 4, *_split(1, 2, 2, schedule="zb-h1", num_microbatches=4, bucket_mb=1e6))
     for *_, log in out:
         assert log.count("all_reduce", group="dp", label="dp grads") == STEPS  # one bucket
 
 
 def _sequence_parallel_steps(config, schedule, steps=2):
-    grid = ParallelGrid(tp=2, pp=2)
-    trainer = PTDP(config, grid, PTDPOptions(schedule=schedule, num_microbatches=2, lr=1e-2,
-                                             eps=1e-4))
+    grid = ParallelGrid(Layout(tp=2, pp=2, schedule=schedule, num_microbatches=2))
+    trainer = PTDP(config, grid, PTDPOptions(lr=1e-2, eps=1e-4))
     losses = [trainer.train_step(*_batch(4, seed=step), 1e-2).loss for step in range(steps)]
     params = {}
     for chunk in trainer.chunks:

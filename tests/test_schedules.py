@@ -4,6 +4,7 @@ import pytest
 
 from megatron_edu.pipeline.schedules import (
     Action,
+    Schedule,
     check_schedule,
     format_schedule,
     gpipe,
@@ -11,6 +12,7 @@ from megatron_edu.pipeline.schedules import (
     make_schedule,
     one_f_one_b,
 )
+from megatron_edu.pipeline.stages import StageMap
 
 
 def valid_sizes():
@@ -30,7 +32,7 @@ def kinds(row):
 
 def test_every_schedule_is_complete_ordered_and_deadlock_free():
     for name, p, m, v in valid_sizes():
-        check_schedule(make_schedule(name, p, m, v), num_chunks=v)
+        check_schedule(make_schedule(name, p, m, v))
 
 
 def test_1f1b_with_fewer_microbatches_than_stages_is_valid():
@@ -103,10 +105,15 @@ def test_check_rejects_a_duplicated_action():
         check_schedule(schedule)
 
 
-def test_check_rejects_a_chunk_the_ranks_do_not_have():
-    schedule = interleaved_one_f_one_b(2, 4, 2)
-    with pytest.raises(ValueError, match="unexpected or duplicated .*F0.1"):
-        check_schedule(schedule, num_chunks=1)
+def test_a_schedule_rejects_a_chunk_its_stage_map_does_not_have():
+    with pytest.raises(ValueError, match=r"F0.1 names chunk 1, but each rank holds 1 chunk"):
+        Schedule(interleaved_one_f_one_b(2, 4, 2), StageMap(2, 1, "interleaved"))
+
+
+def test_a_schedule_carries_its_stage_map():
+    assert one_f_one_b(4, 8).stages == StageMap(4, 1, "interleaved")
+    assert interleaved_one_f_one_b(4, 8, 2).stages == StageMap(4, 2, "interleaved")
+    assert make_schedule("zb-v", 4, 8).stages == StageMap(4, 2, "v")
 
 
 def test_check_rejects_a_backward_before_its_own_forward():
@@ -120,8 +127,9 @@ def test_check_rejects_a_backward_before_its_own_forward():
 
 def test_check_rejects_a_deadlocking_order():
     # rank 0 waits for B0 before sending F1; rank 1 waits for F1 before doing F0 and B0
-    schedule = [[Action("F", 0), Action("B", 0), Action("F", 1), Action("B", 1)],
-                [Action("F", 1), Action("F", 0), Action("B", 0), Action("B", 1)]]
+    schedule = Schedule([[Action("F", 0), Action("B", 0), Action("F", 1), Action("B", 1)],
+                         [Action("F", 1), Action("F", 0), Action("B", 0), Action("B", 1)]],
+                        StageMap(2, 1, "interleaved"))
     with pytest.raises(ValueError, match="deadlock: no rank can progress; rank 0 waits at B0 for "
                                          "B0 on rank 1; rank 1 waits at F1 for F1 on rank 0"):
         check_schedule(schedule)
@@ -137,10 +145,17 @@ def test_check_rejects_a_deadlocking_order():
     (lambda: interleaved_one_f_one_b(4, 6, 2), "num_microbatches=6, num_stages=4"),
     (lambda: make_schedule("zigzag", 4, 8), "unknown schedule 'zigzag'"),
     (lambda: make_schedule("1f1b", 4, 8, 2), "one model chunk per rank; got v=2"),
+    (lambda: make_schedule("interleaved", 4, 8), "needs its number of chunks per rank"),
     (lambda: Action("X", 0), "kind must be 'F', 'B' or 'W', got 'X'"),
-    (lambda: check_schedule(gpipe(2, 2), num_chunks=0), "num_chunks must be at least 1, got 0"),
-    (lambda: check_schedule([]), "at least one rank"),
+    (lambda: StageMap(4, 0, "interleaved"), "needs v ≥ 1, got 0"),
+    (lambda: StageMap(4, 2, "zigzag"), "unknown placement 'zigzag'"),
+    (lambda: Schedule([[]], StageMap(2, 1, "interleaved")), "needs 2 ranks, got 1"),
 ])
 def test_bad_arguments_raise_value_error_naming_the_numbers(build, message):
     with pytest.raises(ValueError, match=message):
         build()
+
+
+def test_check_schedule_takes_a_schedule_not_bare_lists():
+    with pytest.raises(TypeError, match="wrap the lists as Schedule"):
+        check_schedule([[Action("F", 0), Action("B", 0)]])

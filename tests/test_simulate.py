@@ -124,7 +124,7 @@ def test_a_measured_timeline_gives_the_same_bubble():
     # as the engine records it: float seconds from an arbitrary clock origin
     simulated = simulate(one_f_one_b(4, 8))
     measured = Timeline([[(a, 100.0 + 0.01 * float(s), 100.0 + 0.01 * float(e)) for a, s, e in row]
-                         for row in simulated.ranks])
+                         for row in simulated.ranks], simulated.stages)
     assert measured.bubble_fraction == pytest.approx(3 / 8)
 
 
@@ -139,7 +139,8 @@ def test_measured_and_simulated_are_drawn_one_above_the_other():
     from megatron_edu.viz.pipeline import draw_measured_vs_simulated
 
     simulated = simulate(one_f_one_b(2, 2))
-    measured = [[(a, 5.0 + float(s), 5.0 + float(e)) for a, s, e in row] for row in simulated.ranks]
+    measured = Timeline([[(a, 5.0 + float(s), 5.0 + float(e)) for a, s, e in row]
+                         for row in simulated.ranks], simulated.stages)
     fig = draw_measured_vs_simulated(measured, simulated)
     assert [ax.get_title() for ax in fig.axes] == ["measured — bubble fraction 0.500",
                                                    "simulated — bubble fraction 0.500"]

@@ -161,12 +161,14 @@ def test_a_corrupt_checkpoint_is_named(tmp_path, cache, capsys):
     (["--tp", "3"], r"num_heads = 4 is not divisible by the tensor-parallel size tp = 3"),
     (["--pp", "3", "--nproc", "3"], r"num_layers = 4 is not divisible by pp·chunks"),
     (["--nproc", "2", "--global-batch", "6"], r"global batch 6 is not divisible by dp·micro"),
-    (["--chunks", "2"], r"--chunks 2 needs --schedule interleaved"),
-    (["--schedule", "zb-v", "--chunks", "3"], r"zb-v places exactly 2 chunks per rank, not "
-                                              r"--chunks 3"),
-    (["--schedule", "interleaved", "--chunks", "2"], r"--chunks 2 needs a pipeline \(--pp ≥ 2\)"),
+    (["--chunks", "2"], r"the 1f1b schedule has one model chunk per rank; got v=2"),
+    (["--schedule", "zb-v", "--chunks", "3"], r"the zb-v schedule has two model chunks per rank; "
+                                              r"got v=3"),
+    (["--schedule", "interleaved"], r"the interleaved schedule needs its number of chunks"),
+    (["--schedule", "interleaved", "--chunks", "2"], r"2 model chunks per rank need a pipeline "
+                                                     r"\(pp ≥ 2\)"),
     (["--nproc", "2", "--pp", "2", "--schedule", "interleaved", "--chunks", "2",
-      "--global-batch", "6"], r"microbatches per replica \(m = 3\) to be a multiple of pp = 2"),
+      "--global-batch", "6"], r"multiple of num_stages; got num_microbatches=3, num_stages=2"),
     (["--data", "/no/such/file.txt"], r"--data /no/such/file.txt: no such file"),
     (["--resume", "/no/such/run"], r"no checkpoint at /no/such/run"),
     (["--steps", "0"], r"--steps must be at least 1"),

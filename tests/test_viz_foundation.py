@@ -5,7 +5,7 @@ import matplotlib.pyplot as plt
 import pytest
 import torch
 
-from megatron_edu.grid import GridLayout
+from megatron_edu.grid import Layout
 from megatron_edu.viz.collectives import (
     MIXED,
     draw_collective,
@@ -17,7 +17,7 @@ from megatron_edu.viz.grid import draw_grid, draw_grid_groups, groups_across_nod
 T = 4
 BEFORE = [torch.arange(2.0) + 10 * r for r in range(T)]  # rank r holds [10r, 10r + 1]
 TOTAL = sum(BEFORE)
-LAYOUT = GridLayout(tp=2, pp=4, dp=2)
+LAYOUT = Layout(tp=2, pp=4, dp=2)
 
 
 @pytest.fixture(autouse=True)

@@ -8,24 +8,19 @@ import pytest
 
 from megatron_edu.pipeline.schedules import (
     Action,
+    Schedule,
     check_schedule,
     format_schedule,
     make_schedule,
     one_f_one_b,
-    placement_of,
-    stage_location,
-    virtual_stage,
     zero_bubble_h1,
     zero_bubble_h2,
     zero_bubble_v,
 )
 from megatron_edu.pipeline.simulate import bubble_size_formula, simulate
+from megatron_edu.pipeline.stages import StageMap
 
 ZB = ["zb-h1", "zb-h2", "zb-v"]
-
-
-def chunks_of(name):
-    return 2 if name == "zb-v" else 1
 
 
 def zb_sizes(name, max_p=6):
@@ -82,24 +77,24 @@ def test_zb_h1_is_1f1b_with_each_backward_split_and_its_w_moved():
 @pytest.mark.parametrize("name", ZB)
 def test_every_zero_bubble_schedule_is_complete_ordered_and_deadlock_free(name):
     for p, m in zb_sizes(name):
-        schedule = make_schedule(name, p, m, chunks_of(name))
-        check_schedule(schedule, chunks_of(name), placement_of(name))
+        check_schedule(make_schedule(name, p, m))
 
 
 # --- the V placement ---------------------------------------------------------------------------
 
 
 def test_the_v_placement_goes_down_the_ranks_and_back_up():
-    p = 4
-    assert [stage_location(s, p, "v") for s in range(2 * p)] == [
+    stages = StageMap(4, 2, "v")
+    assert [stages.location(s) for s in range(8)] == [
         (0, 0), (1, 0), (2, 0), (3, 0), (3, 1), (2, 1), (1, 1), (0, 1)]
-    assert all(virtual_stage(*stage_location(s, p, "v"), p, "v") == s for s in range(2 * p))
+    assert all(stages.stage(*stages.location(s)) == s for s in range(8))
+    assert (stages.first_rank, stages.last_rank) == (0, 0)
 
 
 def test_zb_v_is_not_valid_under_the_interleaved_placement():
     # the same lists, read as chunk c on rank r = stage c·p + r, wait for what never comes
     with pytest.raises(ValueError, match="deadlock"):
-        check_schedule(zero_bubble_v(4, 8), 2, "interleaved")
+        check_schedule(Schedule(zero_bubble_v(4, 8), StageMap(4, 2, "interleaved")))
 
 
 # --- the checker knows W ---------------------------------------------------------------------
@@ -130,16 +125,16 @@ def test_a_backward_waits_for_the_next_stages_b_never_for_its_w():
     check_schedule(schedule)
     # but stage 0's B0 needs stage 1's B0, which waits for F1, which rank 0 runs after B0
     f, b, w = (partial(Action, kind) for kind in "FBW")
-    schedule = [[f(0), b(0), f(1), b(1), w(0), w(1)], [f(1), f(0), b(0), b(1), w(0), w(1)]]
+    schedule = Schedule([[f(0), b(0), f(1), b(1), w(0), w(1)],
+                         [f(1), f(0), b(0), b(1), w(0), w(1)]], StageMap(2, 1, "interleaved"))
     with pytest.raises(ValueError, match="rank 0 waits at B0 for B0 on rank 1; "
                                          "rank 1 waits at F1 for F1 on rank 0"):
         check_schedule(schedule)
 
 
 @pytest.mark.parametrize("build, message", [
-    (lambda: make_schedule("zb-v", 4, 8), "two model chunks per rank; got v=1"),
+    (lambda: make_schedule("zb-v", 4, 8, 1), "two model chunks per rank; got v=1"),
     (lambda: make_schedule("zb-h1", 4, 8, 2), "one model chunk per rank; got v=2"),
-    (lambda: virtual_stage(0, 1, 4, "zigzag"), "unknown placement 'zigzag'"),
 ])
 def test_bad_zero_bubble_arguments_name_the_numbers(build, message):
     with pytest.raises(ValueError, match=message):
@@ -175,7 +170,7 @@ def test_1f1b_pays_b_plus_w_for_its_whole_backward():
 
 @pytest.mark.parametrize("p, m", [(2, 3), (4, 7), (4, 12), (6, 11)])
 def test_zb_v_has_no_bubble_when_f_b_and_w_cost_the_same(p, m):
-    timeline = simulate(zero_bubble_v(p, m), 1, 1, weight_time=1, placement="v")
+    timeline = simulate(zero_bubble_v(p, m), 1, 1, weight_time=1)
     assert timeline.bubble_size == 0
 
 
@@ -192,13 +187,13 @@ def test_zb_h2_holds_2p_minus_1_microbatches():
 
 
 def test_zb_v_holds_2p_half_stage_chunks_as_1f1b_holds_p_whole_stages():
-    timeline = simulate(zero_bubble_v(4, 8), 1, 1, weight_time=1, placement="v")
+    timeline = simulate(zero_bubble_v(4, 8), 1, 1, weight_time=1)
     assert timeline.peak_activations == [8] * 4  # each chunk is half a stage's layers
 
 
 def test_zb_v_sends_nothing_at_its_turn():
     # 2·m·(2p − 1) stage boundaries crossed, minus the two at the turn on rank p − 1, per mb
-    timeline = simulate(zero_bubble_v(4, 8), placement="v")
+    timeline = simulate(zero_bubble_v(4, 8))
     assert timeline.num_p2p_messages == 2 * 8 * (2 * 4 - 2)
 
 

@@ -17,7 +17,7 @@ import torch
 
 from megatron_edu import comm
 from megatron_edu.exercises.checking import Hint, close, exercise, on_ranks
-from megatron_edu.grid import GridLayout
+from megatron_edu.grid import Layout
 
 WORLD = 4
 RING_TIMEOUT = 20.0  # s: the ring exercise is the deadlock-prone one (tests shorten it)
@@ -114,12 +114,12 @@ def _slot_hint(rank: int, out: torch.Tensor) -> str | None:
 # --- 00.2 the grid's coordinates -----------------------------------------------------------------
 
 _AXES = ("tp", "pp", "dp")
-_LAYOUTS = [GridLayout(tp=2, pp=3, dp=4)] + [GridLayout(*s) for s in
+_LAYOUTS = [Layout(tp=2, pp=3, dp=4)] + [Layout(*s) for s in
                                              ((2, 2, 2), (4, 2, 1), (1, 2, 4), (2, 4, 2),
                                               (8, 1, 2), (3, 2, 5), (1, 1, 6))]
 
 
-def _coords_in_order(layout: GridLayout, rank: int, fastest_first: tuple[str, ...]) -> tuple:
+def _coords_in_order(layout: Layout, rank: int, fastest_first: tuple[str, ...]) -> tuple:
     """(tp, pp, dp) of ``rank`` when the ranks are numbered with ``fastest_first[0]`` fastest."""
     size = {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp}
     coords, rest = {}, rank
@@ -154,7 +154,7 @@ def _grid_coords(fn) -> str:
             if got == [tuple(e[i] for i in perm) for e in expected]:
                 names = ", ".join(f"{_AXES[i]}_rank" for i in perm)
                 raise Hint(f"the coordinates are right but in the order ({names}): return "
-                           f"(tp_rank, pp_rank, dp_rank), as GridLayout.coords does")
+                           f"(tp_rank, pp_rank, dp_rank), as Layout.coords does")
         for rank, answer in enumerate(got):
             for axis, c in zip(_AXES, answer, strict=True):
                 if not 0 <= c < sizes[axis]:
@@ -165,7 +165,7 @@ def _grid_coords(fn) -> str:
                    f"{expected[rank]} — rank = pp_rank·(dp·tp) + dp_rank·tp + tp_rank")
     worlds = sorted({layout.world_size for layout in _LAYOUTS})
     return (f"every rank of {len(_LAYOUTS)} layouts ({', '.join(map(str, worlds))} ranks) has "
-            f"GridLayout's coordinates: tp fastest, then dp, then pp, as in Megatron")
+            f"Layout's coordinates: tp fastest, then dp, then pp, as in Megatron")
 
 
 # --- 00.3 the ring all-reduce --------------------------------------------------------------------

@@ -18,16 +18,19 @@ from collections.abc import Callable
 from megatron_edu.exercises.checking import Hint, exercise
 from megatron_edu.pipeline.schedules import (
     Action,
+    Schedule,
     check_schedule,
     interleaved_one_f_one_b,
     one_f_one_b,
 )
 from megatron_edu.pipeline.simulate import Timeline
+from megatron_edu.pipeline.stages import StageMap
 
 
-def _peaks(schedule: list[list[Action]]) -> list[int]:
+def _peaks(schedule: Schedule) -> list[int]:
     """Per rank, the most activations held at once (the simulator's count: F adds, B frees)."""
-    return Timeline([[(a, 0, 0) for a in row] for row in schedule]).peak_activations
+    return Timeline([[(a, 0, 0) for a in row] for row in schedule], schedule.stages
+                    ).peak_activations
 
 
 # --- 04.1 ★ the peak of 1F1B ------------------------------------------------------------------
@@ -121,9 +124,10 @@ def _first_difference(got: list[Action], expected: list[Action]) -> str:
 
 
 def _together(rows: list[list[Action]], num_chunks: int) -> str:
-    """What the ranks' lists do when run together, in words (empty when they run fine)."""
+    """What the ranks' lists do when run together, in words (empty when they run fine): the
+    learner's lists on the interleaved placement, chunk c of rank r at stage c·p + r."""
     try:
-        check_schedule(rows, num_chunks)
+        check_schedule(Schedule(rows, StageMap(len(rows), num_chunks, "interleaved")))
     except ValueError as error:
         return f". Run together, your ranks' lists fail check_schedule: {error}"
     return ""

@@ -2,9 +2,11 @@
 
 05.1 ★★  a schedule that deadlocks: ``check_schedule`` must call it a deadlock, and the engine,
          run on that many ranks, must hang — the launcher stops it and says which ranks were stuck.
-05.2 ★★★ the engine's message keys: what each action receives and sends (``messages_of``),
-         chunk c of rank r being virtual stage c·p + r — checked on every action of several
-         schedules, then run in the engine on 2 ranks with the interleaved schedule.
+05.2 ★★★ the engine's message keys: what each action receives and sends
+         (``messages_of(action, rank, stages)``), the stage map saying which virtual stage each
+         chunk holds — checked on every action of several schedules, ZB-V's V included, then
+         run in the engine (``run_schedule(..., messages=yours)``) on 2 ranks with the
+         interleaved schedule.
 """
 
 from __future__ import annotations
@@ -18,9 +20,15 @@ from megatron_edu.exercises.checking import Hint, exercise, on_ranks
 from megatron_edu.grid import ParallelGrid
 from megatron_edu.launch import RankError, run
 from megatron_edu.model import GPT, GPTConfig
-from megatron_edu.pipeline import engine, p2p
-from megatron_edu.pipeline.p2p import Message
-from megatron_edu.pipeline.schedules import Action, check_schedule, make_schedule
+from megatron_edu.pipeline.engine import build_chunks, run_schedule
+from megatron_edu.pipeline.schedules import (
+    Action,
+    Schedule,
+    check_schedule,
+    make_schedule,
+    messages_of,
+)
+from megatron_edu.pipeline.stages import Message, StageMap
 
 DEADLOCK_TIMEOUT = 5.0  # seconds the launcher waits for a schedule check_schedule calls a deadlock
 MAX_RANKS, MAX_MICROBATCHES = 4, 4
@@ -36,20 +44,19 @@ def _batch(m: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _run_pipeline(schedule, num_chunks: int, messages_of=None) -> float:
-    """One step of ``schedule`` on this rank (optionally with the learner's ``messages_of``)."""
-    if messages_of is not None:  # this process only runs this step: patching it is harmless
-        engine.messages_of = p2p.messages_of = messages_of
+def _run_pipeline(schedule: Schedule, messages=messages_of) -> float:
+    """One step of ``schedule`` on this rank, with the learner's ``messages`` if given."""
     grid = ParallelGrid(pp=dist.get_world_size())
-    chunks = engine.build_chunks(CONFIG, grid, num_chunks)
-    m = 1 + max(a.microbatch for row in schedule for a in row)
+    chunks = build_chunks(CONFIG, grid, schedule.stages)
+    m = schedule.num_microbatches
     ids, labels = _batch(m)
-    return engine.run_schedule(schedule, chunks, grid, ids, labels, m, CONFIG.hidden).loss.item()
+    return run_schedule(schedule, chunks, grid, ids, labels, m, CONFIG.hidden,
+                        messages=messages).loss.item()
 
 
 # --- 05.1 ★★ a deadlock, predicted and seen ---------------------------------------------------
 
-def _as_schedule(schedule) -> list[list[Action]]:
+def _as_schedule(schedule) -> Schedule:
     if not isinstance(schedule, list | tuple) or not all(
             isinstance(row, list | tuple) and all(isinstance(a, Action) for a in row)
             for row in schedule):
@@ -65,7 +72,7 @@ def _as_schedule(schedule) -> list[list[Action]]:
     if not actions or max(a.microbatch for a in actions) >= MAX_MICROBATCHES:
         raise Hint(f"use microbatches 0 to {MAX_MICROBATCHES - 1} at most: a small deadlock is "
                    "the clearest")
-    return [list(row) for row in schedule]
+    return Schedule(schedule, StageMap(len(schedule), 1, "interleaved"))
 
 
 @exercise("05.1", "a schedule that deadlocks, predicted by check_schedule and seen for real")
@@ -88,7 +95,7 @@ def _deadlock(fn) -> str:
                    "anything runs; a deadlock is ranks waiting on each other")
     p = len(schedule)
     try:
-        run(_run_pipeline, p, schedule, 1, backend="gloo", timeout=DEADLOCK_TIMEOUT)
+        run(_run_pipeline, p, schedule, backend="gloo", timeout=DEADLOCK_TIMEOUT)
     except TimeoutError as err:
         stuck = re.search(r"ranks (\[[\d, ]*\])", str(err))
         return (f"check_schedule predicted it — \"{verdict}\" — and run for real on {p} ranks, "
@@ -108,7 +115,7 @@ def _deadlock(fn) -> str:
 # --- 05.2 ★★★ the message keys ------------------------------------------------------------------
 
 MESSAGE_CASES = [("1f1b", 4, 1), ("1f1b", 2, 1), ("interleaved", 2, 2), ("interleaved", 4, 2),
-                 ("interleaved", 3, 3), ("1f1b", 1, 1)]
+                 ("interleaved", 3, 3), ("1f1b", 1, 1), ("zb-v", 3, 2)]
 
 
 def _show(message) -> str:
@@ -117,14 +124,18 @@ def _show(message) -> str:
         if isinstance(message, Message) else repr(message))
 
 
-def _explain(action: Action, rank: int, p: int, v: int, got, expected) -> str:
+def _explain(action: Action, rank: int, stages: StageMap, got, expected) -> str:
     """Why ``got`` is wrong for ``action``, in words."""
-    stage, last = action.chunk * p + rank, v * p - 1
-    where = f"{action} on rank {rank} (p={p}, v={v}, virtual stage {stage})"
+    stage, last = stages.stage(rank, action.chunk), stages.num_stages - 1
+    where = f"{action} on rank {rank} ({stages}: virtual stage {stage})"
     (got_in, got_out), (in_, out) = got, expected
-    if action.chunk and got == p2p.messages_of(Action(action.kind, action.microbatch), rank, p, v):
+    if action.chunk and got == messages_of(Action(action.kind, action.microbatch), rank, stages):
         return (f"{where}: you return ({_show(got_in)}, {_show(got_out)}), the answer for chunk "
-                f"0 — chunk c of rank r is virtual stage c·p + r = {stage}, not r")
+                f"0 — ask the stage map: stages.stage(rank, chunk) = {stage}, not {rank}")
+    if stages.kind == "v" and got[0] != in_ and got[0] is not None and in_ is not None:
+        return (f"{where}: you return ({_show(got_in)}, {_show(got_out)}), expected "
+                f"({_show(in_)}, {_show(out)}) — under ZB-V's V the chunks do not sit at c·p + r: "
+                "take the stage from stages.stage(rank, action.chunk)")
     if action.kind == "F" and stage == 0 and got_in is not None:
         return f"{where} reads the token ids: it receives nothing (None)"
     if action.kind == "F" and stage == last and got_out is not None:
@@ -152,17 +163,18 @@ def _explain(action: Action, rank: int, p: int, v: int, got, expected) -> str:
 def _messages_check(fn) -> int:
     count = 0
     for name, p, v in MESSAGE_CASES:
-        for rank, row in enumerate(make_schedule(name, p, 2 * p, v)):
+        schedule = make_schedule(name, p, 2 * p, v)
+        for rank, row in enumerate(schedule):
             for action in row:
-                got = fn(action, rank, p, v)
+                got = fn(action, rank, schedule.stages)
                 if not (isinstance(got, tuple) and len(got) == 2 and all(
                         m is None or isinstance(m, Message) for m in got)):
-                    raise Hint(f"messages_of({action}, {rank}, {p}, {v}) returned {got!r}; "
-                               "return a pair (what it receives, what it sends), each a "
-                               "Message(kind, microbatch, stage) or None")
-                expected = p2p.messages_of(action, rank, p, v)
+                    raise Hint(f"messages_of({action}, {rank}, {schedule.stages}) returned "
+                               f"{got!r}; return a pair (what it receives, what it sends), each "
+                               "a Message(kind, microbatch, stage) or None")
+                expected = messages_of(action, rank, schedule.stages)
                 if got != expected:
-                    raise Hint(_explain(action, rank, p, v, got, expected))
+                    raise Hint(_explain(action, rank, schedule.stages, got, expected))
                 count += 1
     return count
 
@@ -172,7 +184,7 @@ def _messages(fn) -> str:
     count = _messages_check(fn)
     m, p, v = 4, 2, 2
     schedule = make_schedule("interleaved", p, m, v)
-    losses = on_ranks(p, _run_with, fn, schedule, v, timeout=60.0)
+    losses = on_ranks(p, _run_pipeline, schedule, fn, timeout=60.0)
     ids, labels = _batch(m)
     with torch.no_grad():
         serial = GPT(CONFIG)(ids, labels).item()
@@ -182,7 +194,3 @@ def _messages(fn) -> str:
     return (f"right on all {count} actions of {len(MESSAGE_CASES)} schedules; the engine, run "
             f"with your function on {p} ranks (interleaved, v = {v}: activations and gradients "
             "both ways between the same two ranks), gives the serial model's loss")
-
-
-def _run_with(fn, schedule, v: int) -> float:
-    return _run_pipeline(schedule, v, fn)

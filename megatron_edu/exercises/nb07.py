@@ -20,7 +20,7 @@ import torch
 
 from megatron_edu import comm
 from megatron_edu.exercises.checking import Hint, exercise, on_ranks
-from megatron_edu.grid import GridLayout, ParallelGrid
+from megatron_edu.grid import Layout, ParallelGrid
 from megatron_edu.model import GPTConfig
 from megatron_edu.perf import ModelShape
 from megatron_edu.perf.memory import parameters_per_rank
@@ -34,7 +34,7 @@ KINDS = ("tp", "dp", "pp", "embedding")
 GRID_LAYOUTS = ((2, 2, 2), (8, 4, 2), (1, 4, 2), (4, 1, 3), (2, 3, 1))  # (tp, pp, dp)
 
 
-def _groups(layout: GridLayout) -> dict[str, list[list[int]]]:
+def _groups(layout: Layout) -> dict[str, list[list[int]]]:
     return {kind: getattr(layout, f"{kind}_groups")() for kind in KINDS}
 
 
@@ -53,7 +53,7 @@ def _shown(groups: list[list[int]], most: int = 4) -> str:
 @exercise("07.1", "the rank grid: tp, dp, pp and embedding groups")
 def _rank_groups(fn: Callable) -> str:
     for tp, pp, dp in GRID_LAYOUTS:
-        layout = GridLayout(tp=tp, pp=pp, dp=dp)
+        layout = Layout(tp=tp, pp=pp, dp=dp)
         got, want = fn(tp, pp, dp), _groups(layout)
         name = f"tp={tp}, pp={pp}, dp={dp}"
         if not isinstance(got, dict) or set(KINDS) - set(got):
@@ -66,7 +66,7 @@ def _rank_groups(fn: Callable) -> str:
             "ranks: every group right, tp fastest (inside a node), then dp, then pp")
 
 
-def _check_groups(kind: str, got: set | None, want: dict, name: str, layout: GridLayout) -> None:
+def _check_groups(kind: str, got: set | None, want: dict, name: str, layout: Layout) -> None:
     expected = _as_set(want[kind])
     if got == expected:
         return
@@ -104,7 +104,7 @@ def _tied_grad(rank: int) -> torch.Tensor:
 
 def _run_tied(fn: Callable, tp: int, pp: int, dp: int) -> dict[str, Any]:
     grid = ParallelGrid(tp=tp, pp=pp, dp=dp)
-    holds = grid.is_first_stage or grid.is_last_stage
+    holds = grid.pp_rank in (0, grid.pp - 1)  # the first and the last stage hold a copy of E
     grad = _tied_grad(grid.rank) if holds else None
     with comm.record() as log:
         out = fn(None if grad is None else grad.clone(), grid)
@@ -114,7 +114,7 @@ def _run_tied(fn: Callable, tp: int, pp: int, dp: int) -> dict[str, Any]:
 @exercise("07.2", "the tied embedding: sum the two copies' gradients")
 def _tied_embedding(fn: Callable) -> str:
     for tp, pp, dp in TIED_LAYOUTS:
-        layout = GridLayout(tp=tp, pp=pp, dp=dp)
+        layout = Layout(tp=tp, pp=pp, dp=dp)
         try:
             results = on_ranks(layout.world_size, _run_tied, fn, tp, pp, dp, timeout=TIMEOUT)
         except Hint as hint:
@@ -135,7 +135,7 @@ def _group_of(rank: int, groups: list[list[int]]) -> list[int]:
     return next(g for g in groups if rank in g)
 
 
-def _check_tied(r: dict[str, Any], rank: int, layout: GridLayout) -> None:
+def _check_tied(r: dict[str, Any], rank: int, layout: Layout) -> None:
     name = f"tp={layout.tp}, pp={layout.pp}, dp={layout.dp}: rank {rank} (stage {r['stage']})"
     out = r["out"]
     if not r["holds"]:
@@ -179,7 +179,7 @@ def _check_tied(r: dict[str, Any], rank: int, layout: GridLayout) -> None:
                f"{(out - want).abs().max().item():.3g}")
 
 
-def _holders(layout: GridLayout) -> set[int]:
+def _holders(layout: Layout) -> set[int]:
     return {r for g in layout.embedding_groups() for r in g}
 
 
@@ -194,8 +194,8 @@ TOLERANCE = 0.01
 
 
 def _measure_step(tp: int, pp: int, dp: int) -> comm.CommLog:
-    grid = ParallelGrid(tp=tp, pp=pp, dp=dp)
-    trainer = PTDP(BYTES_CONFIG, grid, PTDPOptions(num_microbatches=BYTES_MICROBATCHES))
+    grid = ParallelGrid(Layout(tp, pp, dp, num_microbatches=BYTES_MICROBATCHES))
+    trainer = PTDP(BYTES_CONFIG, grid, PTDPOptions())
     tokens = torch.randint(0, BYTES_CONFIG.vocab_size, (BYTES_BATCH, BYTES_CONFIG.seq_len + 1),
                            generator=torch.Generator().manual_seed(0))
     ids, labels = tokens[:, :-1].chunk(dp)[grid.dp_rank], tokens[:, 1:].chunk(dp)[grid.dp_rank]

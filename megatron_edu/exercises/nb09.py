@@ -144,12 +144,15 @@ def _make_run(folder: Path) -> ResumeRun:
 
 
 def _trainer(run: ResumeRun, tp: int, pp: int):
-    from megatron_edu.grid import ParallelGrid
+    import torch.distributed as dist
+
+    from megatron_edu.grid import Layout, ParallelGrid
     from megatron_edu.ptdp import PTDP, PTDPOptions
 
-    grid = ParallelGrid(tp=tp, pp=pp)
-    m = run.global_batch // (grid.dp * run.micro_batch)
-    return PTDP(run.config, grid, PTDPOptions(num_microbatches=m, lr=run.lr))
+    dp = dist.get_world_size() // (tp * pp)
+    layout = Layout(tp, pp, dp, microbatch=run.micro_batch,
+                    num_microbatches=run.global_batch // (dp * run.micro_batch))
+    return PTDP(run.config, ParallelGrid(layout), PTDPOptions(lr=run.lr))
 
 
 def _sampler(run: ResumeRun, trainer):
@@ -255,7 +258,7 @@ def _resume_in_another_layout(fn: Callable[..., Any]) -> str:
     if tp_all_reduces or not sends:
         raise Hint(f"your steps made {tp_all_reduces} tensor-parallel all-reduces and {sends} "
                    f"pipeline sends: that is not tp=1 × pp=2 (no tp all-reduce, activations "
-                   f"sent between 2 stages) — build ParallelGrid(tp=tp, pp=pp) with the layout "
+                   f"sent between 2 stages) — build the grid with the layout "
                    f"you are given, not the checkpoint's tp=2 × pp=1")
     right = reference["right"]
     if _equal(losses, right):

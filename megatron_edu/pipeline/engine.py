@@ -11,8 +11,9 @@ Each pipeline rank walks its list of actions from ``schedules.py``:
   only the input's gradient and leaves W what it needs (``backward.py``); W accumulates into
   the parameters' ``.grad`` and sends nothing.
 
-Chunk c on rank r is virtual stage c·p + r (§2.2.2), or, under ZB-V's V placement, r for chunk 0
-and 2p − 1 − r for chunk 1 (``schedules.virtual_stage``). Messages go through a transport
+Which virtual stage chunk c of rank r holds is the schedule's ``StageMap`` (c·p + r, §2.2.2, or
+ZB-V's V); what each action receives and sends is ``schedules.messages_of`` — the same data flow
+that ``check_schedule`` and the simulator read. Messages go through a transport
 (``p2p.py``): on gloo a mailbox with receives posted in advance, on NCCL batches that both
 neighbours issue at the same point of their schedules — the engine asks the same three things of
 either.
@@ -58,32 +59,29 @@ from torch import nn
 
 from megatron_edu import comm
 from megatron_edu.grid import ParallelGrid
-from megatron_edu.model import GPT, GPTConfig, stage_layers
+from megatron_edu.model import GPT, GPTConfig
 from megatron_edu.model.gpt import IGNORE_INDEX
 from megatron_edu.pipeline.backward import WeightPass, backward, backward_input
-from megatron_edu.pipeline.p2p import make_transport, messages_placed
-from megatron_edu.pipeline.schedules import Action, Schedule, splits_backward, virtual_stage
+from megatron_edu.pipeline.p2p import make_transport
+from megatron_edu.pipeline.schedules import Action, MessagesOf, Schedule, messages_of
+from megatron_edu.pipeline.stages import StageMap
 from megatron_edu.tensor_parallel.random import DropoutKey
 from megatron_edu.timing import Clock
 
 __all__ = ["build_chunks", "PipelineResult", "run_schedule"]
 
 
-def build_chunks(config: GPTConfig, grid: ParallelGrid, num_chunks: int = 1,
-                 placement: str = "interleaved") -> list[GPT]:
+def build_chunks(config: GPTConfig, grid: ParallelGrid, stages: StageMap) -> list[GPT]:
     """This rank's model chunks: chunk c holds the contiguous layers of virtual stage
-    ``virtual_stage(r, c, p, placement)`` — c·p + r, or ZB-V's V ("v")."""
-    config.validate(grid.tp, grid.pp, num_chunks)
-    if num_chunks > 1 and grid.pp == 1:
-        raise ValueError(f"{num_chunks} model chunks need a pipeline (pp ≥ 2): with one stage "
-                         f"there is nothing to interleave")
-    num_stages = num_chunks * grid.pp
+    ``stages.stage(pp_rank, c)`` — c·p + r, or ZB-V's V."""
+    if stages.p != grid.pp:
+        raise ValueError(f"the stage map has p = {stages.p} pipeline ranks, the grid "
+                         f"pp = {grid.pp}")
     chunks = []
-    for c in range(num_chunks):
-        stage = virtual_stage(grid.pp_rank, c, grid.pp, placement)
-        layers = stage_layers(config.num_layers, num_stages, stage)  # the stage-th of p·v runs
-        chunks.append(GPT(config, grid, layers=layers, first=stage == 0,
-                          last=stage == num_stages - 1))
+    for c in range(stages.v):
+        stage = stages.stage(grid.pp_rank, c)
+        chunks.append(GPT(config, grid, layers=stages.layers(stage, config.num_layers),
+                          first=stage == 0, last=stage == stages.num_stages - 1))
     return chunks
 
 
@@ -114,7 +112,7 @@ def run_schedule(
     first_sample: int = 0,
     loss_scale: float = 1.0,
     sequence_parts: int = 1,
-    placement: str = "interleaved",
+    messages: MessagesOf = messages_of,
 ) -> PipelineResult:
     """Run this rank's list of ``schedule`` over ``chunks``: one forward-backward of the batch.
 
@@ -133,8 +131,9 @@ def run_schedule(
     ``loss_scale``: backward starts from the loss times this (fp16's loss scaling; the reported
     loss is not scaled). ``sequence_parts``: the stages exchange 1/parts of each sequence
     (sequence parallelism over tp: each tp rank sends its own part, so §4.1's scatter/gather
-    has nothing left to save). ``placement``: where the chunks live (``build_chunks``' own; "v"
-    for ZB-V).
+    has nothing left to save). ``messages``: what each action receives and sends (exercise
+    05.2 passes the learner's). Where the chunks live is the schedule's own ``stages``, which
+    ``build_chunks`` built them by.
     """
     m = num_microbatches
     if input_ids.shape[0] % m:
@@ -143,12 +142,15 @@ def run_schedule(
     if input_ids.shape[1] % sequence_parts:
         raise ValueError(f"{input_ids.shape[1]} tokens do not split into {sequence_parts} parts")
     shape = (input_ids.shape[0] // m, input_ids.shape[1] // sequence_parts, hidden)
-    wire = make_transport(transport, schedule, len(chunks), grid, shape, _boundary_dtype(chunks),
-                          scatter_gather, placement)
+    if len(chunks) != schedule.stages.v:
+        raise ValueError(f"{len(chunks)} chunks on this rank, but the schedule runs "
+                         f"{schedule.stages.v} per rank ({schedule.stages})")
+    wire = make_transport(transport, schedule, grid, shape, _boundary_dtype(chunks),
+                          scatter_gather, messages)
     if num_tokens is None:
         num_tokens = int((labels != IGNORE_INDEX).sum())
     return _Run(schedule, chunks, grid, wire, input_ids.chunk(m), labels.chunk(m), grad_sync,
-                step, first_sample, num_tokens, loss_scale, placement).execute()
+                step, first_sample, num_tokens, loss_scale, messages).execute()
 
 
 def _boundary_dtype(chunks: Sequence[nn.Module]) -> torch.dtype:
@@ -163,29 +165,27 @@ class _Run:
     """One step of one rank: its actions, what each microbatch keeps, and the losses."""
 
     def __init__(self, schedule, chunks, grid, wire, ids, targets, grad_sync, step, first_sample,
-                 num_tokens, loss_scale, placement) -> None:
+                 num_tokens, loss_scale, messages) -> None:
         self.schedule, self.chunks, self.grid, self.wire = schedule, chunks, grid, wire
         self.ids, self.targets, self.grad_sync = ids, targets, grad_sync
         self.step, self.first_sample, self.num_tokens = step, first_sample, num_tokens
-        self.loss_scale, self.placement = loss_scale, placement
-        self.p, self.v = grid.pp, len(chunks)
-        self.split = splits_backward(schedule)  # B is the input gradient only; W the weights'
+        self.loss_scale, self.messages, self.stages = loss_scale, messages, schedule.stages
+        self.split = schedule.splits_backward  # B is the input gradient only; W the weights'
         self.kept: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
         self.weight_passes: dict[tuple[int, int], WeightPass] = {}
-        self.weight_passes_left = [len(ids)] * self.v  # B's, or W's when split: per chunk
+        self.weight_passes_left = [len(ids)] * len(chunks)  # B's, or W's when split: per chunk
         self.losses: list[torch.Tensor] = []
         self.boundary = _LiveTensors()
 
     def execute(self) -> PipelineResult:
         actions = self.schedule[self.grid.pp_rank]
         clock = Clock(self.grid.device)
-        if self.p > 1:
+        if self.grid.pp > 1:
             dist.barrier(group=self.grid.pp_group.pg)  # a common time origin for the timeline
         origin, stamps = clock.stamp(), []
         for i, action in enumerate(actions):
             self.wire.at_point(i)
-            receives, sends = messages_placed(action, self.grid.pp_rank, self.p, self.v,
-                                              self.placement)
+            receives, sends = self.messages(action, self.grid.pp_rank, self.stages)
             x = self.wire.receive(receives) if receives is not None else None
             start = clock.stamp()
             out = {"F": self._forward, "B": self._backward, "W": self._weights}[action.kind](
@@ -200,12 +200,10 @@ class _Run:
         timeline = [(a, clock.seconds(s) - zero, clock.seconds(e) - zero) for a, s, e in stamps]
         return PipelineResult(self._loss(), timeline, self.boundary.peak)
 
-    def _stage(self, action: Action) -> int:
-        return virtual_stage(self.grid.pp_rank, action.chunk, self.p, self.placement)
-
     def _forward(self, action: Action, x: torch.Tensor | None) -> torch.Tensor:
-        stage, mb, c = self._stage(action), action.microbatch, action.chunk
-        last = stage == self.v * self.p - 1
+        mb, c = action.microbatch, action.chunk
+        stage = self.stages.stage(self.grid.pp_rank, c)
+        last = stage == self.stages.num_stages - 1
         if x is None:
             x = self.ids[mb]                                   # virtual stage 0: token ids
         else:

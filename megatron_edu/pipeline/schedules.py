@@ -6,28 +6,34 @@ Megatron-LM's `forward_backward_pipelining_without_interleaving` and
 `forward_backward_pipelining_with_interleaving`. Qi et al. 2023, arXiv 2401.10241 — the zero-bubble
 schedules ZB-H1 and ZB-H2 (§2, Figure 3) and ZB-V (§6), whose backward pass is split in two.
 
-A schedule is a list with one entry per pipeline rank, each a list of `Action`s in execution order.
-Nothing here computes or communicates: the same lists are checked (`check_schedule`), simulated
-(`simulate.py`), drawn (`viz/pipeline.py`) and executed over send/recv (`engine.py`).
-
-Model chunks (§2.2.2): with v chunks per rank, chunk c of rank r is virtual stage c·p + r of the
-v·p virtual stages, so a microbatch's forward pass visits ranks 0, 1, …, p−1 (chunk 0), then
-ranks 0, 1, …, p−1 again (chunk 1), and so on; its backward pass walks the same path in reverse.
-ZB-V places its two chunks in a V instead (`virtual_stage`): down the ranks, then back up.
+A `Schedule` is a list with one entry per pipeline rank, each a list of `Action`s in execution
+order, and the `StageMap` saying where its model chunks live (`stages.py`: chunk c of rank r is
+stage c·p + r, or ZB-V's V). Nothing here computes or communicates: the same lists are checked
+(`check_schedule`), simulated (`simulate.py`), drawn and executed over send/recv (`engine.py`;
+`reference.py` runs 1F1B as a plain loop).
 
 The backward pass split in two (2401.10241 §1, Figure 1): for a layer y = f(x, W), B computes the
 input's gradient — which the previous stage waits for — and W the weights' gradient, which nobody
 needs before the optimizer step. A schedule with W actions runs B as the input gradient only; a
 schedule without them (GPipe, 1F1B, interleaved) runs the whole backward as its B.
+
+What an action receives and sends (`messages_of`) is the one definition of the data flow; the
+dependencies, the checker, the simulator and the exchange plan of `p2p.py` all follow from it
+through one walk of the ranks' lists (`walk`).
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
-Schedule = list[list["Action"]]
+from megatron_edu.pipeline.stages import Message, StageMap
+
+__all__ = ["Action", "Schedule", "gpipe", "one_f_one_b", "interleaved_one_f_one_b",
+           "zero_bubble_h1", "zero_bubble_h2", "zero_bubble_v", "SCHEDULES", "stage_map",
+           "check_layout", "make_schedule", "forward_only", "format_schedule", "messages_of",
+           "dependencies", "Meeting", "walk", "execution_order", "check_schedule"]
 
 
 @dataclass(frozen=True)
@@ -48,44 +54,38 @@ class Action:
         return f"{self.kind}{self.microbatch}" + (f".{self.chunk}" if self.chunk else "")
 
 
-# --- where the model chunks live ----------------------------------------------------------------
+class Schedule(list):
+    """One list of `Action`s per pipeline rank, in order — a plain list of lists to read, print
+    and edit — and ``stages``, the `StageMap` its chunks live on, which every reader asks."""
 
-PLACEMENTS = ("interleaved", "v")
+    def __init__(self, rows: Iterable[Iterable[Action]], stages: StageMap) -> None:
+        super().__init__(list(row) for row in rows)
+        if len(self) != stages.p:
+            raise ValueError(f"a schedule for {stages} needs {stages.p} ranks, got {len(self)}")
+        if bad := [a for row in self for a in row if not 0 <= a.chunk < stages.v]:
+            raise ValueError(f"{bad[0]} names chunk {bad[0].chunk}, but each rank holds "
+                             f"{stages.v} chunk(s) ({stages})")
+        self.stages = stages
 
+    @property
+    def num_microbatches(self) -> int:
+        return 1 + max((a.microbatch for row in self for a in row), default=-1)
 
-def virtual_stage(rank: int, chunk: int, num_stages: int, placement: str = "interleaved") -> int:
-    """The virtual stage that model chunk `chunk` of pipeline rank `rank` holds.
+    @property
+    def splits_backward(self) -> bool:
+        """Whether it has W actions: then each B is the input gradient only (2401.10241)."""
+        return any(action.kind == "W" for row in self for action in row)
 
-    "interleaved" (2104.04473 §2.2.2): c·p + r — every chunk's stages run down the ranks again.
-    "v" (2401.10241 §6, ZB-V): even chunks run down the ranks, odd ones back up — chunk 0 of rank
-    r is stage r, chunk 1 is stage 2p − 1 − r — so rank 0 holds the first and the last stage, and
-    the turn at rank p − 1 sends nothing.
-    """
-    p = num_stages
-    if placement == "interleaved":
-        return chunk * p + rank
-    if placement == "v":
-        return chunk * p + (rank if chunk % 2 == 0 else p - 1 - rank)
-    raise ValueError(f"unknown placement {placement!r}; choose one of {PLACEMENTS}")
-
-
-def stage_location(stage: int, num_stages: int, placement: str = "interleaved") -> tuple[int, int]:
-    """(rank, chunk) that holds virtual stage `stage`: the inverse of `virtual_stage`."""
-    chunk, offset = divmod(stage, num_stages)
-    rank = num_stages - 1 - offset if placement == "v" and chunk % 2 else offset
-    if virtual_stage(rank, chunk, num_stages, placement) != stage:  # also rejects a placement
-        raise AssertionError(f"placement {placement!r} does not invert at stage {stage}")
-    return rank, chunk
+    def rows_like(self, rows: Iterable[Iterable[Action]]) -> Schedule:
+        """Other lists on the same stages (e.g. the forwards alone)."""
+        return Schedule(rows, self.stages)
 
 
-# --- the three schedules ------------------------------------------------------------------------
+def _plain(p: int) -> StageMap:
+    return StageMap(p, 1, "interleaved")  # one chunk per rank: rank r holds stage r
 
 
-def _check_sizes(num_stages: int, num_microbatches: int, num_chunks: int = 1) -> None:
-    for name, value in [("num_stages", num_stages), ("num_microbatches", num_microbatches),
-                        ("num_chunks", num_chunks)]:
-        if value < 1:
-            raise ValueError(f"{name} must be at least 1, got {value}")
+# --- the schedules ----------------------------------------------------------------------------
 
 
 def _warmup_then_1f1b(forwards: list[Action], backwards: list[Action],
@@ -107,10 +107,11 @@ def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
 
     Every rank holds the activations of all m microbatches before its first backward pass.
     """
-    _check_sizes(num_stages, num_microbatches)
+    check_layout("gpipe", num_stages, num_microbatches)
     forwards = [Action("F", i) for i in range(num_microbatches)]
     backwards = [Action("B", i) for i in range(num_microbatches)]
-    return [_warmup_then_1f1b(forwards, backwards, num_microbatches) for _ in range(num_stages)]
+    return Schedule([_warmup_then_1f1b(forwards, backwards, num_microbatches)
+                     for _ in range(num_stages)], _plain(num_stages))
 
 
 def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
@@ -120,13 +121,12 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
     warm-up then takes every microbatch on the early ranks, which run GPipe's order). Rank r then
     holds at most p − r microbatches' activations instead of GPipe's m.
     """
-    _check_sizes(num_stages, num_microbatches)
+    check_layout("1f1b", num_stages, num_microbatches)
     forwards = [Action("F", i) for i in range(num_microbatches)]
     backwards = [Action("B", i) for i in range(num_microbatches)]
-    return [
+    return Schedule([
         _warmup_then_1f1b(forwards, backwards, min(num_stages - rank - 1, num_microbatches))
-        for rank in range(num_stages)
-    ]
+        for rank in range(num_stages)], _plain(num_stages))
 
 
 def _interleaved_stream(kind: str, p: int, m: int, v: int) -> list[Action]:
@@ -155,19 +155,14 @@ def interleaved_one_f_one_b(num_stages: int, num_microbatches: int, num_chunks: 
     (p − 1)/(v·m), and holds fewer activations, so the warm-up formula is used for every m.
     """
     p, m, v = num_stages, num_microbatches, num_chunks
-    _check_sizes(p, m, v)
+    check_layout("interleaved", p, m, v)
     if v == 1:
         return one_f_one_b(p, m)
-    if m % p != 0:
-        raise ValueError(
-            f"the interleaved schedule needs num_microbatches to be a multiple of num_stages; "
-            f"got num_microbatches={m}, num_stages={p}")
     forwards = _interleaved_stream("F", p, m, v)
     backwards = _interleaved_stream("B", p, m, v)
-    return [
+    return Schedule([
         _warmup_then_1f1b(forwards, backwards, min((p - rank - 1) * 2 + (v - 1) * p, m * v))
-        for rank in range(p)
-    ]
+        for rank in range(p)], StageMap(p, v, "interleaved"))
 
 
 # --- zero bubble (2401.10241): the backward split into B and W ---------------------------------
@@ -199,12 +194,12 @@ def _zero_bubble(num_stages: int, num_microbatches: int, k: int) -> Schedule:
     """1F1B's two streams, rank r warming up with k·(p − r − 1) forwards and delaying its W's
     by k·r backwards: every rank holds k·(p − 1) + 1 microbatches between F and W."""
     p, m = num_stages, num_microbatches
-    _check_sizes(p, m)
+    check_layout(f"zb-h{k}", p, m)
     forwards = [Action("F", i) for i in range(m)]
     backwards = [Action("B", i) for i in range(m)]
-    return [_weights_after_backwards(
+    return Schedule([_weights_after_backwards(
         _warmup_then_1f1b(forwards, backwards, min(k * (p - rank - 1), m)), k * rank)
-        for rank in range(p)]
+        for rank in range(p)], _plain(p))
 
 
 def zero_bubble_h1(num_stages: int, num_microbatches: int) -> Schedule:
@@ -235,7 +230,7 @@ def zero_bubble_h2(num_stages: int, num_microbatches: int) -> Schedule:
 def zero_bubble_v(num_stages: int, num_microbatches: int) -> Schedule:
     """ZB-V (2401.10241 §6): two chunks per rank placed in a V, 1F1B's memory and no bubble.
 
-    Chunk 0 of rank r is stage r, chunk 1 is stage 2p − 1 − r (`virtual_stage`, placement "v"):
+    Chunk 0 of rank r is stage r, chunk 1 is stage 2p − 1 − r (``StageMap`` kind "v"):
     a microbatch goes down the ranks and back up, so the first and the last stage share rank 0.
     Rank r runs, on chunk 0 (F⁰, B⁰, W⁰) and chunk 1 (F¹, B¹, W¹), the phases of the paper's
     (and PyTorch's ScheduleZBVZeroBubble's) order: 2(p − r) − 1 F⁰; r × (F¹ F⁰); p − r ×
@@ -245,9 +240,9 @@ def zero_bubble_v(num_stages: int, num_microbatches: int) -> Schedule:
     stage's layers: p whole microbatches, as 1F1B's rank 0.
     """
     p, m = num_stages, num_microbatches
-    _check_sizes(p, m)
-    return [[a for a in _zbv_rank(p, max(m, 2 * p - 1), rank) if a.microbatch < m]
-            for rank in range(p)]
+    check_layout("zb-v", p, m)
+    return Schedule([[a for a in _zbv_rank(p, max(m, 2 * p - 1), rank) if a.microbatch < m]
+                     for rank in range(p)], StageMap(p, 2, "v"))
 
 
 def _zbv_rank(p: int, n: int, rank: int) -> list[Action]:
@@ -275,28 +270,47 @@ def _zbv_rank(p: int, n: int, rank: int) -> list[Action]:
     return order
 
 
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_one_f_one_b,
-             "zb-h1": zero_bubble_h1, "zb-h2": zero_bubble_h2, "zb-v": zero_bubble_v}
-CHUNKS = {"zb-v": 2}          # model chunks per rank where fixed and not 1
-PLACEMENT = {"zb-v": "v"}     # where it is not "interleaved"
+# --- by name -------------------------------------------------------------------------------------
+
+SCHEDULES: dict[str, Callable[..., Schedule]] = {
+    "gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_one_f_one_b,
+    "zb-h1": zero_bubble_h1, "zb-h2": zero_bubble_h2, "zb-v": zero_bubble_v}
+_CHUNKS = {"zb-v": 2}  # model chunks per rank where fixed and not 1 (interleaved: any v)
 
 
-def placement_of(name: str) -> str:
-    """Where the schedule called `name` puts the model chunks: "v" for ZB-V, else "interleaved"."""
-    return PLACEMENT.get(name, "interleaved")
-
-
-def make_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
-    """The schedule called `name` ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v"):
-    p stages, m microbatches; v model chunks per rank (interleaved: any; ZB-V: 2; others: 1)."""
+def check_layout(name: str, p: int, m: int, v: int | None = None) -> int:
+    """Raise a ValueError naming the numbers unless schedule ``name`` runs p stages, m
+    microbatches and v chunks per rank; return v (None: the schedule's own — 2 for ZB-V, else
+    1). Every rule of the schedules' sizes is here, for the generators and for the layout."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; choose one of {sorted(SCHEDULES)}")
-    if name == "interleaved":
-        return interleaved_one_f_one_b(p, m, v)
-    if v != CHUNKS.get(name, 1):
-        chunks = {1: "one model chunk", 2: "two model chunks"}[CHUNKS.get(name, 1)]
+    if v is None:
+        if name == "interleaved":
+            raise ValueError("the interleaved schedule needs its number of chunks per rank, v")
+        v = _CHUNKS.get(name, 1)
+    for size, value in [("num_stages", p), ("num_microbatches", m), ("num_chunks", v)]:
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{size} must be at least 1, got {value!r}")
+    if name != "interleaved" and v != _CHUNKS.get(name, 1):
+        chunks = {1: "one model chunk", 2: "two model chunks"}[_CHUNKS.get(name, 1)]
         raise ValueError(f"the {name} schedule has {chunks} per rank; got v={v}")
-    return SCHEDULES[name](p, m)
+    if name == "interleaved" and v > 1 and m % p:
+        raise ValueError(f"the interleaved schedule needs num_microbatches to be a multiple of "
+                         f"num_stages; got num_microbatches={m}, num_stages={p}")
+    return v
+
+
+def stage_map(name: str, p: int, v: int | None = None) -> StageMap:
+    """Where schedule ``name`` puts v chunks on p ranks: ZB-V's V, the others c·p + r."""
+    v = check_layout(name, p, p, v)
+    return StageMap(p, v, "v" if name == "zb-v" else "interleaved")
+
+
+def make_schedule(name: str, p: int, m: int, v: int | None = None) -> Schedule:
+    """The schedule called `name` ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v"):
+    p stages, m microbatches; v model chunks per rank (interleaved: any; ZB-V: 2; others: 1)."""
+    v = check_layout(name, p, m, v)
+    return interleaved_one_f_one_b(p, m, v) if name == "interleaved" else SCHEDULES[name](p, m)
 
 
 def forward_only(schedule: Schedule) -> Schedule:
@@ -305,7 +319,7 @@ def forward_only(schedule: Schedule) -> Schedule:
     It cannot deadlock: a forward waits only for forwards of earlier virtual stages, each of
     which runs in its rank's order without waiting on any backward.
     """
-    return [[a for a in row if a.kind == "F"] for row in schedule]
+    return schedule.rows_like([a for a in row if a.kind == "F"] for row in schedule)
 
 
 def format_schedule(schedule: Schedule) -> str:
@@ -314,102 +328,142 @@ def format_schedule(schedule: Schedule) -> str:
                      for rank, row in enumerate(schedule))
 
 
-# --- dependencies and checking ------------------------------------------------------------------
+# --- the data flow, and one walk of it ------------------------------------------------------------
+
+MessagesOf = Callable[[Action, int, StageMap], tuple[Message | None, Message | None]]
 
 
-def dependencies(rank: int, action: Action, num_stages: int, num_chunks: int = 1,
-                 placement: str = "interleaved"):
-    """The (rank, action) pairs that must finish before `action` can start on `rank`.
+def messages_of(action: Action, rank: int, stages: StageMap
+                ) -> tuple[Message | None, Message | None]:
+    """(what ``action`` on pipeline rank ``rank`` receives, what it sends); None for neither.
 
-    With virtual stage s (`virtual_stage`): F(mb, s) needs F(mb, s−1); B(mb, s) needs F(mb, s)
-    (its own activations) and B(mb, s+1) (the gradient of its output) — only B, never W, which is
-    what lets a zero-bubble schedule delay W (2401.10241 §2); W(mb, s) needs B(mb, s), on its rank.
+    F of virtual stage s takes the activation of s (unless s is the first) and sends one to s+1
+    (unless s is the last, which computes the loss); B takes the gradient of s's output (unless
+    s is the last: it starts from the loss) and sends its input's gradient to s−1; W keeps to
+    itself (the weights' gradient stays on the rank until the optimizer step).
     """
-    p = num_stages
-    stage = virtual_stage(rank, action.chunk, p, placement)
-
-    def at_stage(kind: str, s: int) -> tuple[int, Action]:
-        r, c = stage_location(s, p, placement)
-        return r, Action(kind, action.microbatch, c)
-
+    stage, last, mb = stages.stage(rank, action.chunk), stages.num_stages - 1, action.microbatch
     if action.kind == "F":
-        return [at_stage("F", stage - 1)] if stage > 0 else []
-    if action.kind == "W":
-        return [(rank, Action("B", action.microbatch, action.chunk))]
-    needs = [(rank, Action("F", action.microbatch, action.chunk))]
-    if stage < num_chunks * p - 1:
-        needs.append(at_stage("B", stage + 1))
-    return needs
+        return (Message("act", mb, stage) if stage > 0 else None,
+                Message("act", mb, stage + 1) if stage < last else None)
+    if action.kind == "B":
+        return (Message("grad", mb, stage) if stage < last else None,
+                Message("grad", mb, stage - 1) if stage > 0 else None)
+    return None, None
 
 
-def execution_order(schedule: Schedule, num_chunks: int = 1,
-                    placement: str = "interleaved") -> Iterator[tuple[int, Action]]:
-    """Yield (rank, action) as the ranks would run their lists, each blocking on its dependencies.
+def _producer(message: Message, stages: StageMap) -> tuple[int, Action]:
+    """The (rank, action) that sends ``message``: F of the stage before, or B of the one after."""
+    rank, chunk = stages.location(message.stage + (-1 if message.kind == "act" else 1))
+    return rank, Action("F" if message.kind == "act" else "B", message.microbatch, chunk)
 
-    Every action comes after all the actions it needs. Raises ValueError on deadlock: no rank's
-    next action has its inputs, yet some rank still has work.
+
+def dependencies(rank: int, action: Action, stages: StageMap) -> list[tuple[int, Action]]:
+    """The (rank, action) pairs that must finish before `action` can start on `rank`: the sender
+    of its input (F of stage s−1 for F of s; B of s+1 for B of s — only B, never W, which is
+    what lets a zero-bubble schedule delay W, 2401.10241 §2), and on its own rank B's own F and
+    W's own B."""
+    own = {"B": [(rank, Action("F", action.microbatch, action.chunk))],
+           "W": [(rank, Action("B", action.microbatch, action.chunk))]}.get(action.kind, [])
+    receive, _ = messages_of(action, rank, stages)
+    return own + ([_producer(receive, stages)] if receive is not None else [])
+
+
+@dataclass(frozen=True)
+class Meeting:
+    """Two neighbouring ranks (lower first) hand each other ``messages`` in one exchange, each
+    standing before action ``at[i]`` of its list (the lower rank's messages first, each
+    direction in sending order)."""
+
+    ranks: tuple[int, int]
+    at: tuple[int, int]
+    messages: tuple[Message, ...]
+
+
+def walk(schedule: Schedule, messages: MessagesOf = messages_of
+         ) -> Iterator[tuple[int, Action] | Meeting]:
+    """Play the ranks' lists as a real run does; yield each (rank, action) as it runs and each
+    `Meeting` where messages change hands.
+
+    A rank runs its next action once that action's input has arrived, and stops after an action
+    that produced a message, until the message is handed over; when no rank can move, every pair
+    of neighbours with messages pending meets, where both stand, and swaps all of them. A
+    ``local`` message (ZB-V's turn) is in its rank's hands at once. Every action comes after all
+    the actions it needs; the meetings are the exchange plan of NCCL's matched batches
+    (``p2p.exchange_plan``). Raises ValueError on deadlock: no rank can move, none has a
+    message to hand over, yet some rank still has work.
     """
-    p = len(schedule)
-    done: set[tuple[int, Action]] = set()
+    p, stages = len(schedule), schedule.stages
     position = [0] * p
-    while any(position[r] < len(schedule[r]) for r in range(p)):
-        progressed = False
-        for rank in range(p):
-            while position[rank] < len(schedule[rank]):
-                action = schedule[rank][position[rank]]
-                if not done.issuperset(dependencies(rank, action, p, num_chunks, placement)):
+    inbox: list[set[Message]] = [set() for _ in range(p)]
+    outbox: list[list[Message]] = [[] for _ in range(p)]
+    while True:
+        for rank, row in enumerate(schedule):
+            while position[rank] < len(row) and not outbox[rank]:
+                needs, sends = messages(row[position[rank]], rank, stages)
+                if needs is not None and needs not in inbox[rank]:
                     break
-                yield rank, action
-                done.add((rank, action))
+                inbox[rank].discard(needs)
+                yield rank, row[position[rank]]
                 position[rank] += 1
-                progressed = True
-        if not progressed:
-            raise ValueError("deadlock: no rank can progress; " + _blocked(
-                schedule, position, done, num_chunks, placement))
+                if sends is not None:
+                    (inbox[rank].add if stages.is_local(sends) else outbox[rank].append)(sends)
+        pairs = sorted({tuple(sorted((r, stages.receiver(m)))) for r in range(p)
+                        for m in outbox[r]})
+        if not pairs:
+            if any(position[r] < len(row) for r, row in enumerate(schedule)):
+                raise ValueError("deadlock: no rank can progress; "
+                                 + _waits(schedule, position, messages))
+            return
+        for a, b in pairs:
+            handed = tuple(m for r, peer in ((a, b), (b, a)) for m in outbox[r]
+                           if stages.receiver(m) == peer)
+            yield Meeting((a, b), (position[a], position[b]), handed)
+            for r in (a, b):
+                outbox[r] = [m for m in outbox[r] if m not in handed]
+            for m in handed:
+                inbox[stages.receiver(m)].add(m)
 
 
-def _blocked(schedule: Schedule, position: list[int], done: set, num_chunks: int,
-             placement: str) -> str:
-    p = len(schedule)
+def _waits(schedule: Schedule, position: list[int], messages: MessagesOf) -> str:
+    """'rank 0 waits at B0 for B0 on rank 1; …': each stuck rank and the action it waits for."""
     waits = []
-    for rank in range(p):
-        if position[rank] < len(schedule[rank]):
-            action = schedule[rank][position[rank]]
-            missing = [(r, a) for r, a in dependencies(rank, action, p, num_chunks, placement)
-                       if (r, a) not in done]
-            waits.append(f"rank {rank} waits at {action} for "
-                         + ", ".join(f"{a} on rank {r}" for r, a in missing))
+    for rank, row in enumerate(schedule):
+        if position[rank] < len(row):
+            action = row[position[rank]]
+            r, sender = _producer(messages(action, rank, schedule.stages)[0], schedule.stages)
+            waits.append(f"rank {rank} waits at {action} for {sender} on rank {r}")
     return "; ".join(waits)
 
 
-def splits_backward(schedule: Schedule) -> bool:
-    """Whether `schedule` has W actions: then each B is the input gradient only (2401.10241)."""
-    return any(action.kind == "W" for row in schedule for action in row)
+def execution_order(schedule: Schedule) -> Iterator[tuple[int, Action]]:
+    """Yield (rank, action) as the ranks would run their lists, each after every action it
+    needs (the actions of `walk`)."""
+    return (event for event in walk(schedule) if not isinstance(event, Meeting))
 
 
-def check_schedule(schedule: Schedule, num_chunks: int = 1,
-                   placement: str = "interleaved") -> None:
+def check_schedule(schedule: Schedule) -> None:
     """Raise ValueError unless `schedule` is complete, dependency-ordered and deadlock-free.
 
     Complete: every rank runs F and B — and W, if the schedule splits the backward — of every
-    microbatch (0..m−1, m inferred from the largest microbatch seen) on each of its `num_chunks`
-    chunks exactly once. Dependency-ordered: no rank lists an action before one it needs from
-    itself (a B before its F, a W before its B). Deadlock-free: the ranks, each blocking on its
-    inputs, all reach the end of their lists. `placement`: where the chunks live
-    (`virtual_stage`; "v" for ZB-V).
+    microbatch (0..m−1, m inferred from the largest microbatch seen) on each of its chunks
+    exactly once. Dependency-ordered: no rank lists an action before one it needs from itself
+    (a B before its F, a W before its B). Deadlock-free: the ranks, each blocking on its inputs,
+    all reach the end of their lists. Where the chunks live is the schedule's own
+    ``stages``.
     """
-    if num_chunks < 1:
-        raise ValueError(f"num_chunks must be at least 1, got {num_chunks}")
-    if not schedule:
-        raise ValueError("a schedule needs at least one rank, got an empty list")
-    num_microbatches = 1 + max((a.microbatch for row in schedule for a in row), default=-1)
-    kinds = "FBW" if splits_backward(schedule) else "FB"
-    expected = Counter(Action(kind, mb, chunk) for kind in kinds for mb in range(num_microbatches)
-                       for chunk in range(num_chunks))
+    if not isinstance(schedule, Schedule):
+        raise TypeError(f"check_schedule takes a Schedule (its lists and the StageMap they run "
+                        f"on), got {type(schedule).__name__}: wrap the lists as "
+                        "Schedule(rows, StageMap(p, v, 'interleaved'))")
+    kinds = "FBW" if schedule.splits_backward else "FB"
+    expected = Counter(Action(kind, mb, chunk) for kind in kinds
+                       for mb in range(schedule.num_microbatches)
+                       for chunk in range(schedule.stages.v))
     for rank, row in enumerate(schedule):
         _check_complete(rank, Counter(row), expected)
-        _check_own_order(rank, row, len(schedule), num_chunks, placement)
-    for _ in execution_order(schedule, num_chunks, placement):
+        _check_own_order(rank, row, schedule.stages)
+    for _ in walk(schedule):
         pass
 
 
@@ -427,11 +481,10 @@ def _sort_key(action: Action) -> tuple[int, str, int]:
     return action.chunk, action.kind, action.microbatch
 
 
-def _check_own_order(rank: int, row: list[Action], num_stages: int, num_chunks: int,
-                     placement: str) -> None:
+def _check_own_order(rank: int, row: list[Action], stages: StageMap) -> None:
     index = {action: i for i, action in enumerate(row)}
     for i, action in enumerate(row):
-        for dep_rank, dep in dependencies(rank, action, num_stages, num_chunks, placement):
+        for dep_rank, dep in dependencies(rank, action, stages):
             if dep_rank == rank and index[dep] > i:
                 raise ValueError(
                     f"dependency violation: rank {rank} runs {action} (position {i}) before "

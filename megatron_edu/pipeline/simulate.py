@@ -30,28 +30,28 @@ from dataclasses import dataclass
 from fractions import Fraction
 from numbers import Real
 
-from .schedules import (
+from megatron_edu.pipeline.schedules import (
     Action,
     Schedule,
     check_schedule,
     dependencies,
     execution_order,
-    splits_backward,
 )
+from megatron_edu.pipeline.stages import StageMap
+
+__all__ = ["Timeline", "simulate", "measured_costs", "simulate_measured", "bubble_formula",
+           "bubble_size_formula", "BUBBLE_SIZE_WEIGHTS"]
 
 Cost = float | Sequence[float]  # one number for every rank, or one per rank (unbalanced stages)
 
 
 @dataclass(frozen=True)
 class Timeline:
-    """What each pipeline rank did and when: ranks[r] is a list of (action, start, end)."""
+    """What each pipeline rank did and when: ranks[r] is a list of (action, start, end), run on
+    ``stages`` (the schedule's own)."""
 
     ranks: list[list[tuple[Action, Real, Real]]]
-    placement: str = "interleaved"  # where the model chunks live (schedules.virtual_stage)
-
-    @property
-    def num_chunks(self) -> int:
-        return 1 + max(action.chunk for row in self.ranks for action, _, _ in row)
+    stages: StageMap
 
     @property
     def total_time(self) -> Real:
@@ -96,7 +96,8 @@ class Timeline:
     def peak_activations(self) -> list[int]:
         """Per rank, the most (microbatch, chunk) activations held at once: F stores; B frees
         them, or, when the schedule splits the backward, W does (2401.10241 §2.3)."""
-        freed_by = "W" if splits_backward([[a for a, _, _ in row] for row in self.ranks]) else "B"
+        split = any(action.kind == "W" for row in self.ranks for action, _, _ in row)
+        freed_by = "W" if split else "B"
         peaks = []
         for row in self.ranks:
             held = peak = 0
@@ -110,10 +111,8 @@ class Timeline:
     def num_p2p_messages(self) -> int:
         """Activations and gradients sent between ranks: 2·m·(v·p − 1) when p > 1 (§2.2.2);
         ZB-V's turn at rank p − 1 stays on its rank: 2·m·(2p − 2)."""
-        p, v = len(self.ranks), self.num_chunks
         return sum(1 for rank, row in enumerate(self.ranks) for action, _, _ in row
-                   for dep_rank, _ in dependencies(rank, action, p, v, self.placement)
-                   if dep_rank != rank)
+                   for dep_rank, _ in dependencies(rank, action, self.stages) if dep_rank != rank)
 
 
 def _per_rank(cost: Cost, num_ranks: int, name: str) -> list[Fraction]:
@@ -126,8 +125,7 @@ def _per_rank(cost: Cost, num_ranks: int, name: str) -> list[Fraction]:
 
 
 def simulate(schedule: Schedule, forward_time: Cost = 1.0, backward_time: Cost = 2.0,
-             send_latency: float = 0.0, weight_time: Cost = 0.0,
-             placement: str = "interleaved") -> Timeline:
+             send_latency: float = 0.0, weight_time: Cost = 0.0) -> Timeline:
     """Play `schedule` with fixed costs and return its Timeline (times as exact Fractions).
 
     forward_time, backward_time, weight_time: cost of a whole stage's forward pass, input-gradient
@@ -136,29 +134,47 @@ def simulate(schedule: Schedule, forward_time: Cost = 1.0, backward_time: Cost =
     pays t_B per B and t_W per W; one without (GPipe, 1F1B, interleaved) runs the whole backward
     as its B, t_B + t_W — so with the default weight_time = 0, backward_time is the whole backward.
     send_latency: delay between an action ending on one rank and a dependent action starting on
-    another (the p2p send, which does not occupy either rank's compute). placement: where the
-    chunks live ("v" for ZB-V; `schedules.virtual_stage`).
+    another (the p2p send, which does not occupy either rank's compute). Where the chunks live
+    is the schedule's own ``stages``.
     """
-    p = len(schedule)
-    v = 1 + max((a.chunk for row in schedule for a in row), default=0)
-    check_schedule(schedule, v, placement)
+    p, stages = len(schedule), schedule.stages
+    check_schedule(schedule)
     forward, backward, weight = (_per_rank(t, p, name) for t, name in [
         (forward_time, "forward_time"), (backward_time, "backward_time"),
         (weight_time, "weight_time")])
-    split = splits_backward(schedule)
-    cost = {"F": forward, "W": weight,
-            "B": backward if split else [b + w for b, w in zip(backward, weight, strict=True)]}
+    whole = [b + w for b, w in zip(backward, weight, strict=True)]
+    cost = {"F": forward, "W": weight, "B": backward if schedule.splits_backward else whole}
     latency = Fraction(send_latency)
     end: dict[tuple[int, Action], Fraction] = {}
     free_at = [Fraction(0)] * p
     ranks: list[list[tuple[Action, Real, Real]]] = [[] for _ in range(p)]
-    for rank, action in execution_order(schedule, v, placement):
+    for rank, action in execution_order(schedule):
         inputs_at = [end[dep] + (latency if dep[0] != rank else 0)
-                     for dep in dependencies(rank, action, p, v, placement)]
+                     for dep in dependencies(rank, action, stages)]
         start = max([free_at[rank], *inputs_at])
-        free_at[rank] = end[rank, action] = start + cost[action.kind][rank] / v
+        free_at[rank] = end[rank, action] = start + cost[action.kind][rank] / stages.v
         ranks[rank].append((action, start, free_at[rank]))
-    return Timeline(ranks, placement)
+    return Timeline(ranks, stages)
+
+
+def measured_costs(timeline: Timeline, kinds: str = "FB") -> tuple[list[float], ...]:
+    """Per rank, the mean time of a whole stage's forward and of its backward pass (and, with
+    ``kinds="FBW"``, of its weight-gradient pass; 0 where a rank ran none): the costs `simulate`
+    takes. With v chunks per rank an action runs 1/v of the stage's layers: its mean times v."""
+    def mean(row, kind: str):
+        durations = [end - start for action, start, end in row if action.kind == kind]
+        return timeline.stages.v * sum(durations) / len(durations) if durations else 0
+
+    return tuple([mean(row, kind) for row in timeline.ranks] for kind in kinds)
+
+
+def simulate_measured(measured: Timeline, send_latency: float = 0.0) -> Timeline:
+    """A measured run's schedule simulated with its per-rank mean costs: the same work, every
+    action as long as its rank's average (equal costs, free sends: (p − 1)/m exactly)."""
+    schedule = Schedule([[action for action, _, _ in row] for row in measured.ranks],
+                        measured.stages)
+    forward, backward, weight = measured_costs(measured, "FBW")
+    return simulate(schedule, forward, backward, send_latency, weight_time=weight)
 
 
 def bubble_formula(name: str, p: int, m: int, v: int = 1) -> Fraction:

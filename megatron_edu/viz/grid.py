@@ -1,7 +1,7 @@
 """Pictures of the process grid: which rank is which (pp stage, dp replica, tp rank), on which node.
 
 Reference: Narayanan et al. 2021, arXiv 2104.04473 §3 (takeaway #1: tensor parallelism inside a
-node, pipeline parallelism across nodes) — the rank order of `megatron_edu.grid.GridLayout`:
+node, pipeline parallelism across nodes) — the rank order of `megatron_edu.grid.Layout`:
 tp fastest, then dp, then pp, so consecutive ranks (one node's GPUs) share tp groups first.
 
 draw_grid: one box per rank, labelled with its global rank; one column per pipeline stage, and in
@@ -22,7 +22,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
-from ..grid import GridLayout, all_layouts
+from megatron_edu.grid import Layout, all_layouts
 
 KINDS = ("tp", "dp", "pp", "embedding")
 COLUMN_STEP = 1.6  # x distance between pipeline stages
@@ -37,18 +37,18 @@ def groups_across_nodes(groups: Sequence[Sequence[int]], gpus_per_node: int) -> 
     return sum(len({rank // gpus_per_node for rank in group}) > 1 for group in groups)
 
 
-def _centre(layout: GridLayout, rank: int) -> tuple[float, float]:
+def _centre(layout: Layout, rank: int) -> tuple[float, float]:
     tp_rank, pp_rank, dp_rank = layout.coords(rank)
     return pp_rank * COLUMN_STEP, dp_rank * (layout.tp + BLOCK_GAP) + tp_rank
 
 
-def _groups(layout: GridLayout, kind: str) -> list[list[int]]:
+def _groups(layout: Layout, kind: str) -> list[list[int]]:
     if kind not in KINDS:
         raise ValueError(f"highlight must be one of {KINDS}, got {kind!r}")
     return getattr(layout, f"{kind}_groups")()
 
 
-def _box_colours(layout: GridLayout, highlight: str | None) -> list:
+def _box_colours(layout: Layout, highlight: str | None) -> list:
     """White, or a light colour per group of the highlighted kind (non-members stay white)."""
     colours: list = ["white"] * layout.world_size
     if highlight is not None:
@@ -59,7 +59,7 @@ def _box_colours(layout: GridLayout, highlight: str | None) -> list:
     return colours
 
 
-def _shade_nodes(ax: Axes, layout: GridLayout, gpus_per_node: int) -> None:
+def _shade_nodes(ax: Axes, layout: Layout, gpus_per_node: int) -> None:
     """Behind the boxes, one shaded rectangle per (node, stage): adjacent ones merge visually."""
     for node in range(-(-layout.world_size // gpus_per_node)):
         members = range(node * gpus_per_node, min((node + 1) * gpus_per_node, layout.world_size))
@@ -73,7 +73,7 @@ def _shade_nodes(ax: Axes, layout: GridLayout, gpus_per_node: int) -> None:
         ax.text(x - COLUMN_STEP / 2 + 0.05, y - 0.55, f"node {node}", fontsize=8, va="bottom")
 
 
-def _title(layout: GridLayout, gpus_per_node: int | None, highlight: str | None) -> str:
+def _title(layout: Layout, gpus_per_node: int | None, highlight: str | None) -> str:
     title = f"{layout.world_size} ranks as tp={layout.tp}, pp={layout.pp}, dp={layout.dp}"
     if gpus_per_node:
         title += f", {gpus_per_node} GPUs per node"
@@ -88,7 +88,7 @@ def _title(layout: GridLayout, gpus_per_node: int | None, highlight: str | None)
     return title
 
 
-def draw_grid(layout: GridLayout, gpus_per_node: int | None = None, highlight: str | None = None,
+def draw_grid(layout: Layout, gpus_per_node: int | None = None, highlight: str | None = None,
               ax: Axes | None = None) -> Figure:
     """Ranks as boxes by (pp stage → column, dp replica → block, tp rank → row in the block).
 
@@ -119,7 +119,7 @@ def draw_grid(layout: GridLayout, gpus_per_node: int | None = None, highlight: s
     return ax.figure
 
 
-def draw_grid_groups(layout: GridLayout, gpus_per_node: int | None = None,
+def draw_grid_groups(layout: Layout, gpus_per_node: int | None = None,
                      kinds: Sequence[str] = ("tp", "dp", "pp")) -> Figure:
     """The grid once per kind of group, side by side, each kind highlighted."""
     rows = layout.dp * (layout.tp + BLOCK_GAP) - BLOCK_GAP
@@ -134,7 +134,7 @@ def explore_grid(world_size: int = 16, gpus_per_node: int = 8) -> None:
     """The ipywidgets explorer: every tp × pp × dp layout of ``world_size`` ranks, drawn."""
     import ipywidgets as widgets  # imported here: only the notebook's explorer needs it
 
-    def update(layout: GridLayout, gpus_per_node: int, highlight: str) -> None:
+    def update(layout: Layout, gpus_per_node: int, highlight: str) -> None:
         draw_grid(layout, gpus_per_node, None if highlight == "none" else highlight)
         plt.show()
 

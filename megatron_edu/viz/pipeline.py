@@ -12,8 +12,8 @@ against its bubble.
 draw_measured_vs_simulated: a measured run above its simulation.
 draw_peak_activations: memory in flight per rank, one bar group per schedule (and measured peaks).
 draw_bubble_vs_latency: how send latency eats the interleaved schedule's gain.
-measured_costs / simulate_measured: a measured run's mean costs per rank, and the simulation
-that uses them (free sends, no noise); draw_measured_run draws the two on one time axis.
+draw_measured_run: a measured run above its simulation with its own mean costs
+(``simulate.simulate_measured``), on one time axis.
 show_schedule / explore: the notebook's static call and the ipywidgets explorer that calls it
 (through show_explored, which moves m to a valid value for the interleaved schedule and says so;
 t_W is a slider of its own).
@@ -28,13 +28,14 @@ import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-from ..pipeline.schedules import CHUNKS, SCHEDULES, Schedule, make_schedule, placement_of
-from ..pipeline.simulate import (
+from megatron_edu.pipeline.schedules import SCHEDULES, make_schedule, stage_map
+from megatron_edu.pipeline.simulate import (
     BUBBLE_SIZE_WEIGHTS,
     Timeline,
     bubble_formula,
     bubble_size_formula,
     simulate,
+    simulate_measured,
 )
 
 HATCHES = ["", "//", "..", "xx", "\\\\", "oo"]  # chunk 0, 1, 2, … (§2.2.2)
@@ -56,10 +57,8 @@ def _fits(label: str, width: float, ax: Axes, span: float) -> bool:
     return width / span * axes_points > 0.7 * LABEL_FONTSIZE * len(label) + 2
 
 
-def draw_schedule(timeline: Timeline | list, ax: Axes | None = None,
-                  title: str | None = None) -> Axes:
-    """Gantt chart of a Timeline (or of its per-rank lists of (action, start, end))."""
-    timeline = timeline if isinstance(timeline, Timeline) else Timeline(timeline)
+def draw_schedule(timeline: Timeline, ax: Axes | None = None, title: str | None = None) -> Axes:
+    """Gantt chart of a Timeline, simulated or measured."""
     p = len(timeline.ranks)
     if ax is None:
         _, ax = plt.subplots(figsize=(10, 0.45 * p + 1.3))
@@ -88,9 +87,9 @@ def draw_schedule(timeline: Timeline | list, ax: Axes | None = None,
     return ax
 
 
-def draw_measured_vs_simulated(measured: Timeline | list, simulated: Timeline | list) -> Figure:
+def draw_measured_vs_simulated(measured: Timeline, simulated: Timeline) -> Figure:
     """A measured timeline above the simulated one, each on its own time axis."""
-    p = len(measured.ranks if isinstance(measured, Timeline) else measured)
+    p = len(measured.ranks)
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 0.9 * p + 2.6))
     draw_schedule(measured, ax=top, title="measured")
     draw_schedule(simulated, ax=bottom, title="simulated")
@@ -108,7 +107,7 @@ def draw_peak_activations(timelines: dict[str, Timeline], ax: Axes | None = None
         _, ax = plt.subplots(figsize=(7, 3.2))
     width = 0.8 / len(timelines)
     for i, (name, timeline) in enumerate(timelines.items()):
-        peaks = np.array(timeline.peak_activations) / timeline.num_chunks
+        peaks = np.array(timeline.peak_activations) / timeline.stages.v
         ax.bar(np.arange(len(peaks)) + i * width, peaks, width, label=name)
         if measured is not None and name in measured:
             ax.plot(np.arange(len(peaks)) + i * width, measured[name], "o", color="black",
@@ -150,10 +149,10 @@ def draw_memory_vs_bubble(p: int, m: int, forward_time: float = 1.0, backward_ti
     if ax is None:
         _, ax = plt.subplots(figsize=(6.5, 3.6))
     for name in names:
-        v = CHUNKS.get(name, 1)
-        timeline = simulate(make_schedule(name, p, m, v), forward_time, backward_time,
-                            weight_time=weight_time, placement=placement_of(name))
-        memory, bubble = max(timeline.peak_activations) / v, float(timeline.bubble_size)
+        timeline = simulate(make_schedule(name, p, m), forward_time, backward_time,
+                            weight_time=weight_time)
+        memory = max(timeline.peak_activations) / timeline.stages.v
+        bubble = float(timeline.bubble_size)
         ax.plot(memory, bubble, "o", markersize=9, label=name, gid=name)
         ax.annotate(name, (memory, bubble), textcoords="offset points", xytext=(7, 4))
     ax.set_xlabel("peak activations (microbatches of a whole stage)")
@@ -172,9 +171,9 @@ def show_schedule(name: str, p: int, m: int, v: int = 1, ratio: float = 2.0,
     Costs in units of t_F: ``ratio`` = t_B / t_F, ``weight`` = t_W / t_F (2401.10241). A schedule
     without W actions runs the whole backward, t_B + t_W, as its B.
     """
-    v = CHUNKS.get(name, v if name == "interleaved" else 1)
-    timeline = simulate(make_schedule(name, p, m, v), 1.0, ratio, latency, weight_time=weight,
-                        placement=placement_of(name))
+    v = v if name == "interleaved" else None   # the others have their own (ZB-V: 2)
+    timeline = simulate(make_schedule(name, p, m, v), 1.0, ratio, latency, weight_time=weight)
+    v = timeline.stages.v
     draw_schedule(timeline, title=f"{name}, p={p}, m={m}" + (f", v={v}" if v > 1 else ""))
     plt.show()
     if name in ("gpipe", "1f1b", "interleaved"):
@@ -214,7 +213,7 @@ def explorer_setting(name: str, p: int, m: int, v: int) -> tuple[int, int, str]:
     sliders is a dead end.
     """
     if name != "interleaved":
-        return m, CHUNKS.get(name, 1), ""
+        return m, stage_map(name, p).v, ""
     if m % p == 0:
         return m, v, ""
     snapped = -(-m // p) * p
@@ -255,40 +254,12 @@ def explore() -> None:
     )
 
 
-# --- measured runs (notebook 05): the simulator fed with the engine's own timings ---------------
+# --- measured runs (notebook 05) -----------------------------------------------------------------
 
 
-def measured_costs(timeline: Timeline | list, kinds: str = "FB") -> tuple[list[float], ...]:
-    """Per rank, the mean time of a whole stage's forward and of its backward pass (and, with
-    ``kinds="FBW"``, of its weight-gradient pass; 0 where a rank ran none).
-
-    With v chunks per rank an action runs 1/v of the stage's layers, so its mean is scaled by v:
-    these are the costs `simulate` takes.
-    """
-    timeline = timeline if isinstance(timeline, Timeline) else Timeline(timeline)
-    v = timeline.num_chunks
-
-    def mean(row, kind: str):
-        durations = [end - start for action, start, end in row if action.kind == kind]
-        return v * sum(durations) / len(durations) if durations else 0
-
-    return tuple([mean(row, kind) for row in timeline.ranks] for kind in kinds)
-
-
-def simulate_measured(measured: Timeline | list, schedule: Schedule,
-                      placement: str = "interleaved") -> Timeline:
-    """`schedule` simulated with a measured run's per-rank costs: the same work, with free sends
-    and every action as long as its rank's average (equal costs would give (p − 1)/m exactly).
-    ``placement``: "v" for ZB-V."""
-    forward, backward, weight = measured_costs(measured, "FBW")
-    return simulate(schedule, forward, backward, weight_time=weight, placement=placement)
-
-
-def draw_measured_run(measured: Timeline | list, schedule: Schedule, title: str,
-                      placement: str = "interleaved") -> Figure:
-    """A measured run above `simulate_measured` of it, on one time axis in seconds."""
-    measured = measured if isinstance(measured, Timeline) else Timeline(measured, placement)
-    simulated = simulate_measured(measured, schedule, placement)
+def draw_measured_run(measured: Timeline, title: str) -> Figure:
+    """A measured run above ``simulate_measured`` of it, on one time axis in seconds."""
+    simulated = simulate_measured(measured)
     fig = draw_measured_vs_simulated(measured, simulated)
     top, bottom = fig.axes
     top.set_title(f"{title}, measured — bubble fraction {float(measured.bubble_fraction):.3f}")
