@@ -54,7 +54,7 @@ def _pp_messages(log, op):
 def _compare(p, cases):
     """On this rank: for every case, the reference and the engine on copies of one stage."""
     grid = ParallelGrid(pp=p)
-    [stage] = build_chunks(CONFIG, grid)
+    [stage] = build_chunks(CONFIG, grid, grid.layout.stages)
     ids, labels = _batch()
     outcomes = {}
     for name, m in cases:
