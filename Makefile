@@ -62,7 +62,7 @@ gpu-check:
 
 # The notebooks without their solutions (each a stub the checkers answer "not done yet").
 student-notebooks: install
-	$(PY) -m megatron_edu.exercises.student notebooks notebooks/student
+	$(PY) -m megatron_edu.course.student notebooks notebooks/student
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

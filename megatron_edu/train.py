@@ -387,7 +387,7 @@ def _finish(args, trainer: PTDP, tokenizer, log: _Log, train_set: TokenDataset) 
     if log.active:
         import matplotlib.pyplot as plt
 
-        from megatron_edu.viz.training import draw_loss_curve
+        from megatron_edu.course.viz.training import draw_loss_curve
         plt.close(draw_loss_curve(records, summary["unigram_entropy"], args.out / "loss.png"))
     return summary
 

@@ -276,7 +276,7 @@ def test_train_bert_at_tp2_then_resume_at_pp2(tmp_path):
 # --- the finding's experiment ------------------------------------------------------------------
 
 def test_the_layer_norm_experiment_trains_both_placements_and_ships_its_curves(tmp_path):
-    from megatron_edu.ln_placement import SETTINGS, load_curves, smooth, train_curve
+    from megatron_edu.course.ln_placement import SETTINGS, load_curves, smooth, train_curve
 
     small = dict(num_layers=2, hidden=32, num_heads=4, seq_len=32, vocab_size=512, batch=2)
     for placement in ("original", "rearranged"):

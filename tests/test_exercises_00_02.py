@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_edu import comm
-from megatron_edu.exercises import EXERCISES, check, nb00
+from megatron_edu.course.exercises import EXERCISES, check, nb00
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_edu import comm
-from megatron_edu.exercises import check, nb03, nb05
+from megatron_edu.course.exercises import check, nb03, nb05
 from megatron_edu.pipeline.schedules import Action
 from megatron_edu.pipeline.stages import Message
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megatron_edu import comm
-from megatron_edu.exercises import check, nb06, nb07
+from megatron_edu.course.exercises import check, nb06, nb07
 from megatron_edu.perf import ModelShape, parameters_per_rank
 
 

@@ -8,15 +8,15 @@ import torch
 import torch.distributed as dist
 
 from megatron_edu.checkpoint import load_checkpoint, load_model_chunks, read_metadata
-from megatron_edu.data import BatchSampler
-from megatron_edu.exercises import check
-from megatron_edu.exercises import nb09 as nb09_module
-from megatron_edu.exercises.nb08 import (
+from megatron_edu.course.exercises import check
+from megatron_edu.course.exercises import nb09 as nb09_module
+from megatron_edu.course.exercises.nb08 import (
     DGX_H200_DATASHEET,
     TRILLION,
     _formula,
     measured_layer_flops,
 )
+from megatron_edu.data import BatchSampler
 from megatron_edu.grid import Layout, ParallelGrid
 from megatron_edu.model import GPTConfig
 from megatron_edu.perf import Hardware, advise, num_parameters

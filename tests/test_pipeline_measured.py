@@ -4,9 +4,9 @@ from fractions import Fraction
 
 import matplotlib.pyplot as plt
 
+from megatron_edu.course.viz.pipeline import draw_measured_run
 from megatron_edu.pipeline.schedules import make_schedule
 from megatron_edu.pipeline.simulate import Timeline, measured_costs, simulate, simulate_measured
-from megatron_edu.viz.pipeline import draw_measured_run
 
 FORWARD, BACKWARD = [1, 1, 1.5, 1], [2, 2, 3, 2]  # rank 2 is slower: costs per rank survive
 

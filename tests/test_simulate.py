@@ -129,14 +129,14 @@ def test_a_measured_timeline_gives_the_same_bubble():
 
 
 def test_draw_schedule_draws_one_box_per_action():
-    from megatron_edu.viz.pipeline import draw_schedule
+    from megatron_edu.course.viz.pipeline import draw_schedule
 
     ax = draw_schedule(simulate(interleaved_one_f_one_b(2, 4, 2)))
     assert len(ax.patches) == 2 * 2 * 4 * 2  # p ranks × {F, B} × m microbatches × v chunks
 
 
 def test_measured_and_simulated_are_drawn_one_above_the_other():
-    from megatron_edu.viz.pipeline import draw_measured_vs_simulated
+    from megatron_edu.course.viz.pipeline import draw_measured_vs_simulated
 
     simulated = simulate(one_f_one_b(2, 2))
     measured = Timeline([[(a, 5.0 + float(s), 5.0 + float(e)) for a, s, e in row]
@@ -148,7 +148,7 @@ def test_measured_and_simulated_are_drawn_one_above_the_other():
 
 def test_every_setting_of_the_explorer_sliders_gives_a_schedule():
     # the erratum: interleaved at p=6, m=8 printed an error instead of a chart
-    from megatron_edu.viz.pipeline import EXPLORER, explorer_setting
+    from megatron_edu.course.viz.pipeline import EXPLORER, explorer_setting
 
     for name in EXPLORER["name"]:
         for p in EXPLORER["p"]:
@@ -171,7 +171,7 @@ def test_the_explorer_draws_every_corner_and_says_when_it_moved_m(name, p, m, v,
                                                                   capsys):
     import matplotlib.pyplot as plt
 
-    from megatron_edu.viz.pipeline import explorer_setting, show_explored
+    from megatron_edu.course.viz.pipeline import explorer_setting, show_explored
 
     plt.close("all")
     show_explored(name, p, m, v, ratio, latency)

@@ -9,8 +9,8 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from megatron_edu.exercises import EXERCISES
-from megatron_edu.exercises.student import main, student_source
+from megatron_edu.course.exercises import EXERCISES
+from megatron_edu.course.student import main, student_source
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))

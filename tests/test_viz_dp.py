@@ -5,9 +5,7 @@ import matplotlib.pyplot as plt
 import pytest
 
 from megatron_edu.comm import CommEvent, CommLog
-from megatron_edu.data_parallel import BucketTiming
-from megatron_edu.perf.memory import GIB, MemoryEstimate, ModelShape
-from megatron_edu.viz.data_parallel import (
+from megatron_edu.course.viz.data_parallel import (
     draw_bucket_timeline,
     draw_bytes_per_layout,
     draw_memory_per_rank,
@@ -16,6 +14,8 @@ from megatron_edu.viz.data_parallel import (
     show_zero1_memory,
     wire_bytes_by_group,
 )
+from megatron_edu.data_parallel import BucketTiming
+from megatron_edu.perf.memory import GIB, MemoryEstimate, ModelShape
 
 START = 10.0  # perf_counter seconds when backward started
 BUCKETS = [BucketTiming(0, 4000, START + 0.010, START + 0.010, START + 0.030),

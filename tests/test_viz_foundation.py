@@ -5,14 +5,14 @@ import matplotlib.pyplot as plt
 import pytest
 import torch
 
-from megatron_edu.grid import Layout
-from megatron_edu.viz.collectives import (
+from megatron_edu.course.viz.collectives import (
     MIXED,
     draw_collective,
     draw_ring_cost,
     element_origins,
 )
-from megatron_edu.viz.grid import draw_grid, draw_grid_groups, groups_across_nodes
+from megatron_edu.course.viz.grid import draw_grid, draw_grid_groups, groups_across_nodes
+from megatron_edu.grid import Layout
 
 T = 4
 BEFORE = [torch.arange(2.0) + 10 * r for r in range(T)]  # rank r holds [10r, 10r + 1]

@@ -7,10 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_edu.model import GPT, GPTConfig
-from megatron_edu.perf import Layout, ModelShape, activation_bytes_per_layer, predict
-from megatron_edu.perf.memory import GIB
-from megatron_edu.viz.perf import (
+from megatron_edu.course.viz.perf import (
     MIB,
     best_per_split,
     draw_activation_memory,
@@ -27,6 +24,9 @@ from megatron_edu.viz.perf import (
     show_machine_mfu,
     table1_shape,
 )
+from megatron_edu.model import GPT, GPTConfig
+from megatron_edu.perf import Layout, ModelShape, activation_bytes_per_layer, predict
+from megatron_edu.perf.memory import GIB
 
 PAPERS = Path(__file__).resolve().parents[1] / "docs" / "papers"
 SMALL = ModelShape(layers=8, hidden=256, heads=8, vocab=1024, seq_len=128)

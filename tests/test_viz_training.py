@@ -4,7 +4,7 @@ saved its checkpoint (drawing only)."""
 import matplotlib.pyplot as plt
 import pytest
 
-from megatron_edu.viz.training import draw_resumed_runs
+from megatron_edu.course.viz.training import draw_resumed_runs
 
 SAVED = [{"step": s, "loss": 6.0 - 0.1 * s} for s in range(1, 21)] + [{"step": 20, "val_loss": 4.1}]
 RESUMED = {"tp=1 pp=4": [{"step": s, "loss": 6.0 - 0.1 * s} for s in range(16, 21)],

@@ -203,7 +203,7 @@ def test_zb_v_sends_nothing_at_its_turn():
 def test_the_gantt_chart_draws_w_darker_than_b():
     import matplotlib
     matplotlib.use("Agg")
-    from megatron_edu.viz.pipeline import _colour, draw_schedule
+    from megatron_edu.course.viz.pipeline import _colour, draw_schedule
 
     ax = draw_schedule(simulate(zero_bubble_h1(4, 8), 1, 1, weight_time=1))
     assert len(ax.patches) == 4 * 8 * 3  # one box per F, B and W
@@ -214,7 +214,7 @@ def test_the_gantt_chart_draws_w_darker_than_b():
 def test_memory_against_bubble_puts_h1_at_1f1bs_memory_and_h2_at_no_bubble():
     import matplotlib
     matplotlib.use("Agg")
-    from megatron_edu.viz.pipeline import draw_memory_vs_bubble
+    from megatron_edu.course.viz.pipeline import draw_memory_vs_bubble
 
     ax = draw_memory_vs_bubble(4, 12)  # t_F = t_B = t_W = 1
     points = {line.get_gid(): tuple(line.get_xydata()[0]) for line in ax.lines}
@@ -226,7 +226,7 @@ def test_the_explorer_draws_the_zero_bubble_schedules_with_t_w(name, capsys):
     import matplotlib
     import matplotlib.pyplot as plt
     matplotlib.use("Agg")
-    from megatron_edu.viz.pipeline import show_explored
+    from megatron_edu.course.viz.pipeline import show_explored
 
     show_explored(name, 4, 8, 1, ratio=1.0, latency=0.0, weight=1.0)
     plt.close("all")

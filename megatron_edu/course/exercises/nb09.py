@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from megatron_edu import comm
-from megatron_edu.exercises.checking import Hint, exercise, on_ranks
+from megatron_edu.course.exercises.checking import Hint, exercise, on_ranks
 
 __all__ = ["ResumeRun"]
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_edu import comm
-from megatron_edu.exercises.checking import Hint, close, exercise, on_ranks
+from megatron_edu.course.exercises.checking import Hint, close, exercise, on_ranks
 
 TP = 2
 TIMEOUT = 30.0

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_edu import comm
-from megatron_edu.exercises.checking import Hint, close, exercise, on_ranks
+from megatron_edu.course.exercises.checking import Hint, close, exercise, on_ranks
 
 TIMEOUT = 20.0  # seconds: a collective that some rank never reaches hangs the others
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from megatron_edu.exercises.checking import Hint, exercise
+from megatron_edu.course.exercises.checking import Hint, exercise
 from megatron_edu.model import GPT, GPTConfig
 from megatron_edu.perf import (
     SELENE_A100,

@@ -19,8 +19,8 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_edu import comm
+from megatron_edu.course.exercises.checking import Hint, exercise, on_ranks
 from megatron_edu.data_parallel import DataParallel
-from megatron_edu.exercises.checking import Hint, exercise, on_ranks
 from megatron_edu.grid import ParallelGrid
 
 DP_SIZES = (2, 4)

@@ -33,7 +33,7 @@ import torch
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-from ..perf import (
+from megatron_edu.perf import (
     DGX_H100,
     SELENE_A100,
     Hardware,
@@ -48,7 +48,7 @@ from ..perf import (
     predict,
     training_flops,
 )
-from ..perf.memory import GIB
+from megatron_edu.perf.memory import GIB
 
 MIB = 2**20
 PARTS = ("compute", "bubble", "tensor_parallel", "pipeline_p2p", "data_parallel", "optimizer")

@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from megatron_edu import comm
-from megatron_edu.exercises.checking import Hint, close, exercise, on_ranks
-from megatron_edu.exercises.nb01 import (
+from megatron_edu.course.exercises.checking import Hint, close, exercise, on_ranks
+from megatron_edu.course.exercises.nb01 import (
     _NO_AUTOGRAD,
     _backward,
     _counts_hint,

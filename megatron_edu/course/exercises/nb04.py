@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 
-from megatron_edu.exercises.checking import Hint, exercise
+from megatron_edu.course.exercises.checking import Hint, exercise
 from megatron_edu.pipeline.schedules import (
     Action,
     Schedule,

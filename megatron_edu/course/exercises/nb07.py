@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from megatron_edu import comm
-from megatron_edu.exercises.checking import Hint, exercise, on_ranks
+from megatron_edu.course.exercises.checking import Hint, exercise, on_ranks
 from megatron_edu.grid import Layout, ParallelGrid
 from megatron_edu.model import GPTConfig
 from megatron_edu.perf import ModelShape
@@ -208,7 +208,7 @@ def _measure_step(tp: int, pp: int, dp: int) -> comm.CommLog:
 def measured_bytes(tp: int, pp: int, dp: int) -> dict[str, int]:
     """Bytes all ranks put on the wire in one PTD-P step of BYTES_CONFIG, by purpose."""
     # imported here, in the parent only: the ranks need not load matplotlib
-    from megatron_edu.viz.data_parallel import wire_bytes_by_group
+    from megatron_edu.course.viz.data_parallel import wire_bytes_by_group
 
     logs = on_ranks(tp * pp * dp, _measure_step, tp, pp, dp, timeout=300)
     return wire_bytes_by_group(logs)

@@ -27,9 +27,9 @@ from matplotlib.axes import Axes
 from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
 
-from ..comm import CommLog
-from ..data_parallel import BucketTiming
-from ..perf.memory import GIB, Layout, MemoryEstimate, ModelShape, memory_per_rank
+from megatron_edu.comm import CommLog
+from megatron_edu.data_parallel import BucketTiming
+from megatron_edu.perf.memory import GIB, Layout, MemoryEstimate, ModelShape, memory_per_rank
 
 PARTS = ("weights", "grads", "optimizer", "activations")
 PART_COLOURS = ("#4c72b0", "#dd8452", "#c44e52", "#8c8c8c")

@@ -22,7 +22,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
-from ..comm import CommEvent
+from megatron_edu.comm import CommEvent
 
 MIXED = -1  # an element that is a sum over every rank
 Origins = list[list[int]]  # per rank, per element: the rank its value came from, or MIXED

@@ -16,7 +16,7 @@ import re
 import torch
 import torch.distributed as dist
 
-from megatron_edu.exercises.checking import Hint, exercise, on_ranks
+from megatron_edu.course.exercises.checking import Hint, exercise, on_ranks
 from megatron_edu.grid import ParallelGrid
 from megatron_edu.launch import RankError, run
 from megatron_edu.model import GPT, GPTConfig

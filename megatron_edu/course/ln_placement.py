@@ -2,8 +2,8 @@
 layer-norm placement (post-LN, Figure 7a) against the rearranged one (pre-LN, Figure 7b), at the
 same learning rate, on the package's default corpus.
 
-    python -m megatron_edu.ln_placement --save       # both curves → data/ln_placement_curves.json
-    python -m megatron_edu.ln_placement --steps 40   # a shorter look, printed only
+    python -m megatron_edu.course.ln_placement --save      # → data/ln_placement_curves.json
+    python -m megatron_edu.course.ln_placement --steps 40  # a shorter look, printed only
 
 The paper's observation (Figure 7): the original BERT trains well at 336M parameters but not at
 752M; rearranged, both train stably and the larger one reaches the lower loss. The mechanism
@@ -44,7 +44,7 @@ from megatron_edu.optim import build_param_groups
 
 __all__ = ["SETTINGS", "CURVES", "train_curve", "load_curves"]
 
-CURVES = Path(__file__).parent / "data" / "ln_placement_curves.json"
+CURVES = Path(__file__).parents[1] / "data" / "ln_placement_curves.json"
 
 # The model and the run: 24 thin layers, a high learning rate without warm-up, no clipping.
 SETTINGS: dict[str, Any] = dict(num_layers=24, hidden=64, num_heads=4, seq_len=64,
@@ -104,7 +104,8 @@ def smooth(losses: list[float | None], window: int = 20) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m megatron_edu.ln_placement", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m megatron_edu.course.ln_placement",
+                                description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=SETTINGS["steps"])
     p.add_argument("--lr", type=float, default=SETTINGS["lr"])

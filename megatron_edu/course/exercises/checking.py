@@ -85,7 +85,7 @@ def on_ranks(world_size: int, rank_fn: Callable[..., Any], *args: Any,
     or does not finish becomes a ``Hint`` in words: the exception's last line and the rank, or
     a likely deadlock (a send without its receive, a collective some rank never reaches)."""
     # A checker's rank function travels by value, as the learner's does: a rank then never
-    # imports megatron_edu.exercises (every checker module and what it imports) to run it.
+    # imports megatron_edu.course.exercises (every checker module and what it imports) to run it.
     cloudpickle.register_pickle_by_value(sys.modules[rank_fn.__module__])
     try:
         return run(rank_fn, world_size, *args, backend="gloo", timeout=timeout)

@@ -16,7 +16,7 @@ import itertools
 import torch
 
 from megatron_edu import comm
-from megatron_edu.exercises.checking import Hint, close, exercise, on_ranks
+from megatron_edu.course.exercises.checking import Hint, close, exercise, on_ranks
 from megatron_edu.grid import Layout
 
 WORLD = 4

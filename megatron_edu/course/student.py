@@ -1,6 +1,6 @@
 """Write the student notebooks: every solution replaced by a stub, every output cleared.
 
-    python -m megatron_edu.exercises.student [NOTEBOOKS] [OUT]     # make student-notebooks
+    python -m megatron_edu.course.student [NOTEBOOKS] [OUT]     # make student-notebooks
 
 In the notebooks (which hold the solutions) each solution sits between two comment lines::
 

@@ -25,7 +25,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.patches import Circle, Rectangle
 
-from ..model.config import GPTConfig
+from megatron_edu.model.config import GPTConfig
 
 WHOLE = "#d9d9d9"       # a tensor every rank holds whole
 FONT = 8

@@ -11,7 +11,7 @@ from pathlib import Path
 
 __all__ = ["show_source"]
 
-_PACKAGE = Path(__file__).resolve().parents[1]
+_PACKAGE = Path(__file__).resolve().parents[2]  # megatron_edu/
 
 
 def show_source(*objects: object) -> None:
