@@ -1,12 +1,15 @@
 """The checkers of notebooks 06 and 07: the reference solutions pass; typical wrong answers get
 the hint that names their mistake; a stub is "not done yet"; a deadlock is said to be one."""
 
+import dataclasses
+
 import pytest
 import torch
 
 from megatron_edu import comm
 from megatron_edu.course.exercises import check, nb06, nb07
-from megatron_edu.perf import ModelShape, parameters_per_rank
+from megatron_edu.grid import Layout
+from megatron_edu.perf import parameters_per_rank
 
 
 def _verdict(exercise_id, fn, *expected):
@@ -337,14 +340,16 @@ def predict_bytes(config, tp, pp, dp, batch, microbatches, ring=True, scatter_ga
     def all_gather(g):
         return (g - 1) / g if ring else float(g > 1)
 
-    vocab = config.padded_vocab(t) if padding else config.vocab_size
+    if not padding:  # the vocabulary as given (a multiple of t here)
+        config = dataclasses.replace(config, make_vocab_size_divisible_by=1)
+    vocab = config.padded_vocab(t)
     tp_bytes = t * p * d * (layers // p) * 4 * m * all_reduce(t) * act
     tp_bytes += 2 * d * t * m * all_reduce(t) * act
     tp_bytes += 2 * (p - 1) * d * t * m * all_gather(t) * act * scatter_gather
     pp_bytes = 2 * (p - 1) * d * m * act * (1 if scatter_gather else t)
     embedding = 2 * d * t * all_reduce(2) * 4 * vocab * h / t if p > 1 else 0
-    shape = ModelShape(layers, h, config.num_heads, vocab, s)
-    dp_bytes = d * t * sum(all_reduce(d) * 4 * parameters_per_rank(shape, t, p, stage)
+    dp_bytes = d * t * sum(all_reduce(d) * 4 * parameters_per_rank(config, Layout(tp=t, pp=p),
+                                                                   stage)
                            for stage in range(p))
     scale = 1 if per_microbatch else 1 / m
     return dict(tp=tp_bytes * scale, pp=pp_bytes * scale, dp=dp_bytes, embedding=embedding)

@@ -14,8 +14,8 @@ from megatron_edu.grid import Layout, ParallelGrid
 from megatron_edu.launch import run
 from megatron_edu.model import GPT, GPTConfig
 from megatron_edu.optim import DynamicLossScale
+from megatron_edu.perf import activation_bytes_per_layer, megatron_core_activation_bytes
 from megatron_edu.perf.measure import layer_activation_bytes
-from megatron_edu.perf.memory import ModelShape, activation_bytes_per_layer
 from megatron_edu.ptdp import PTDP, PTDPOptions
 from megatron_edu.tensor_parallel.layers import sum_replicated_grads_
 from megatron_edu.tensor_parallel.random import DropoutKey
@@ -108,10 +108,8 @@ def test_sequence_parallel_and_recompute_in_a_pipeline_take_the_plain_steps(reco
 # --- what each saves, measured beside 2205.05198's formula ---------------------------------------
 
 SHAPE = GPTConfig(vocab_size=512, seq_len=128, num_layers=2, hidden=256, num_heads=8,
-                  dropout=0.1)   # megatron-core's measured layer (../shared/MACHINE.md): b = 2
-MEGATRON_CORE_TP2 = {("none", False): 4_739_072, ("none", True): 3_950_592,
-                     ("selective", False): 3_166_212, ("selective", True): 2_377_732,
-                     ("full", False): 802_816, ("full", True): 409_600}
+                  dropout=0.1)   # megatron-core's measured layer (its csv's header): b = 2
+MEGATRON_CORE_TP2 = megatron_core_activation_bytes()  # docs/papers, measured at tp = 2
 
 
 def _measured():
@@ -129,13 +127,13 @@ def measured():
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_a_layer_saves_what_the_formula_says_within_5_percent(measured, tp):
     for (rc, sp), got in measured[tp].items():
-        predicted = activation_bytes_per_layer(ModelShape.from_config(SHAPE), 2, tp=tp,
-                                               sequence_parallel=sp, recompute=rc,
-                                               bytes_per_value=4)
+        config = dataclasses.replace(SHAPE, recompute=rc, sequence_parallel=sp)
+        predicted = activation_bytes_per_layer(config, 2, tp=tp, bytes_per_value=4)
         assert predicted <= got <= 1.05 * predicted, (tp, rc, sp, got, predicted)
 
 
 def test_a_layer_saves_no_more_than_megatron_cores_own(measured):
+    assert len(MEGATRON_CORE_TP2) == 6
     for cell, theirs in MEGATRON_CORE_TP2.items():
         assert measured[2][cell] <= theirs, cell
 

@@ -7,9 +7,8 @@
   2104.04473 §3 and §5.4-5.8 (and 1909.08053's weak scaling, §5.1).
 """
 
-import csv
 import math
-from pathlib import Path
+from dataclasses import replace
 
 import pytest
 import torch
@@ -17,7 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from megatron_edu.model import GPTConfig
+from megatron_edu.grid import Layout
+from megatron_edu.model import GPT, GPTConfig
 from megatron_edu.perf import (
     A100_BF16_PEAK,
     DGX2H_V100,
@@ -25,42 +25,43 @@ from megatron_edu.perf import (
     MIXED,
     MIXED_FP32_GRADS,
     SELENE_A100,
-    Layout,
-    ModelShape,
     activation_bytes_per_layer,
+    activation_bytes_per_rank,
     advise,
     datasheet_bf16_peak,
     datasheet_peak_flops,
+    embedding_activation_bytes,
     forwards_in_flight,
+    interleaving_speedup,
     memory_per_rank,
     model_flops_utilization,
     num_parameters,
     output_layer_activation_bytes,
     parameters_per_rank,
     predict,
+    read_paper_table,
     rejection_reason,
+    table1_config,
     training_flops,
     training_time_seconds,
 )
+from megatron_edu.pipeline.schedules import make_schedule
+from megatron_edu.pipeline.simulate import simulate
 
-PAPERS = Path(__file__).resolve().parents[1] / "docs" / "papers"
 DAY = 86400
-
-
-def table1() -> list[dict]:
-    """2104.04473 Table 1, one dict per row (vocabulary 51,200, sequence 2048)."""
-    lines = (PAPERS / "2104.04473_table1.csv").read_text().splitlines()
-    header = next(x for x in lines if x.startswith("# params_billion")).lstrip("# ").split(",")
-    rows = csv.DictReader([x for x in lines if not x.startswith("#")], fieldnames=header)
-    return [{k: float(v) for k, v in row.items()} for row in rows]
-
-
-TABLE1 = table1()
+TABLE1 = read_paper_table("2104.04473_table1.csv")  # 2104.04473 Table 1 (V 51,200, s 2048)
 ROW_IDS = [f"{r['params_billion']:g}B" for r in TABLE1]
+shape = table1_config
 
 
-def shape(row: dict) -> ModelShape:
-    return ModelShape(int(row["layers"]), int(row["hidden"]), int(row["heads"]), 51200, 2048)
+def gpt(layers: int, hidden: int, heads: int, vocab: int, seq_len: int, **fields) -> GPTConfig:
+    """A GPT in the papers' letters: l layers, h hidden, a heads, V vocabulary, s sequence."""
+    return GPTConfig(vocab_size=vocab, seq_len=seq_len, num_layers=layers, hidden=hidden,
+                     num_heads=heads, **fields)
+
+
+def test_table1_models_keep_their_vocabulary_at_every_tp_the_advisor_tries():
+    assert {shape(row).padded_vocab(tp) for row in TABLE1 for tp in (1, 2, 4, 8, 16)} == {51200}
 
 
 # ---- formulas (2104.04473 §5.1) ----
@@ -196,11 +197,12 @@ class Block(nn.Module):
 
 
 class PlainGPT(nn.Module):
-    def __init__(self, m: ModelShape, dropout: float = 0.0, recompute: str = "none") -> None:
+    def __init__(self, m: GPTConfig, dropout: float = 0.0, recompute: str = "none") -> None:
         super().__init__()
-        self.wte, self.wpe = nn.Embedding(m.vocab, m.hidden), nn.Embedding(m.seq_len, m.hidden)
+        self.wte = nn.Embedding(m.vocab_size, m.hidden)
+        self.wpe = nn.Embedding(m.seq_len, m.hidden)
         self.blocks = nn.ModuleList(
-            Block(m.hidden, m.heads, dropout, recompute) for _ in range(m.layers)
+            Block(m.hidden, m.num_heads, dropout, recompute) for _ in range(m.num_layers)
         )
         self.ln_f = nn.LayerNorm(m.hidden)
         self.register_buffer("causal", torch.ones(m.seq_len, m.seq_len, dtype=torch.bool).triu(1))
@@ -215,7 +217,7 @@ class PlainGPT(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1))
 
 
-TINY = ModelShape(layers=2, hidden=64, heads=4, vocab=128, seq_len=32)
+TINY = gpt(layers=2, hidden=64, heads=4, vocab=128, seq_len=32)  # 128 = its padded vocabulary
 B = 3
 
 
@@ -237,36 +239,54 @@ def saved_bytes(model: nn.Module, fn, *args) -> int:
 
 def test_parameters_per_rank_count_the_plain_model():
     model = PlainGPT(TINY)
-    assert sum(p.numel() for p in model.parameters()) == parameters_per_rank(TINY)
+    assert sum(p.numel() for p in model.parameters()) == parameters_per_rank(TINY, Layout())
 
 
 def test_parameters_per_rank_is_the_papers_count_plus_the_final_layer_norm():
-    l, h, v, s = TINY.layers, TINY.hidden, TINY.vocab, TINY.seq_len
-    assert parameters_per_rank(TINY) == num_parameters(l, h, v, s) + 2 * h
+    l, h, v, s = TINY.num_layers, TINY.hidden, TINY.vocab_size, TINY.seq_len
+    assert parameters_per_rank(TINY, Layout()) == num_parameters(l, h, v, s) + 2 * h
 
 
-@pytest.mark.parametrize("tp", [1, 2, 4])
-def test_parameters_per_rank_agree_with_gpt_config(tp):
-    config = GPTConfig.preset("gpt2-medium")
-    assert parameters_per_rank(ModelShape.from_config(config, tp), tp) == (
-        config.num_parameters(tp)
-    )
+STAGED = gpt(layers=8, hidden=32, heads=4, vocab=100, seq_len=16, ffn_hidden=48)
+
+
+@pytest.mark.parametrize("layout", [Layout(pp=4), Layout(pp=2, schedule="interleaved", chunks=2,
+                                                         num_microbatches=2),
+                                    Layout(pp=2, schedule="zb-v")],
+                         ids=["1f1b", "interleaved", "zb-v"])
+def test_parameters_per_rank_are_what_the_models_stages_hold(layout):
+    """Each pipeline rank's chunks, built as model.GPT stages (ZB-V: rank 0 holds the first and
+    the last stage, each chunk its own copy of the word embedding), any ffn width."""
+    stages = layout.stages
+    for rank in range(layout.pp):
+        held = 0
+        for chunk in range(stages.v):
+            stage = stages.stage(rank, chunk)
+            model = GPT(STAGED, layers=stages.layers(stage, STAGED.num_layers), first=stage == 0,
+                        last=stage == stages.num_stages - 1)
+            held += sum(p.numel() for p in model.parameters())
+        assert parameters_per_rank(STAGED, layout, rank) == held, rank
 
 
 @pytest.mark.parametrize("tp, pp", [(2, 1), (1, 4), (4, 2)])
 def test_shards_add_up_to_the_model_plus_replicas(tp, pp):
-    m, h = ModelShape(8, 64, 8, 256, 32), 64
-    held = sum(tp * parameters_per_rank(m, tp, pp, stage) for stage in range(pp))
-    replicated = m.layers * 6 * h + m.seq_len * h + 2 * h  # layer norms, row biases, positions
-    tied_copy = m.vocab * h if pp > 1 else 0  # the last stage's output-layer copy
-    assert held == parameters_per_rank(m) + (tp - 1) * replicated + tied_copy
+    m, h = gpt(8, 64, 8, 512, 32), 64  # 512: no padding at tp ≤ 4
+    held = sum(tp * parameters_per_rank(m, Layout(tp=tp, pp=pp), stage) for stage in range(pp))
+    replicated = m.num_layers * 6 * h + m.seq_len * h + 2 * h  # layer norms, row biases, wpe
+    tied_copy = m.vocab_size * h if pp > 1 else 0  # the last stage's output-layer copy
+    assert held == parameters_per_rank(m, Layout()) + (tp - 1) * replicated + tied_copy
+
+
+def test_a_layout_that_cannot_split_the_model_is_refused_with_the_models_rule():
+    with pytest.raises(ValueError, match="num_heads = 4 is not divisible by the tensor-parallel"):
+        parameters_per_rank(TINY, Layout(tp=3))
 
 
 def test_weights_grads_and_adam_bytes_equal_the_real_model():
     torch.manual_seed(0)
     model = PlainGPT(TINY)
     adam = torch.optim.Adam(model.parameters())
-    ids = torch.randint(TINY.vocab, (B, TINY.seq_len))
+    ids = torch.randint(TINY.vocab_size, (B, TINY.seq_len))
     x = model.wte(ids) + model.wpe.weight
     model.head_loss(model.body(x), ids).backward()
     adam.step()
@@ -276,7 +296,7 @@ def test_weights_grads_and_adam_bytes_equal_the_real_model():
         # exp_avg and exp_avg_sq; Adam's one-element `step` counter per tensor is left out
         sum(s[k].nbytes for s in adam.state.values() for k in ("exp_avg", "exp_avg_sq")),
     )
-    est = memory_per_rank(TINY, Layout(recompute="none"), B, precision=FP32)
+    est = memory_per_rank(TINY, Layout(num_microbatches=B), precision=FP32)
     assert measured == (est.weights, est.grads, est.optimizer)
 
 
@@ -291,10 +311,9 @@ def test_saved_activations_equal_korthikanti_byte_for_byte(recompute, dropout):
     model = PlainGPT(TINY, dropout, recompute)
     x = torch.randn(B, TINY.seq_len, TINY.hidden, requires_grad=True)
     layer_norm_stats = 0 if recompute == "full" else 2 * 2 * B * TINY.seq_len * 4
-    per_layer = activation_bytes_per_layer(
-        TINY, B, recompute=recompute, bytes_per_value=4, dropout=dropout > 0
-    )
-    assert saved_bytes(model, model.body, x) == TINY.layers * (per_layer + layer_norm_stats)
+    config = replace(TINY, recompute=recompute, dropout=dropout)  # the masks: if it has dropout
+    per_layer = activation_bytes_per_layer(config, B, bytes_per_value=4)
+    assert saved_bytes(model, model.body, x) == TINY.num_layers * (per_layer + layer_norm_stats)
 
 
 def test_output_layer_activations_equal_korthikanti_plus_targets():
@@ -303,7 +322,7 @@ def test_output_layer_activations_equal_korthikanti_plus_targets():
     and the loss's 4-byte total weight."""
     model = PlainGPT(TINY)
     x = torch.randn(B, TINY.seq_len, TINY.hidden, requires_grad=True)
-    labels = torch.randint(TINY.vocab, (B, TINY.seq_len))
+    labels = torch.randint(TINY.vocab_size, (B, TINY.seq_len))
     extras = 8 * B * TINY.seq_len + 8 * B * TINY.seq_len + 4
     expected = output_layer_activation_bytes(TINY, B, bytes_per_value=4) + extras
     assert saved_bytes(model, model.head_loss, x, labels) == expected
@@ -311,7 +330,7 @@ def test_output_layer_activations_equal_korthikanti_plus_targets():
 
 # ---- memory: the paper's closed forms (16-bit values, 1-byte masks) ----
 
-GPT_22B = ModelShape(layers=48, hidden=6144, heads=64, vocab=51200, seq_len=2048)
+GPT_22B = gpt(layers=48, hidden=6144, heads=64, vocab=51200, seq_len=2048)
 
 
 @pytest.mark.parametrize("t", [1, 2, 4, 8])
@@ -325,19 +344,19 @@ def test_tensor_parallel_activations_are_10_plus_24_over_t(t):
 def test_sequence_parallel_divides_all_34_by_t(t):
     s, b, h, a = 2048, 1, 6144, 64
     expected = s * b * h / t * (34 + 5 * a * s / h)  # 2205.05198 eq. 3
-    got = activation_bytes_per_layer(GPT_22B, b, tp=t, sequence_parallel=True)
+    got = activation_bytes_per_layer(replace(GPT_22B, sequence_parallel=True), b, tp=t)
     assert got == pytest.approx(expected, rel=1e-12)
 
 
 def test_selective_recompute_drops_the_attention_term():
     s, b, h = 2048, 1, 6144
-    got = activation_bytes_per_layer(GPT_22B, b, tp=8, sequence_parallel=True,
-                                     recompute="selective")
-    assert got == 34 * s * b * h // 8  # 2205.05198 eq. 4
+    config = replace(GPT_22B, sequence_parallel=True, recompute="selective")
+    assert activation_bytes_per_layer(config, b, tp=8) == 34 * s * b * h // 8  # 2205.05198 eq. 4
 
 
 def test_full_recompute_keeps_2sbh():
-    assert activation_bytes_per_layer(GPT_22B, 1, tp=8, recompute="full") == 2 * 2048 * 6144
+    config = replace(GPT_22B, recompute="full")
+    assert activation_bytes_per_layer(config, 1, tp=8) == 2 * 2048 * 6144
 
 
 @pytest.mark.parametrize("precision, per_param", [(FP32, 16), (MIXED, 16), (MIXED_FP32_GRADS, 18)])
@@ -347,37 +366,83 @@ def test_bytes_per_parameter(precision, per_param):
 
 
 def test_zero1_shards_the_optimizer_over_dp():
-    layout = Layout(tp=2, pp=2, dp=4)
-    plain = memory_per_rank(GPT_22B, layout, 64)
-    sharded = memory_per_rank(GPT_22B, layout, 64, zero1=True)
+    plain = memory_per_rank(GPT_22B, Layout(tp=2, pp=2, dp=4, num_microbatches=16))
+    sharded = memory_per_rank(GPT_22B, Layout(tp=2, pp=2, dp=4, num_microbatches=16, zero1=True))
     assert sharded.optimizer == math.ceil(plain.optimizer / 4)
 
 
-# ---- memory: microbatches in flight (2104.04473 §2.2) ----
+# ---- memory: microbatches in flight, read off the schedule (2104.04473 §2.2, 2401.10241) ----
 
 
 def test_gpipe_holds_every_microbatch():
-    assert forwards_in_flight("gpipe", 4, 16) == [16]
+    assert forwards_in_flight(Layout(pp=4, schedule="gpipe", num_microbatches=16)) == [16]
 
 
 def test_1f1b_first_stage_holds_p_and_last_holds_one():
-    held = [forwards_in_flight("1f1b", 4, 16, stage) for stage in range(4)]
-    assert held == [[4], [3], [2], [1]]
+    layout = Layout(pp=4, num_microbatches=16)
+    assert [forwards_in_flight(layout, stage) for stage in range(4)] == [[4], [3], [2], [1]]
+
+
+def test_1f1b_with_fewer_microbatches_than_stages_holds_them_all():
+    assert forwards_in_flight(Layout(pp=8, num_microbatches=3)) == [3]
 
 
 def test_interleaved_first_stage_holds_p_plus_p_minus_1_over_v_stages():
     p, m, v = 4, 16, 2
-    held = forwards_in_flight("interleaved", p, m, 0, v)
+    held = forwards_in_flight(Layout(pp=p, schedule="interleaved", chunks=v, num_microbatches=m))
     assert sum(held) / v == p + (p - 1) / v
 
 
-TINY_DEEP = ModelShape(layers=8, hidden=64, heads=4, vocab=128, seq_len=32)
+@pytest.mark.parametrize("name, k", [("zb-h1", 1), ("zb-h2", 2)])
+def test_zero_bubble_ranks_hold_k_times_p_minus_1_plus_1_everywhere(name, k):
+    """2401.10241 §2: ZB-H1 holds p microbatches on every rank (1F1B's rank-0 peak), ZB-H2
+    2p − 1, between each forward and its weight-gradient pass W."""
+    p = 4
+    layout = Layout(pp=p, schedule=name, num_microbatches=16)
+    assert [forwards_in_flight(layout, stage) for stage in range(p)] == [[k * (p - 1) + 1]] * p
+
+
+SCHEDULES = [("gpipe", None), ("1f1b", None), ("interleaved", 2), ("interleaved", 3),
+             ("zb-h1", None), ("zb-h2", None), ("zb-v", None)]
+
+
+@pytest.mark.parametrize("name, v, p, m", [
+    (name, v, p, m) for name, v in SCHEDULES for p, m in [(4, 8), (3, 12), (2, 1)]
+    if name != "interleaved" or m % p == 0])
+def test_forwards_in_flight_add_up_to_the_simulators_peak(name, v, p, m):
+    layout = Layout(pp=p, schedule=name, chunks=v, num_microbatches=m)
+    peaks = simulate(make_schedule(name, p, m, v)).peak_activations
+    assert [sum(forwards_in_flight(layout, stage)) for stage in range(p)] == peaks
+
+
+TINY_DEEP = gpt(layers=8, hidden=64, heads=4, vocab=128, seq_len=32)
 
 
 def test_activation_memory_grows_with_the_schedules_in_flight_count():
-    layouts = [Layout(pp=4, schedule=s, recompute="none") for s in ("1f1b", "gpipe")]
-    one_f_one_b, gpipe = (memory_per_rank(TINY_DEEP, x, 16).activations for x in layouts)
+    layouts = [Layout(pp=4, schedule=s, num_microbatches=16) for s in ("1f1b", "gpipe")]
+    one_f_one_b, gpipe = (memory_per_rank(TINY_DEEP, x).activations for x in layouts)
     assert gpipe > 3 * one_f_one_b  # GPipe keeps m = 16 microbatches, 1F1B keeps p = 4
+
+
+def test_a_middle_zb_h2_rank_holds_2p_minus_1_microbatches_of_its_layers():
+    p, b = 4, 2
+    per_layer = activation_bytes_per_layer(TINY_DEEP, b)
+    layout = Layout(pp=p, schedule="zb-h2", microbatch=b, num_microbatches=16)
+    assert activation_bytes_per_rank(TINY_DEEP, layout, 1) == (2 * p - 1) * 2 * per_layer
+
+
+def test_zb_v_rank_0_holds_the_embedding_and_the_output_layer():
+    """ZB-V's V puts the first and the last stage on rank 0: both ends' activations are there,
+    each on its own chunk (half a stage's layers), none on the other ranks."""
+    b, p = 2, 2
+    layout = Layout(pp=p, schedule="zb-v", microbatch=b, num_microbatches=8)
+    first, middle = (activation_bytes_per_rank(TINY_DEEP, layout, rank) for rank in (0, 1))
+    held0, held1 = forwards_in_flight(layout, 0), forwards_in_flight(layout, 1)
+    layers = TINY_DEEP.num_layers // (2 * p) * activation_bytes_per_layer(TINY_DEEP, b)
+    ends = (held0[0] * embedding_activation_bytes(TINY_DEEP, b)
+            + held0[1] * output_layer_activation_bytes(TINY_DEEP, b))
+    assert first >= sum(held0) * layers + ends  # the heaviest moment weighs at least the peak
+    assert middle == sum(held1) * layers
 
 
 # ---- the performance model and the advisor on Selene (2104.04473 §5.1, Table 1) ----
@@ -386,15 +451,16 @@ def test_activation_memory_grows_with_the_schedules_in_flight_count():
 @pytest.mark.parametrize("recompute, with_recompute", [("full", True), ("none", False)])
 def test_predicted_flops_are_the_papers_formula(recompute, with_recompute):
     row = TABLE1[4]
-    layout = Layout(8, 2, 32, 1, recompute=recompute)
-    pred = predict(shape(row), layout, int(row["batch"]))
+    layout = Layout(8, 2, 32, num_microbatches=int(row["batch"]) // 32)
+    pred = predict(replace(shape(row), recompute=recompute), layout)
     expected = training_flops(int(row["batch"]), 2048, int(row["layers"]), int(row["hidden"]),
                               51200, recompute=with_recompute)
     assert pred.flops_per_iteration == pytest.approx(expected, rel=1e-12)
 
 
 def test_throughput_is_flops_over_gpus_and_iteration_time():
-    pred = predict(shape(TABLE1[5]), Layout(8, 4, 32, 2, "interleaved", 5), 1792)
+    layout = Layout(8, 4, 32, "interleaved", 5, microbatch=2, num_microbatches=28)
+    pred = predict(shape(TABLE1[5]), layout)
     assert pred.time.total == pytest.approx(pred.flops_per_iteration
                                             / (1024 * pred.tflops_per_gpu * 1e12))
 
@@ -417,28 +483,79 @@ def test_table1_advisors_choice_within_15_percent(row):
 def test_advisor_proposes_only_layouts_that_divide_and_fit(row):
     m, batch, n = shape(row), int(row["batch"]), int(row["gpus"])
     for layout, pred in advise(m, batch, n):
-        microbatches = layout.num_microbatches(batch)
-        assert layout.gpus == n
-        assert m.heads % layout.tp == 0 and SELENE_A100.gpus_per_node % layout.tp == 0
-        assert m.layers % (layout.pp * layout.chunks) == 0
-        assert batch % (layout.dp * layout.microbatch) == 0
-        assert layout.schedule != "interleaved" or microbatches % layout.pp == 0
+        assert (layout.world_size, layout.global_batch) == (n, batch)
+        assert m.num_heads % layout.tp == 0 and SELENE_A100.gpus_per_node % layout.tp == 0
+        assert m.num_layers % (layout.pp * layout.chunks) == 0
+        assert layout.schedule != "interleaved" or layout.num_microbatches % layout.pp == 0
         assert pred.memory.total <= SELENE_A100.memory_bytes
+        assert (pred.layout, pred.config) == (layout, m)
 
 
-@pytest.mark.parametrize("layout, reason", [
-    (Layout(dp=0), "sizes must be positive"),
-    (Layout(tp=3, dp=8), "tp 3 does not divide heads 40"),
-    (Layout(tp=5, dp=8), "tp 5 does not divide the 8 GPUs of a node"),
-    (Layout(pp=5, dp=6), "pp·v = 5·1 does not divide 24 layers"),
-    (Layout(pp=2, dp=7), "dp·b = 7·1 does not divide B"),
-    (Layout(pp=2, dp=15, chunks=2), "chunks v > 1 iff interleaved"),
-    (Layout(pp=2, dp=15, microbatch=32, schedule="interleaved", chunks=2), "m=1 % p=2"),
-    (Layout(tp=2, dp=30, recompute="none"), "GiB > 80 GiB"),
+MODEL_24 = gpt(layers=24, hidden=5120, heads=40, vocab=51200, seq_len=2048, recompute="full")
+
+
+@pytest.mark.parametrize("layout, recompute, reason", [
+    (Layout(tp=3, dp=8), "full", "num_heads = 40 is not divisible by the tensor-parallel size"),
+    (Layout(tp=5, dp=8), "full", "tp 5 does not divide the 8 GPUs of a node"),
+    (Layout(pp=5, dp=6), "full", "num_layers = 24 is not divisible by pp·chunks = 5·1"),
+    (Layout(pp=2, dp=7), "full", "but the world has 16"),
+    (Layout(tp=2, dp=30, num_microbatches=16), "none", "GiB > 80 GiB"),
 ])
-def test_rejection_names_the_reason(layout, reason):
-    m = ModelShape(layers=24, hidden=5120, heads=40, vocab=51200, seq_len=2048)
-    assert reason in rejection_reason(m, layout, 480, layout.gpus)
+def test_rejection_names_the_reason(layout, recompute, reason):
+    gpus = 16 if "world" in reason else layout.world_size
+    assert reason in rejection_reason(replace(MODEL_24, recompute=recompute), layout, gpus)
+
+
+@pytest.mark.parametrize("fields, reason", [
+    (dict(dp=0), "dp must be a positive integer"),
+    (dict(pp=2, chunks=2), "the 1f1b schedule has one model chunk per rank"),
+    (dict(pp=2, schedule="interleaved", chunks=2), "a multiple of num_stages"),
+])
+def test_a_layout_that_cannot_work_is_refused_when_it_is_made(fields, reason):
+    with pytest.raises(ValueError, match=reason):
+        Layout(**fields)
+
+
+def test_the_advisor_sweeps_recomputation_and_sequence_parallelism_as_config_variants():
+    model = replace(MODEL_24, recompute="none")
+    ranked = advise(model, 64, 16, recompute=("none", "selective", "full"),
+                    sequence_parallel=(False, True))
+    variants = {(p.config.recompute, p.config.sequence_parallel) for _, p in ranked}
+    assert {("selective", True), ("full", False)} <= variants
+    assert all(replace(p.config, recompute="none", sequence_parallel=False) == model
+               for _, p in ranked)
+
+
+# ---- zero-bubble schedules (2401.10241) ----
+
+
+@pytest.mark.parametrize("name", ["zb-h1", "zb-h2", "zb-v"])
+def test_a_split_backward_bubble_does_not_grow_beyond_2p_microbatches(name):
+    """What the time model relies on to simulate only min(m, 2p) microbatches: beyond, a steady
+    state adds one microbatch's work per microbatch and no idle time (unequal costs)."""
+    p = 4
+    idle = [max(simulate(make_schedule(name, p, m), 1.0, 1.4, weight_time=0.6).idle)
+            for m in (2 * p, 3 * p, 5 * p + 1)]
+    assert idle == pytest.approx([idle[0]] * 3)
+
+
+def test_zero_bubble_schedules_shrink_the_bubble_and_hold_more():
+    """2401.10241 Table 2: ZB-H1's bubble is (t_F + t_B − t_W)/(t_F + t_B + t_W) of 1F1B's;
+    with t_F ≈ t_W and B carrying the recomputed forward (t_B ≈ 2t_F), a little over half."""
+    model, gpus = GPT3, 96
+    plain, h1, h2 = (predict(model, Layout(8, 12, 1, name, num_microbatches=48))
+                     for name in ("1f1b", "zb-h1", "zb-h2"))
+    assert 0.5 < h1.time.bubble / plain.time.bubble < 2 / 3
+    assert h2.time.bubble <= h1.time.bubble
+    assert plain.memory.activations <= h1.memory.activations < h2.memory.activations
+    assert plain.layout.world_size == gpus
+
+
+def test_the_advisor_weighs_zero_bubble_schedules_too():
+    model = shape(TABLE1[4])  # 39.1B on 512 GPUs, batch 1536
+    ranked = advise(model, 1536, 512, tp=8, pp=2, schedules=("1f1b", "zb-h1"))
+    assert ranked[0][0].schedule == "zb-h1"
+    assert all(p.memory.total <= SELENE_A100.memory_bytes for _, p in ranked)
 
 
 # ---- the takeaways ----
@@ -447,9 +564,10 @@ def test_rejection_names_the_reason(layout, reason):
 def test_takeaway_1_tensor_parallel_peaks_at_the_gpus_of_a_node():
     """2104.04473 §5.4.1, Fig. 13: 162B model, 64 GPUs, no data parallelism, (t, p) from
     (2, 32) to (32, 2): throughput peaks at t = 8 = GPUs per DGX A100."""
-    m = ModelShape(layers=32, hidden=20480, heads=128, vocab=51200, seq_len=2048)
+    m = gpt(layers=32, hidden=20480, heads=128, vocab=51200, seq_len=2048, recompute="full")
     for batch in (32, 128):
-        by_tp = {t: predict(m, Layout(t, 64 // t), batch).tflops_per_gpu for t in (2, 4, 8, 16, 32)}
+        by_tp = {t: predict(m, Layout(t, 64 // t, num_microbatches=batch)).tflops_per_gpu
+                 for t in (2, 4, 8, 16, 32)}
         assert max(by_tp, key=by_tp.get) == 8
 
 
@@ -460,51 +578,48 @@ def test_takeaway_2_data_parallel_when_the_model_fits():
     assert (layout.tp, layout.pp) == (1, 1)
 
 
-GPT3 = ModelShape(layers=96, hidden=12288, heads=96, vocab=51200, seq_len=2048)
-
-
-def interleaving_speedup(batch: int) -> float:
-    """§5.3, Fig. 12: GPT-3 175B on 96 GPUs, (t, p) = (8, 12), microbatch 1."""
-    plain = predict(GPT3, Layout(8, 12, 1, 1, "1f1b"), batch)
-    interleaved = predict(GPT3, Layout(8, 12, 1, 1, "interleaved", 2), batch)
-    return plain.time.total / interleaved.time.total
+GPT3 = gpt(layers=96, hidden=12288, heads=96, vocab=51200, seq_len=2048, recompute="full")
 
 
 def test_interleaving_pays_at_small_batch():
-    assert interleaving_speedup(12) > 1.15
+    """§5.3, Fig. 12: GPT-3 175B on 96 GPUs, (t, p) = (8, 12), microbatch 1."""
+    assert interleaving_speedup(GPT3, 8, 12, 2, 12) > 1.15
 
 
 def test_interleaving_gain_shrinks_as_the_batch_grows():
-    assert interleaving_speedup(12) > interleaving_speedup(60) > 1
+    assert interleaving_speedup(GPT3, 8, 12, 2, 12) > interleaving_speedup(GPT3, 8, 12, 2, 60) > 1
 
 
 def test_scatter_gather_speeds_up_interleaving():
     """§5.7, Fig. 17: the p2p message split over the t adapters of a node, gathered on NVLink."""
-    layout = Layout(8, 12, 1, 1, "interleaved", 2)
-    times = [predict(GPT3, layout, 60, scatter_gather=sg).time.total for sg in (True, False)]
+    layout = Layout(8, 12, 1, "interleaved", 2, num_microbatches=60)
+    times = [predict(GPT3, layout, scatter_gather=sg).time.total for sg in (True, False)]
     assert times[0] < times[1]
 
 
 MICROBATCHES = (1, 2, 4, 8)
 
 
+def _gpt3_by_microbatch() -> list:
+    """GPT-3 on t = 8, p = 12, B = 96: b·m = B, so the microbatch size sets m."""
+    return [predict(GPT3, Layout(8, 12, 1, microbatch=b, num_microbatches=96 // b))
+            for b in MICROBATCHES]
+
+
 def test_larger_microbatches_grow_the_bubble():
     """§3.4: with B fixed, b·m = B/dp, so the bubble (p-1)/m grows with b."""
-    preds = [predict(GPT3, Layout(8, 12, 1, b), 96) for b in MICROBATCHES]
-    fractions = [p.time.bubble / p.time.total for p in preds]
+    fractions = [p.time.bubble / p.time.total for p in _gpt3_by_microbatch()]
     assert fractions == sorted(fractions) and fractions[0] < fractions[-1]
 
 
 def test_larger_microbatches_grow_the_activation_memory():
-    preds = [predict(GPT3, Layout(8, 12, 1, b), 96) for b in MICROBATCHES]
-    activations = [p.memory.activations for p in preds]
+    activations = [p.memory.activations for p in _gpt3_by_microbatch()]
     assert activations == sorted(activations) and activations[0] < activations[-1]
 
 
 def test_larger_microbatches_raise_efficiency_outside_the_bubble():
     """Fewer, larger messages and kernels: time outside the bubble falls as b grows."""
-    preds = [predict(GPT3, Layout(8, 12, 1, b), 96) for b in MICROBATCHES]
-    busy = [p.time.total - p.time.bubble for p in preds]
+    busy = [p.time.total - p.time.bubble for p in _gpt3_by_microbatch()]
     assert busy == sorted(busy, reverse=True) and busy[0] > busy[-1]
 
 
@@ -512,12 +627,15 @@ def test_without_a_pipeline_memory_caps_the_microbatch():
     """No bubble to pay: the advisor takes the largest microbatch that fits in memory."""
     m, batch, n = shape(TABLE1[0]), 4096, 32
     layout, _ = advise(m, batch, n, tp=1, pp=1)[0]
-    bigger = Layout(1, 1, n, 2 * layout.microbatch)
-    assert "GiB >" in rejection_reason(m, bigger, batch, n)
+    b = 2 * layout.microbatch
+    bigger = Layout(1, 1, n, microbatch=b, num_microbatches=batch // (n * b))
+    assert "GiB >" in rejection_reason(m, bigger, n)
 
 
 def test_1909_tensor_parallel_weak_scaling_efficiency_is_77_percent():
     """1909.08053 §5.1, Fig. 5: 1.2B on 1 V100 to 8.3B on 8 (DGX-2H), batch 8: 77% of linear."""
-    one = predict(ModelShape(40, 1536, 16, 51200, 1024), Layout(1, 1, 1, 8), 8, DGX2H_V100)
-    eight = predict(ModelShape(72, 3072, 32, 51200, 1024), Layout(8, 1, 1, 8), 8, DGX2H_V100)
+    one = predict(GPTConfig.preset("megatron-1.2b", recompute="full"), Layout(microbatch=8),
+                  DGX2H_V100)
+    eight = predict(GPTConfig.preset("megatron-8.3b", recompute="full"),
+                    Layout(tp=8, microbatch=8), DGX2H_V100)
     assert eight.tflops_per_gpu / one.tflops_per_gpu == pytest.approx(0.77, abs=0.05)

@@ -12,17 +12,17 @@ from megatron_edu.course.viz.data_parallel import (
     draw_optimizer_state,
     format_bytes,
     show_zero1_memory,
-    wire_bytes_by_group,
 )
 from megatron_edu.data_parallel import BucketTiming
-from megatron_edu.perf.memory import GIB, MemoryEstimate, ModelShape
+from megatron_edu.model import GPTConfig
+from megatron_edu.perf import GIB, MemoryEstimate, wire_bytes_by_group
 
 START = 10.0  # perf_counter seconds when backward started
 BUCKETS = [BucketTiming(0, 4000, START + 0.010, START + 0.010, START + 0.030),
            BucketTiming(1, 2000, START + 0.040, START + 0.045, START + 0.050)]
 RUNS = {"overlap=True": (START, START + 0.042, BUCKETS),
         "overlap=False": (START, START + 0.042, BUCKETS[:1])}
-MODEL = ModelShape(layers=4, hidden=64, heads=8, vocab=128, seq_len=32)
+MODEL = GPTConfig(vocab_size=128, seq_len=32, num_layers=4, hidden=64, num_heads=8)
 
 
 @pytest.fixture(autouse=True)
@@ -103,7 +103,7 @@ def test_zero1_memory_shrinks_only_the_optimizer_state():
 
 
 def test_zero1_memory_rejects_a_layout_the_model_cannot_take():
-    with pytest.raises(ValueError, match="tp 3 does not divide heads 8"):
+    with pytest.raises(ValueError, match="num_heads = 8 is not divisible by the tensor-parallel"):
         show_zero1_memory(MODEL, tp=3, pp=1, dps=[1], global_batch=8)
 
 

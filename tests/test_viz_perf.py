@@ -1,6 +1,6 @@
 """The pictures of notebook 08 draw what the cost model computes (drawing only, on Agg)."""
 
-from pathlib import Path
+from dataclasses import replace
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -9,7 +9,6 @@ import torch
 
 from megatron_edu.course.viz.perf import (
     MIB,
-    best_per_split,
     draw_activation_memory,
     draw_advisor_vs_table1,
     draw_bubble_vs_microbatches,
@@ -18,18 +17,25 @@ from megatron_edu.course.viz.perf import (
     draw_split_sweep,
     draw_table1,
     draw_tp_sweep,
-    microbatch_tradeoff,
-    read_paper_table,
     show_advice,
     show_machine_mfu,
-    table1_shape,
 )
+from megatron_edu.grid import Layout
 from megatron_edu.model import GPT, GPTConfig
-from megatron_edu.perf import Layout, ModelShape, activation_bytes_per_layer, predict
-from megatron_edu.perf.memory import GIB
+from megatron_edu.perf import (
+    GIB,
+    activation_bytes_per_layer,
+    best_per_split,
+    megatron_core_activation_bytes,
+    microbatch_tradeoff,
+    predict,
+    read_paper_table,
+    table1_config,
+)
+from megatron_edu.perf.papers import PAPERS_DIR
 
-PAPERS = Path(__file__).resolve().parents[1] / "docs" / "papers"
-SMALL = ModelShape(layers=8, hidden=256, heads=8, vocab=1024, seq_len=128)
+SMALL = GPTConfig(vocab_size=1024, seq_len=128, num_layers=8, hidden=256, num_heads=8,
+                  recompute="full")
 GPUS, BATCH = 16, 32
 
 
@@ -42,7 +48,7 @@ def _agg_backend():
 
 @pytest.fixture(scope="module")
 def table1():
-    return read_paper_table(PAPERS / "2104.04473_table1.csv")
+    return read_paper_table(PAPERS_DIR / "2104.04473_table1.csv")
 
 
 def _bar_heights(ax) -> list[float]:
@@ -57,12 +63,19 @@ def test_table1_has_ten_rows_from_1_7b_to_1t(table1):
 
 
 def test_a_text_column_stays_text():
-    rows = read_paper_table(PAPERS / "1909.08053_configs.csv")
+    rows = read_paper_table("1909.08053_configs.csv")  # a bare name: in docs/papers
     assert {r["table"] for r in rows} == {"scaling", "gpt2_eval"}
 
 
-def test_table1_shape_is_the_rows_model(table1):
-    assert table1_shape(table1[-1]) == ModelShape(128, 25600, 160, 51200, 2048)
+def test_table1_config_is_the_rows_model_trained_with_full_recomputation(table1):
+    assert table1_config(table1[-1]) == GPTConfig(vocab_size=51200, seq_len=2048,
+                                                  num_layers=128, hidden=25600, num_heads=160,
+                                                  recompute="full")
+
+
+def test_megatron_cores_measured_bytes_are_read_per_mode():
+    measured = megatron_core_activation_bytes()
+    assert measured["selective", True] == 2_377_732 and len(measured) == 6
 
 
 # ---- memory ----
@@ -70,8 +83,9 @@ def test_table1_shape_is_the_rows_model(table1):
 
 def test_activation_bars_are_the_memory_model_in_mib():
     ax = draw_activation_memory(SMALL, microbatch=2, tp=4)
-    expected = [activation_bytes_per_layer(SMALL, 2, tp=4, sequence_parallel=sp, recompute=r)
-                / MIB for sp in (False, True) for r in ("none", "selective", "full")]
+    expected = [activation_bytes_per_layer(replace(SMALL, sequence_parallel=sp, recompute=r), 2,
+                                           tp=4) / MIB
+                for sp in (False, True) for r in ("none", "selective", "full")]
     assert _bar_heights(ax) == pytest.approx(expected)
 
 
@@ -86,10 +100,12 @@ def test_gpipe_holds_every_microbatch_on_every_stage():
 
 
 def test_memory_bars_stack_up_to_the_estimate():
-    layouts = [Layout(1, 2, 8), Layout(2, 4, 2, 2)]
-    ax = draw_memory_per_gpu(SMALL, layouts, BATCH)
+    layouts = [Layout(1, 2, 8, num_microbatches=4), Layout(2, 4, 2, microbatch=2,
+                                                          num_microbatches=8)]
+    predictions = [predict(SMALL, x) for x in layouts]
+    ax = draw_memory_per_gpu(predictions)
     heights = np.array(_bar_heights(ax)).reshape(4, len(layouts)).sum(axis=0)
-    totals = [predict(SMALL, x, BATCH).memory.total / GIB for x in layouts]
+    totals = [p.memory.total / GIB for p in predictions]
     assert heights == pytest.approx(totals)
 
 
@@ -98,23 +114,28 @@ def test_memory_bars_stack_up_to_the_estimate():
 
 def test_table1_figure_has_two_bars_per_row_and_a_breakdown_per_row(table1):
     rows = table1[:3]
-    preds = [predict(table1_shape(r), Layout(int(r["tensor_parallel"]), 1,
-                                             int(r["gpus"]) // int(r["tensor_parallel"])),
-                     int(r["batch"])) for r in rows]
+    preds = []
+    for r in rows:
+        tp = int(r["tensor_parallel"])
+        dp = int(r["gpus"]) // tp
+        preds.append(predict(table1_config(r), Layout(tp, 1, dp,
+                                                      num_microbatches=int(r["batch"]) // dp)))
     fig = draw_table1(rows, preds)
     assert (len(fig.axes[0].patches), len(fig.axes[1].patches)) == (2 * 3, 6 * 3)
 
 
 def test_breakdown_shares_add_up_to_one(table1):
     row = table1[0]
-    pred = predict(table1_shape(row), Layout(1, 1, 32, 4), int(row["batch"]))
+    pred = predict(table1_config(row), Layout(1, 1, 32, microbatch=4,
+                                              num_microbatches=int(row["batch"]) // 128))
     fig = draw_table1([row], [pred])
     assert sum(_bar_heights(fig.axes[1])) == pytest.approx(1.0)
 
 
 def test_advisor_figure_has_three_bars_per_row(table1):
     rows = table1[:2]
-    preds = [predict(table1_shape(r), Layout(1, 1, int(r["gpus"]), 4), int(r["batch"]))
+    preds = [predict(table1_config(r), Layout(1, 1, int(r["gpus"]), microbatch=4,
+                                              num_microbatches=int(r["batch"] / r["gpus"] / 4)))
              for r in rows]
     ax = draw_advisor_vs_table1(rows, preds, preds)
     assert len(ax.patches) == 3 * 2
@@ -127,13 +148,14 @@ def test_best_per_split_keys_match_their_layouts():
 
 def test_best_per_split_is_the_fastest_of_its_split():
     best = best_per_split(SMALL, BATCH, GPUS)[2, 4]
-    rivals = [predict(SMALL, Layout(2, 4, 2, b), BATCH).time.total for b in (1, 2, 4, 8, 16)]
+    rivals = [predict(SMALL, Layout(2, 4, 2, microbatch=b, num_microbatches=16 // b)).time.total
+              for b in (1, 2, 4, 8, 16)]
     assert best.time.total <= min(rivals)
 
 
 def test_best_per_split_prefers_a_slower_layout_that_fits(table1):
     row = table1[3]  # 18.4B on 256 GPUs at tp=4, pp=1: b=16 is fastest but needs 101 GiB
-    best = best_per_split(table1_shape(row), int(row["batch"]), int(row["gpus"]))[4, 1]
+    best = best_per_split(table1_config(row), int(row["batch"]), int(row["gpus"]))[4, 1]
     assert best.memory.total <= 80 * GIB
 
 
@@ -144,7 +166,7 @@ def test_split_sweep_draws_one_line_per_tensor_parallel_size():
 
 
 def test_split_sweep_fills_exactly_the_splits_that_fit(table1):
-    trillion = table1_shape(table1[-1])  # on 3072 GPUs only deep pipelines fit in 80 GiB
+    trillion = table1_config(table1[-1])  # on 3072 GPUs only deep pipelines fit in 80 GiB
     fitting = sum(p.memory.total <= 80 * GIB
                   for p in best_per_split(trillion, 3072, 3072).values())
     ax = draw_split_sweep(trillion, 3072, 3072)

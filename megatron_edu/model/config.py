@@ -112,19 +112,13 @@ class GPTConfig:
                              f"holds the same number of layers)")
 
     def num_parameters(self, tp: int = 1) -> int:
-        """Parameters held by one tensor-parallel rank of the whole model (padded vocabulary).
+        """Parameters held by one tensor-parallel rank of the whole model (padded vocabulary):
+        ``perf.parameters_per_rank`` without a pipeline, the package's one exact count. At tp=1
+        this is 12·l·h² + 13·l·h + (V + s)·h + 2h (2104.04473 §5.1, plus the final LN)."""
+        from megatron_edu.grid import Layout  # both build on this module: imported when called
+        from megatron_edu.perf.memory import parameters_per_rank
 
-        Split by tp: the embedding table, qkv and fc (weights and biases), the two output
-        projections' weights. Replicated: positions, layer norms, the output projections' biases.
-        At tp=1 this is 12·l·h² + 13·l·h + (V + s)·h + 2h (2104.04473 §5.1, plus the final LN).
-        """
-        self.validate(tp)
-        h, ffn = self.hidden, self.ffn_hidden
-        split_per_layer = (3 * h * h + 3 * h) + h * h + (h * ffn + ffn) + ffn * h
-        replicated_per_layer = 4 * h + 2 * h  # two layer norms, two row-parallel biases
-        per_layer = split_per_layer // tp + replicated_per_layer
-        embeddings = self.padded_vocab(tp) * h // tp + self.seq_len * h
-        return self.num_layers * per_layer + embeddings + 2 * h
+        return parameters_per_rank(self, Layout(tp=tp))
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> GPTConfig:

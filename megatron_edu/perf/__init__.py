@@ -1,5 +1,18 @@
 """The papers' cost model: FLOPs and parameter formulas, a memory model, a performance model
-and a configuration advisor (2104.04473 §3, §5.1; 1909.08053 §5; 2205.05198 §4)."""
+and a configuration advisor (2104.04473 §3, §5.1; 1909.08053 §5; 2205.05198 §4).
+
+The model is a ``model.GPTConfig`` (its recomputation and sequence parallelism included), its
+split a ``grid.Layout``: the same two values a training run takes.
+
+flops.py     the papers' counting formulas: parameters, FLOPs, training time, utilization
+memory.py    weights, gradients, optimizer states and activations per GPU; the exact parameter
+             count; microbatches in flight, read off the schedule
+advisor.py   the time of one iteration, and the advisor that ranks every layout
+sweeps.py    the model swept over one setting: the experiments of 2104.04473 §3 and §5
+traffic.py   bytes on the wire from ``comm.record()`` logs, by purpose
+papers.py    the papers' tables shipped in docs/papers/, as numbers and models
+measure.py   memory and MFU measured on this machine
+"""
 
 from .advisor import (
     DGX2H_V100,
@@ -25,32 +38,35 @@ from .flops import (
     training_flops,
     training_time_seconds,
 )
+from .measure import measure_mfu
 from .memory import (
     FP32,
+    GIB,
     MIXED,
     MIXED_FP32_GRADS,
-    Layout,
     MemoryEstimate,
-    ModelShape,
     Precision,
     activation_bytes_per_layer,
     activation_bytes_per_rank,
     embedding_activation_bytes,
     forwards_in_flight,
-    layout_error,
     memory_per_rank,
     output_layer_activation_bytes,
     parameters_per_rank,
 )
+from .papers import megatron_core_activation_bytes, read_paper_table, table1_config
+from .sweeps import best_per_split, interleaving_speedup, microbatch_tradeoff, tp_sweep
+from .traffic import PURPOSES, wire_bytes_by_group
 
 __all__ = [
-    "A100_BF16_PEAK", "DGX2H_V100", "DGX_H100", "FP32", "H100_PCIE_BF16_PEAK",
-    "H100_SXM_BF16_PEAK", "MIXED",
-    "MIXED_FP32_GRADS", "SELENE_A100", "V100_FP16_PEAK", "Hardware", "Layout", "MemoryEstimate",
-    "ModelShape", "Precision", "Prediction", "TimeBreakdown", "activation_bytes_per_layer",
-    "activation_bytes_per_rank", "advise", "candidate_layouts", "datasheet_bf16_peak",
-    "datasheet_peak_flops", "embedding_activation_bytes",
-    "forwards_in_flight", "layout_error", "memory_per_rank", "model_flops_utilization",
-    "num_parameters", "output_layer_activation_bytes", "parameters_per_rank", "predict",
-    "rejection_reason", "training_flops", "training_time_seconds",
+    "A100_BF16_PEAK", "DGX2H_V100", "DGX_H100", "FP32", "GIB", "H100_PCIE_BF16_PEAK",
+    "H100_SXM_BF16_PEAK", "MIXED", "MIXED_FP32_GRADS", "PURPOSES", "SELENE_A100",
+    "V100_FP16_PEAK", "Hardware", "MemoryEstimate", "Precision", "Prediction", "TimeBreakdown",
+    "activation_bytes_per_layer", "activation_bytes_per_rank", "advise", "best_per_split",
+    "candidate_layouts", "datasheet_bf16_peak", "datasheet_peak_flops",
+    "embedding_activation_bytes", "forwards_in_flight", "interleaving_speedup", "measure_mfu",
+    "megatron_core_activation_bytes", "memory_per_rank", "microbatch_tradeoff",
+    "model_flops_utilization", "num_parameters", "output_layer_activation_bytes",
+    "parameters_per_rank", "predict", "read_paper_table", "rejection_reason", "table1_config",
+    "tp_sweep", "training_flops", "training_time_seconds", "wire_bytes_by_group",
 ]

@@ -7,9 +7,17 @@ References
   against bubble and memory); §3.3-3.5 communication volumes; §4.1 scatter/gather; §5.1 Table 1.
 - Shoeybi et al. 2019, arXiv 1909.08053 §3: 2 all-reduces forward and 2 backward per layer.
 - Korthikanti et al. 2022, arXiv 2205.05198: sequence parallelism (elementwise work split by t).
+- Qi et al. 2023, arXiv 2401.10241: the zero-bubble schedules, whose W passes fill the bubble.
+
+The model is a ``GPTConfig`` (its recomputation and sequence parallelism included) and its split a
+``grid.Layout`` (tp, pp, dp, schedule, chunks, microbatches, ZeRO-1): what a training run takes.
 
 Time per iteration = compute + bubble + tensor-parallel all-reduces + pipeline p2p
                      + data-parallel all-reduce (the part not overlapped) + optimizer step.
+
+The bubble is (p-1)/(v·m) of the ideal time for GPipe, 1F1B and interleaved (§2.2); a schedule
+that splits the backward into B and W is simulated (``pipeline.simulate``) with the stage's
+t_F, t_B, t_W.
 
 Compute is a roofline over the operators of a layer: an operator takes
 max(FLOPs / (η·peak), bytes / HBM bandwidth) plus a fixed kernel-launch cost. The backward costs
@@ -40,23 +48,32 @@ Where this model diverges from a real run, and why:
   rule of thumb. The rule itself (§5.4.1, Fig. 13: fixed batch, no data parallelism) holds here.
 """
 
+from __future__ import annotations
+
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import cache
 from itertools import product
+
+from megatron_edu.grid import Layout
+from megatron_edu.model.config import GPTConfig
+from megatron_edu.pipeline.schedules import make_schedule
+from megatron_edu.pipeline.simulate import bubble_formula, simulate
 
 from .flops import A100_BF16_PEAK, H100_SXM_BF16_PEAK, V100_FP16_PEAK
 from .memory import (
     GIB,
     MIXED_FP32_GRADS,
-    Layout,
     MemoryEstimate,
-    ModelShape,
     Precision,
-    layout_error,
     memory_per_rank,
     parameters_per_rank,
 )
+
+__all__ = ["GEMM_EFFICIENCY", "DP_OVERLAP", "Hardware", "SELENE_A100", "DGX_H100", "DGX2H_V100",
+           "TimeBreakdown", "Prediction", "predict", "rejection_reason", "candidate_layouts",
+           "advise"]
 
 GEMM_EFFICIENCY = 0.62
 DP_OVERLAP = 0.0
@@ -107,6 +124,9 @@ class TimeBreakdown:
 
 @dataclass(frozen=True)
 class Prediction:
+    """What the performance model predicts for ``config``'s model split as ``layout`` says."""
+
+    config: GPTConfig
     layout: Layout
     time: TimeBreakdown
     flops_per_iteration: float  # executed, recomputation included (as 2104.04473 counts)
@@ -130,7 +150,7 @@ class _Op:
     flops: float  # forward
     bytes: float  # forward, through HBM
     gemm: bool
-    attention_core: bool = False  # recomputed by selective recomputation
+    attention_core: bool = False  # recomputed by selective recomputation; a GEMM without weights
 
 
 def _gemm(m: int, n: int, k: int, batch: int = 1, core: bool = False) -> _Op:
@@ -142,11 +162,11 @@ def _elementwise(values: float, bytes_per_value: float, core: bool = False) -> _
     return _Op(0.0, values * bytes_per_value, False, core)
 
 
-def _layer_ops(model: ModelShape, b: int, t: int, sp: bool) -> list[_Op]:
+def _layer_ops(config: GPTConfig, b: int, t: int) -> list[_Op]:
     """Forward operators of one transformer layer on one tensor rank (Megatron's fused kernels)."""
-    s, h, a = model.seq_len, model.hidden, model.heads
-    tokens, d = b * s, h // a
-    replicated = tokens * h // (t if sp else 1)  # layer norms, dropout-add: split only under sp
+    s, h, a = config.seq_len, config.hidden, config.num_heads
+    tokens, d, f = b * s, h // a, config.ffn_hidden
+    replicated = tokens * h // (t if config.sequence_parallel else 1)  # split only under sp
     scores = b * (a // t) * s * s  # [b, a/t, s, s]
     return [
         _elementwise(replicated, 2 * WORD),  # layer norm 1: read x, write y
@@ -158,20 +178,21 @@ def _layer_ops(model: ModelShape, b: int, t: int, sp: bool) -> list[_Op]:
         _gemm(tokens, h, h // t),  # projection, row-parallel
         _elementwise(replicated, 3 * WORD + 1),  # bias-dropout-add: out, residual -> sum, mask
         _elementwise(replicated, 2 * WORD),  # layer norm 2
-        _gemm(tokens, 4 * h // t, h),  # MLP h -> 4h, column-parallel
-        _elementwise(4 * tokens * h // t, 2 * WORD),  # fused bias-GeLU
-        _gemm(tokens, h, 4 * h // t),  # MLP 4h -> h, row-parallel
+        _gemm(tokens, f // t, h),  # MLP h -> ffn, column-parallel
+        _elementwise(tokens * f // t, 2 * WORD),  # fused bias-GeLU
+        _gemm(tokens, h, f // t),  # MLP ffn -> h, row-parallel
         _elementwise(replicated, 3 * WORD + 1),  # bias-dropout-add
     ]
 
 
-def _output_ops(model: ModelShape, b: int, t: int, sp: bool) -> list[_Op]:
-    """Final layer norm, logits and the vocabulary-parallel cross entropy (last stage)."""
-    tokens = b * model.seq_len
+def _output_ops(config: GPTConfig, b: int, t: int) -> list[_Op]:
+    """Final layer norm, logits over the padded vocabulary and the vocabulary-parallel cross
+    entropy (last stage)."""
+    tokens, h, vocab = b * config.seq_len, config.hidden, config.padded_vocab(t)
     return [
-        _elementwise(tokens * model.hidden // (t if sp else 1), 2 * WORD),
-        _gemm(tokens, model.vocab // t, model.hidden),
-        _elementwise(tokens * model.vocab // t, WORD + 4 + 4),  # read 16-bit, fp32 exp, sum
+        _elementwise(tokens * h // (t if config.sequence_parallel else 1), 2 * WORD),
+        _gemm(tokens, vocab // t, h),
+        _elementwise(tokens * vocab // t, WORD + 4 + 4),  # read 16-bit, fp32 exp, sum
     ]
 
 
@@ -180,15 +201,43 @@ def _op_time(op: _Op, hw: Hardware, gemm_efficiency: float) -> float:
     return roofline + hw.kernel_launch
 
 
-def _train_cost(ops: list[_Op], recompute: str, hw: Hardware, eta: float) -> tuple[float, float]:
-    """(seconds, FLOPs) of forward + backward + recomputed forward of `ops`, one microbatch."""
-    seconds = flops = 0.0
+@dataclass(frozen=True)
+class _Cost:
+    """Seconds of one microbatch through some operators, by pass (2401.10241 §1), and FLOPs."""
+
+    forward: float
+    backward: float  # the input gradient, after the recomputed forward
+    weight: float  # the weights' gradient
+    flops: float
+
+    @property
+    def seconds(self) -> float:
+        return self.forward + self.backward + self.weight
+
+    def times(self, n: int) -> _Cost:
+        return _Cost(n * self.forward, n * self.backward, n * self.weight, n * self.flops)
+
+    def plus(self, other: _Cost) -> _Cost:
+        return _Cost(self.forward + other.forward, self.backward + other.backward,
+                     self.weight + other.weight, self.flops + other.flops)
+
+
+def _train_cost(ops: list[_Op], recompute: str, hw: Hardware, eta: float) -> _Cost:
+    """Forward, backward and recomputed forward of ``ops``, one microbatch. A GEMM's backward is
+    BACKWARD_GEMMS forwards: the input gradient and, for a GEMM with weights, the weights' (W);
+    the attention core's two products have no weights, both halves are the input gradient's.
+    An elementwise backward costs BACKWARD_ELEMENTWISE forwards; recomputation one more."""
+    forward = backward = weight = flops = 0.0
     for op in ops:
+        seconds = _op_time(op, hw, eta)
         recomputed = recompute == "full" or (recompute == "selective" and op.attention_core)
-        passes = 1 + (BACKWARD_GEMMS if op.gemm else BACKWARD_ELEMENTWISE) + recomputed
-        seconds += passes * _op_time(op, hw, eta)
+        passes = BACKWARD_GEMMS if op.gemm else BACKWARD_ELEMENTWISE
+        weight_half = op.gemm and not op.attention_core
+        forward += seconds
+        backward += (passes - weight_half + recomputed) * seconds
+        weight += weight_half * seconds
         flops += (1 + BACKWARD_GEMMS + recomputed) * op.flops
-    return seconds, flops
+    return _Cost(forward, backward, weight, flops)
 
 
 # ---- communication: α-β costs of rings and point-to-point sends ----
@@ -211,7 +260,7 @@ def _all_reduce(nbytes: float, size: int, bandwidth: float, hw: Hardware) -> flo
     return 2 * (size - 1) * hw.latency + 2 * (size - 1) / size * nbytes / bandwidth
 
 
-def _tensor_parallel_time(model: ModelShape, layout: Layout, hw: Hardware, layers: int) -> float:
+def _tensor_parallel_time(config: GPTConfig, layout: Layout, hw: Hardware, layers: int) -> float:
     """All-reduces of one microbatch on the last stage (1909.08053 §3, Fig. 4).
 
     Per layer: 2 in the forward (`g` after attention and after the MLP), 2 in the backward
@@ -221,28 +270,27 @@ def _tensor_parallel_time(model: ModelShape, layout: Layout, hw: Hardware, layer
     all-reduces (max, sum of exponentials, target logit).
     """
     t = layout.tp
-    activation = layout.microbatch * model.seq_len * model.hidden * WORD
+    activation = layout.microbatch * config.seq_len * config.hidden * WORD
     bandwidth = _group_bandwidth(hw, t, 1)
-    per_layer = 6 if layout.recompute == "full" else 4
-    loss_bytes = layout.microbatch * model.seq_len * 4
+    per_layer = 6 if config.recompute == "full" else 4
+    loss_bytes = layout.microbatch * config.seq_len * 4
     return ((layers * per_layer + 1) * _all_reduce(activation, t, bandwidth, hw)
             + 3 * _all_reduce(loss_bytes, t, bandwidth, hw))
 
 
-def _pipeline_p2p_time(
-    model: ModelShape, layout: Layout, hw: Hardware, scatter_gather: bool
-) -> float:
+def _pipeline_p2p_time(config: GPTConfig, layout: Layout, hw: Hardware,
+                       scatter_gather: bool) -> float:
     """Sends on a stage's critical path per microbatch: one forward + one backward per chunk.
 
     The message is b·s·h values. Across nodes each tensor rank sends only 1/t of it over its own
     adapter and the receivers all-gather it over NVLink (2104.04473 §4.1); under sequence
     parallelism the tensor is already split by t and needs no gathering.
     """
-    t, sp = layout.tp, layout.sequence_parallel
+    t, sp = layout.tp, config.sequence_parallel
     if layout.pp == 1:
         return 0.0
-    message = layout.microbatch * model.seq_len * model.hidden * WORD
-    if layout.gpus <= hw.gpus_per_node:
+    message = layout.microbatch * config.seq_len * config.hidden * WORD
+    if layout.world_size <= hw.gpus_per_node:
         one_send = hw.latency + message / hw.intra_node_bandwidth
     else:
         split = t if scatter_gather or sp else 1
@@ -252,73 +300,99 @@ def _pipeline_p2p_time(
     return 2 * layout.chunks * one_send
 
 
-def _data_parallel_time(
-    model: ModelShape, layout: Layout, hw: Hardware, precision: Precision
-) -> float:
+def _data_parallel_time(config: GPTConfig, layout: Layout, hw: Hardware,
+                        precision: Precision) -> float:
     """Gradient all-reduce over dp (ZeRO-1's reduce-scatter + all-gather moves the same bytes)."""
-    grad_bytes = parameters_per_rank(model, layout.tp, layout.pp, 0) * precision.grads
+    grad_bytes = parameters_per_rank(config, layout) * precision.grads
     bandwidth = _group_bandwidth(hw, layout.dp, layout.tp)
     return _all_reduce(grad_bytes, layout.dp, bandwidth, hw)
 
 
-def _optimizer_time(model: ModelShape, layout: Layout, hw: Hardware, precision: Precision,
-                    zero1: bool) -> float:
+def _optimizer_time(config: GPTConfig, layout: Layout, hw: Hardware,
+                    precision: Precision) -> float:
     """Adam is memory-bound: read gradient, master weight and moments, write them back."""
-    states = (precision.master + precision.adam) / (layout.dp if zero1 else 1)
+    states = (precision.master + precision.adam) / (layout.dp if layout.zero1 else 1)
     per_param = precision.grads + 2 * states + precision.weights
-    return parameters_per_rank(model, layout.tp, layout.pp, 0) * per_param / hw.memory_bandwidth
+    return parameters_per_rank(config, layout) * per_param / hw.memory_bandwidth
+
+
+# ---- the bubble ----
+
+
+@cache
+def _splits_backward(schedule: str, chunks: int) -> bool:
+    """Whether ``schedule`` has weight-gradient passes W (read off a small instance of it)."""
+    return make_schedule(schedule, 2, 4, chunks).splits_backward
+
+
+def _bubble(layout: Layout, stage: _Cost, communication: float) -> float:
+    """Seconds every rank idles per iteration, as 2104.04473 counts it (the optimizer step
+    waits for the last rank): ``stage`` is one microbatch through a stage, ``communication``
+    its sends and all-reduces, carried by the forward and the input gradient.
+
+    GPipe, 1F1B and interleaved: (p − 1)/(v·m) of the ideal time (§2.2). A schedule that splits
+    the backward (2401.10241) fills part of that with its W passes, depending on t_F, t_B, t_W:
+    its schedule is simulated with those costs, on at most 2p microbatches — beyond, a steady
+    state adds one microbatch's work per microbatch and no idle time.
+    """
+    p, m = layout.pp, layout.num_microbatches
+    if not _splits_backward(layout.schedule, layout.chunks):
+        whole = stage.seconds + communication
+        return float(bubble_formula(layout.schedule, p, m, layout.chunks)) * m * whole
+    share = communication / (stage.forward + stage.backward)
+    timeline = simulate(replace(layout, num_microbatches=min(m, 2 * p)).make_schedule(),
+                        stage.forward * (1 + share), stage.backward * (1 + share),
+                        weight_time=stage.weight)
+    return float(max(timeline.idle))
 
 
 # ---- the whole iteration ----
 
 
 def predict(
-    model: ModelShape,
+    config: GPTConfig,
     layout: Layout,
-    global_batch: int,
     hw: Hardware = SELENE_A100,
     *,
     precision: Precision = MIXED_FP32_GRADS,
-    zero1: bool = False,
     scatter_gather: bool = True,
     gemm_efficiency: float = GEMM_EFFICIENCY,
     dp_overlap: float = DP_OVERLAP,
 ) -> Prediction:
-    """Time, throughput and memory of one iteration, for any layout that divides the model
-    (tensor parallelism across nodes included; memory is reported, not enforced).
+    """Time, throughput and memory of one iteration of ``layout.global_batch`` sequences, for
+    any layout that can split the model (tensor parallelism across nodes included; memory is
+    reported, not enforced). A ValueError if it cannot (``Layout.check``).
 
     `precision` defaults to Megatron's: 16-bit weights, fp32 gradient accumulation, fp32 master
     weights and Adam moments (18 bytes per parameter).
     """
-    error = layout_error(model, layout, global_batch)
-    if error:
-        raise ValueError(error)
-    b, t, sp, eta = layout.microbatch, layout.tp, layout.sequence_parallel, gemm_efficiency
-    p, v, m = layout.pp, layout.chunks, layout.num_microbatches(global_batch)
-    layers = model.layers // p
-    layer_s, layer_flops = _train_cost(_layer_ops(model, b, t, sp), layout.recompute, hw, eta)
-    out_s, out_flops = _train_cost(_output_ops(model, b, t, sp), "none", hw, eta)
+    layout.check(config)
+    b, t, eta = layout.microbatch, layout.tp, gemm_efficiency
+    m, layers = layout.num_microbatches, config.num_layers // layout.pp
+    layer = _train_cost(_layer_ops(config, b, t), config.recompute, hw, eta)
+    out = _train_cost(_output_ops(config, b, t), "none", hw, eta)
     # the last stage paces the pipeline: its layers plus the logits and the loss
-    compute = layers * layer_s + out_s
-    tensor = _tensor_parallel_time(model, layout, hw, layers)
-    p2p = _pipeline_p2p_time(model, layout, hw, scatter_gather)
+    stage = layer.times(layers).plus(out)
+    tensor = _tensor_parallel_time(config, layout, hw, layers)
+    p2p = _pipeline_p2p_time(config, layout, hw, scatter_gather)
     time = TimeBreakdown(
-        compute=m * compute,
-        bubble=(p - 1) / v * (compute + tensor + p2p),  # 2104.04473 §2.2: (p-1)/(v·m) of ideal
+        compute=m * stage.seconds,
+        bubble=_bubble(layout, stage, tensor + p2p),
         tensor_parallel=m * tensor,
         pipeline_p2p=m * p2p,
-        data_parallel=(1 - dp_overlap) * _data_parallel_time(model, layout, hw, precision),
-        optimizer=_optimizer_time(model, layout, hw, precision, zero1),
+        data_parallel=(1 - dp_overlap) * _data_parallel_time(config, layout, hw, precision),
+        optimizer=_optimizer_time(config, layout, hw, precision),
     )
-    flops = global_batch // b * t * (model.layers * layer_flops + out_flops)
-    achieved = flops / (layout.gpus * time.total)
+    flops = layout.global_batch // b * t * (config.num_layers * layer.flops + out.flops)
+    achieved = flops / (layout.world_size * time.total)
     return Prediction(
+        config=config,
         layout=layout,
         time=time,
         flops_per_iteration=flops,
         tflops_per_gpu=achieved / 1e12,
         percent_of_peak=100 * achieved / hw.peak_flops,
-        memory=memory_per_rank(model, layout, global_batch, precision=precision, zero1=zero1),
+        memory=memory_per_rank(config, layout, precision=precision),
     )
 
 
@@ -326,24 +400,24 @@ def predict(
 
 
 def rejection_reason(
-    model: ModelShape,
+    config: GPTConfig,
     layout: Layout,
-    global_batch: int,
     num_gpus: int,
     hw: Hardware = SELENE_A100,
     *,
     precision: Precision = MIXED_FP32_GRADS,
-    zero1: bool = False,
 ) -> str | None:
-    """Why the advisor would not propose `layout`, or None."""
-    error = layout_error(model, layout, global_batch)
-    if error:
-        return error
-    if layout.gpus != num_gpus:
-        return f"tp·pp·dp = {layout.tp}·{layout.pp}·{layout.dp} != {num_gpus} GPUs"
+    """Why the advisor would not propose ``layout`` for ``config``'s model on ``num_gpus`` GPUs,
+    or None: the message of the layout's ValueError (``Layout.check``, ``Layout.check_world``),
+    tensor parallelism beyond a node, or memory beyond the GPU's."""
+    try:
+        layout.check(config)
+        layout.check_world(num_gpus)
+    except ValueError as error:
+        return str(error)
     if hw.gpus_per_node % layout.tp:
         return f"tp {layout.tp} does not divide the {hw.gpus_per_node} GPUs of a node"
-    memory = memory_per_rank(model, layout, global_batch, precision=precision, zero1=zero1)
+    memory = memory_per_rank(config, layout, precision=precision)
     if memory.total > hw.memory_bytes:
         return f"needs {memory.total / GIB:.1f} GiB > {hw.memory_bytes / GIB:.0f} GiB per GPU"
     return None
@@ -353,39 +427,49 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def _chunk_options(model: ModelShape, pp: int, schedule: str) -> list[int]:
-    """v = 1 unless interleaved; interleaving needs pp > 1 and v ≥ 2 dividing the stage's layers."""
+def _chunk_options(config: GPTConfig, pp: int, schedule: str) -> list[int | None]:
+    """None (the schedule's own) unless interleaved; interleaved: every v ≥ 2 dividing a rank's
+    layers (the search space; whether the layout can split the model is its own rule)."""
     if schedule != "interleaved":
-        return [1]
-    if pp == 1 or model.layers % pp:
-        return []
-    return _divisors(model.layers // pp)[1:]
+        return [None]
+    return _divisors(config.num_layers // pp)[1:]
 
 
 def candidate_layouts(
-    model: ModelShape,
+    config: GPTConfig,
     global_batch: int,
     num_gpus: int,
     hw: Hardware,
     schedules: tuple[str, ...] = ("1f1b", "interleaved"),
-    recompute: tuple[str, ...] = ("full",),
-    sequence_parallel: tuple[bool, ...] = (False,),
-) -> Iterator[Layout]:
-    """Every tp (within a node) × pp × dp = num_gpus, microbatch, schedule and chunk count."""
+    recompute: tuple[str, ...] | None = None,
+    sequence_parallel: tuple[bool, ...] | None = None,
+    zero1: bool = False,
+) -> Iterator[tuple[GPTConfig, Layout]]:
+    """Every tp (within a node) × pp × dp = num_gpus, microbatch b (B = dp·m·b), schedule and
+    chunk count a ``Layout`` accepts, each with ``config`` made to recompute and split the
+    sequence as each of ``recompute`` × ``sequence_parallel`` asks (None: as the config does).
+    Not yet checked against the model, the node or the memory: ``rejection_reason`` does."""
+    modes = list(product(recompute or (config.recompute,),
+                         sequence_parallel or (config.sequence_parallel,)))
+    variants = {mode: replace(config, recompute=mode[0], sequence_parallel=mode[1])
+                for mode in modes}
     for tp in _divisors(math.gcd(hw.gpus_per_node, num_gpus)):
         for pp in _divisors(num_gpus // tp):
             dp = num_gpus // (tp * pp)
             if global_batch % dp:
                 continue
-            microbatches = _divisors(global_batch // dp)
-            for b, schedule, rc, sp in product(microbatches, schedules, recompute,
-                                               sequence_parallel):
-                for v in _chunk_options(model, pp, schedule):
-                    yield Layout(tp, pp, dp, b, schedule, v, rc, sp)
+            for b, schedule, mode in product(_divisors(global_batch // dp), schedules, modes):
+                for v in _chunk_options(config, pp, schedule):
+                    try:
+                        layout = Layout(tp, pp, dp, schedule, v, b, global_batch // (dp * b),
+                                        zero1)
+                    except ValueError:  # a schedule this pipeline cannot run
+                        continue
+                    yield variants[mode], layout
 
 
 def advise(
-    model: ModelShape,
+    config: GPTConfig,
     global_batch: int,
     num_gpus: int,
     hw: Hardware = SELENE_A100,
@@ -395,25 +479,25 @@ def advise(
     precision: Precision = MIXED_FP32_GRADS,
     zero1: bool = False,
     schedules: tuple[str, ...] = ("1f1b", "interleaved"),
-    recompute: tuple[str, ...] = ("full",),
-    sequence_parallel: tuple[bool, ...] = (False,),
+    recompute: tuple[str, ...] | None = None,
+    sequence_parallel: tuple[bool, ...] | None = None,
     gemm_efficiency: float = GEMM_EFFICIENCY,
     dp_overlap: float = DP_OVERLAP,
 ) -> list[tuple[Layout, Prediction]]:
-    """Layouts that divide the model and fit in memory, fastest first (ties: least memory).
+    """Layouts that split the model and fit in memory, fastest first (ties: least memory), each
+    with its prediction (whose ``config`` says how it recomputes and splits the sequence).
 
     `tp` / `pp` pin those sizes. GPipe is left out by default: the same bubble as 1F1B with m
     microbatches in flight instead of p (2104.04473 §2.2.1), so it never ranks higher.
     """
     ranked = []
-    for layout in candidate_layouts(model, global_batch, num_gpus, hw, schedules, recompute,
-                                    sequence_parallel):
+    for variant, layout in candidate_layouts(config, global_batch, num_gpus, hw, schedules,
+                                             recompute, sequence_parallel, zero1):
         if (tp and layout.tp != tp) or (pp and layout.pp != pp):
             continue
-        if rejection_reason(model, layout, global_batch, num_gpus, hw, precision=precision,
-                            zero1=zero1):
+        if rejection_reason(variant, layout, num_gpus, hw, precision=precision):
             continue
-        prediction = predict(model, layout, global_batch, hw, precision=precision, zero1=zero1,
+        prediction = predict(variant, layout, hw, precision=precision,
                              gemm_efficiency=gemm_efficiency, dp_overlap=dp_overlap)
         ranked.append((layout, prediction))
     return sorted(ranked, key=lambda lp: (lp[1].time.total, lp[1].memory.total))

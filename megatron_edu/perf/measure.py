@@ -14,12 +14,17 @@ most p microbatches in flight where GPipe keeps m) is asserted with it in the te
 Korthikanti et al. 2022 (arXiv 2205.05198 §4), each storage once, parameters excluded — and
 ``layer_activation_bytes`` measures one transformer layer of the package that way, to set beside
 ``perf.memory.activation_bytes_per_layer`` (recomputation, sequence parallelism, tp).
+
+``measure_mfu`` times a GPT's training steps against large matmuls of as many FLOPs, alternately:
+the model FLOPs utilization of this machine, against what its own matmuls reach.
 """
 
 from __future__ import annotations
 
+import statistics
+import time
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 
 import torch
@@ -28,7 +33,9 @@ from torch.utils._pytree import tree_leaves
 
 from megatron_edu.comm import CommGroup
 
-__all__ = ["MemoryMeter", "saved_bytes", "layer_activation_bytes"]
+from .flops import training_flops
+
+__all__ = ["MemoryMeter", "saved_bytes", "layer_activation_bytes", "measure_mfu"]
 
 
 class MemoryMeter(TorchDispatchMode):
@@ -99,3 +106,50 @@ def layer_activation_bytes(config, group: CommGroup, microbatch: int) -> int:
     if config.recompute == "full":   # 2104.04473 §3.5: the model keeps only the layer's input
         return saved_bytes(lambda: checkpoint(block, x, None, key), block.parameters())
     return saved_bytes(lambda: block(x, None, key), block.parameters())
+
+
+def measure_mfu(model: torch.nn.Module, batch: int, rounds: int = 3,
+                matmul_size: int = 1024) -> tuple[float, float]:
+    """(model FLOP/s, matmul FLOP/s) on one thread: training steps of the GPT ``model`` on
+    ``batch`` random sequences, their FLOPs counted as 2104.04473 §5.1 does without
+    recomputation, and runs of square matmuls of as many FLOPs, timed alternately for ``rounds``
+    rounds, medians. Their ratio is the MFU against this machine's own matmul rate. A
+    measurement: it changes from run to run."""
+    config = model.config
+    flops = training_flops(batch, config.seq_len, config.num_layers, config.hidden,
+                           config.padded_vocab(), recompute=False)
+    repeats = max(1, round(flops / (2 * matmul_size**3)))
+    ids = torch.randint(config.vocab_size, (batch, config.seq_len + 1))
+    optimizer = torch.optim.AdamW(model.parameters())
+    a, b = torch.randn(matmul_size, matmul_size), torch.randn(matmul_size, matmul_size)
+
+    def step() -> None:
+        model(ids[:, :-1], ids[:, 1:]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    def matmuls() -> None:
+        for _ in range(repeats):
+            torch.mm(a, b)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread: less at the mercy of other processes
+    try:
+        step_s, matmul_s = (statistics.median(t) for t in _alternate((step, matmuls), rounds))
+    finally:
+        torch.set_num_threads(threads)
+    return flops / step_s, 2 * matmul_size**3 * repeats / matmul_s
+
+
+def _alternate(fns: Sequence[Callable[[], None]], rounds: int) -> list[list[float]]:
+    """Seconds of each call of each function, run in turn for ``rounds`` rounds after a warm-up:
+    a slow moment of a shared machine falls on both alike."""
+    for fn in fns:
+        fn()
+    seconds: list[list[float]] = [[] for _ in fns]
+    for _ in range(rounds):
+        for fn, times in zip(fns, seconds, strict=True):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+    return seconds

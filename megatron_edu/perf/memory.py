@@ -1,63 +1,39 @@
-"""Memory per GPU: weights, gradients, optimizer states and activations of a tp × pp × dp layout.
+"""Memory per GPU: weights, gradients, optimizer states and activations of a model (a
+``GPTConfig``) split as a ``grid.Layout`` says.
 
 References
 - Korthikanti et al. 2022, arXiv 2205.05198 §4: activations saved per transformer layer,
   s·b·h·(34 + 5·a·s/h) bytes with 16-bit values and 1-byte dropout masks; with tensor
   parallelism s·b·h·(10 + 24/t + 5·a·s/(h·t)); with sequence parallelism s·b·h/t·(34 + 5·a·s/h);
   selective recomputation drops the 5·a·s/h term; full recomputation keeps the 2·s·b·h input.
-- Narayanan et al. 2021, arXiv 2104.04473 §2.2: how many microbatches each pipeline schedule
-  keeps in flight (GPipe m, 1F1B p - rank, interleaved: Megatron's warm-up count + 1).
+- Narayanan et al. 2021, arXiv 2104.04473 §2.2, and Qi et al. 2023, arXiv 2401.10241 §2.3: how
+  many microbatches a pipeline rank holds is read off its schedule (``pipeline.schedules``): a
+  forward stores its activations, the backward frees them — or, when the schedule splits the
+  backward, the weight-gradient pass W does (GPipe m, 1F1B p − rank, ZB-H1 p, ZB-H2 2p − 1).
 - Rajbhandari et al. 2019, ZeRO (arXiv 1910.02054) §3: 2 + 2 + 12 = 16 bytes per parameter in
   mixed precision; stage 1 (Megatron's distributed optimizer) shards the optimizer over dp.
 
-Bytes are exact integers; `str(estimate)` reads in GiB.
+The model's sizes, its recomputation and sequence parallelism come from the config, the split
+(tp, pp, dp, schedule, chunks, microbatches, ZeRO-1) from the layout, and whether the layout can
+split the model is the layout's rule (``Layout.check``), asked once. Bytes are exact integers;
+``str(estimate)`` reads in GiB.
 """
 
-from dataclasses import dataclass, field
-from functools import partial
+from __future__ import annotations
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
-RECOMPUTE = ("none", "selective", "full")
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+
+from megatron_edu.grid import Layout
+from megatron_edu.model.config import RECOMPUTE, GPTConfig
+from megatron_edu.pipeline.schedules import make_schedule
+
+__all__ = ["GIB", "FP32", "MIXED", "MIXED_FP32_GRADS", "Precision", "MemoryEstimate",
+           "parameters_per_rank", "activation_bytes_per_layer", "output_layer_activation_bytes",
+           "embedding_activation_bytes", "forwards_in_flight", "activation_bytes_per_rank",
+           "memory_per_rank"]
+
 GIB = 2**30
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """A GPT in the papers' letters: l layers, h hidden, a heads, V vocabulary, s sequence."""
-
-    layers: int
-    hidden: int
-    heads: int
-    vocab: int
-    seq_len: int
-
-    @classmethod
-    def from_config(cls, config, tp: int = 1) -> "ModelShape":
-        """From a `megatron_edu.model.GPTConfig`, its vocabulary padded as it would be at `tp`."""
-        return cls(config.num_layers, config.hidden, config.num_heads, config.padded_vocab(tp),
-                   config.seq_len)
-
-
-@dataclass(frozen=True)
-class Layout:
-    """How one model replica is split (tp, pp), replicated (dp) and scheduled."""
-
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
-    microbatch: int = 1  # b, sequences per microbatch
-    schedule: str = "1f1b"  # one of SCHEDULES
-    chunks: int = 1  # v, model chunks per pipeline rank (interleaved schedule only)
-    recompute: str = "full"  # one of RECOMPUTE; 2104.04473 trains with full recomputation
-    sequence_parallel: bool = False  # 2205.05198 §4.2.2
-
-    @property
-    def gpus(self) -> int:
-        return self.tp * self.pp * self.dp
-
-    def num_microbatches(self, global_batch: int) -> int:
-        """m, microbatches per pipeline per iteration: B / (dp·b)."""
-        return global_batch // (self.dp * self.microbatch)
 
 
 @dataclass(frozen=True)
@@ -97,45 +73,41 @@ class MemoryEstimate:
         return f"{terms} = {self.total / GIB:.2f} GiB"
 
 
-def layout_error(model: ModelShape, layout: Layout, global_batch: int) -> str | None:
-    """Why `layout` cannot split `model` at this batch, or None (checked once, at the edge)."""
-    t, p, v, b = layout.tp, layout.pp, layout.chunks, layout.microbatch
-    sizes = {"tp": t, "pp": p, "dp": layout.dp, "microbatch": b, "chunks": v}
-    if min(sizes.values()) < 1:
-        return f"sizes must be positive, got {sizes}"
-    m = layout.num_microbatches(global_batch)
-    rules = [
-        (layout.schedule in SCHEDULES, f"schedule {layout.schedule!r} not in {SCHEDULES}"),
-        (layout.recompute in RECOMPUTE, f"recompute {layout.recompute!r} not in {RECOMPUTE}"),
-        (model.hidden % model.heads == 0, f"heads {model.heads} do not divide hidden"),
-        (model.heads % t == 0, f"tp {t} does not divide heads {model.heads}"),
-        (model.vocab % t == 0, f"tp {t} does not divide vocabulary {model.vocab}"),
-        (not layout.sequence_parallel or model.seq_len % t == 0, f"tp {t} does not divide s"),
-        (model.layers % (p * v) == 0, f"pp·v = {p}·{v} does not divide {model.layers} layers"),
-        (global_batch % (layout.dp * b) == 0, f"dp·b = {layout.dp}·{b} does not divide B"),
-        ((v > 1) == (layout.schedule == "interleaved"), "chunks v > 1 iff interleaved"),
-        (layout.schedule != "interleaved" or m % p == 0, f"interleaved needs m={m} % p={p} == 0"),
-    ]
-    return next((reason for ok, reason in rules if not ok), None)
+# ---- parameters ---------------------------------------------------------------------------------
 
 
-def parameters_per_rank(model: ModelShape, tp: int = 1, pp: int = 1, stage: int = 0) -> int:
-    """Parameters held by one GPU of pipeline stage `stage` (Megatron's layout, 1909.08053 §3).
+def parameters_per_rank(config: GPTConfig, layout: Layout, stage: int = 0) -> int:
+    """Parameters one GPU of pipeline rank ``stage`` holds, exactly as ``model.GPT`` builds them
+    (Megatron's split, 1909.08053 §3): the package's one exact count.
 
-    Per layer: the QKV and MLP-in matrices are column-parallel (weights and biases split by tp),
-    the projection and MLP-out matrices row-parallel (weights split, biases replicated); the two
-    layer norms are replicated: (12h² + 7h)/t + 6h. The word embedding is vocabulary-parallel
-    (V·h/t) on the first stage and its tied copy on the last; positions (s·h) on the first stage,
-    the final layer norm (2h) on the last.
+    Per layer, with f = ``config.ffn_hidden``: the QKV and MLP-in matrices are column-parallel
+    (weights and biases split by t), the projection and MLP-out matrices row-parallel (weights
+    split, biases replicated), the two layer norms replicated: (4h² + 3h + 2h·f + f)/t + 6h, which
+    is (12h² + 7h)/t + 6h at f = 4h. The rank's chunks hold l/pp layers. The chunk of the first
+    stage holds the vocabulary-parallel word embedding (V_padded·h/t) and the positions (s·h); the
+    chunk of the last stage the final layer norm (2h) and, when it is another chunk, its own copy
+    of the tied word embedding. Where the chunks are is ``layout.stages`` (ZB-V's V puts both
+    ends on rank 0). At tp = pp = 1 this is 2104.04473 §5.1's 12lh² + 13lh + (V + s)h plus the
+    final layer norm's 2h.
     """
-    h, vocab_shard = model.hidden, model.vocab * model.hidden // tp
-    per_layer = (12 * h * h + 7 * h) // tp + 6 * h
-    params = model.layers // pp * per_layer
-    if stage == 0:
-        params += vocab_shard + model.seq_len * h
-    if stage == pp - 1:
-        params += 2 * h + (vocab_shard if pp > 1 else 0)
+    layout.check(config)
+    stages, t, h, f = layout.stages, layout.tp, config.hidden, config.ffn_hidden
+    per_layer = (4 * h * h + 3 * h + 2 * h * f + f) // t + 6 * h
+    word = config.padded_vocab(t) * h // t
+    params = config.num_layers // stages.p * per_layer
+    for chunk in range(stages.v):
+        held = stages.stage(stage, chunk)
+        if held == 0:
+            params += word + config.seq_len * h
+        if held == stages.num_stages - 1:
+            params += 2 * h + (word if held > 0 else 0)
     return params
+
+
+# ---- activations, per layer (2205.05198 §4) -----------------------------------------------------
+
+_KEPT_UNLESS_FULL = ("none", "selective")  # full recomputation reruns the whole layer
+_ATTENTION_CORE = ("none",)  # selective recomputation reruns softmax, its dropout and ·V
 
 
 @dataclass(frozen=True)
@@ -150,9 +122,6 @@ class _Saved:
     kept_with: tuple[str, ...] = RECOMPUTE  # recompute modes under which it stays saved
     needs_dropout: bool = False
 
-
-_KEPT_UNLESS_FULL = ("none", "selective")
-_ATTENTION_CORE = ("none",)  # selective recomputation recomputes softmax and dropout
 
 _LAYER = (  # one transformer layer; 16-bit: 10·sbh replicated + 24·sbh/t + 5·as²b/t
     _Saved("layer norm 1 input (= layer input)", 1, "sbh", "seq", "value"),
@@ -178,147 +147,133 @@ _OUTPUT = (  # 2205.05198 §4.3: 4·sbh/t·(1 + V/h) with sequence parallelism
 )
 
 
-def _saved_bytes(
-    table: tuple[_Saved, ...],
-    model: ModelShape,
-    microbatch: int,
-    tp: int,
-    sequence_parallel: bool,
-    recompute: str,
-    bytes_per_value: int,
-    dropout: bool,
-) -> int:
-    s, b, h, a = model.seq_len, microbatch, model.hidden, model.heads
-    units = {"sbh": s * b * h, "as2b": a * s * s * b, "sbV": s * b * model.vocab}
+def _saved_bytes(table: tuple[_Saved, ...], config: GPTConfig, microbatch: int, tp: int,
+                 recompute: str, bytes_per_value: int, dropout: bool | None) -> int:
+    """Bytes of the tensors of ``table`` that stay saved under ``recompute``, per tensor rank."""
+    s, b, h, a = config.seq_len, microbatch, config.hidden, config.num_heads
+    units = {"sbh": s * b * h, "as2b": a * s * s * b, "sbV": s * b * config.padded_vocab(tp)}
     dtype_bytes = {"value": bytes_per_value, "mask": 1, "fp32": 4}
+    dropout = config.dropout > 0 if dropout is None else dropout
     total = 0
     for x in table:
         if recompute not in x.kept_with or (x.needs_dropout and not dropout):
             continue
-        shards = tp if x.split == "tp" or sequence_parallel else 1
+        shards = tp if x.split == "tp" or config.sequence_parallel else 1
         total += x.count * units[x.unit] // shards * dtype_bytes[x.dtype]
     return total
 
 
-def activation_bytes_per_layer(
-    model: ModelShape,
-    microbatch: int,
-    *,
-    tp: int = 1,
-    sequence_parallel: bool = False,
-    recompute: str = "none",
-    bytes_per_value: int = 2,
-    dropout: bool = True,
-) -> int:
-    """Bytes one transformer layer saves for its backward, per tensor rank (2205.05198 §4)."""
-    args = (model, microbatch, tp, sequence_parallel, recompute, bytes_per_value, dropout)
-    return _saved_bytes(_LAYER, *args)
+def activation_bytes_per_layer(config: GPTConfig, microbatch: int, *, tp: int = 1,
+                               bytes_per_value: int = 2, dropout: bool | None = None) -> int:
+    """Bytes one transformer layer saves for its backward, per tensor rank (2205.05198 §4), under
+    ``config.recompute`` and ``config.sequence_parallel``; ``dropout`` None: whether the config
+    has dropout (its 1-byte masks are saved)."""
+    return _saved_bytes(_LAYER, config, microbatch, tp, config.recompute, bytes_per_value,
+                        dropout)
 
 
-def output_layer_activation_bytes(
-    model: ModelShape,
-    microbatch: int,
-    *,
-    tp: int = 1,
-    sequence_parallel: bool = False,
-    bytes_per_value: int = 2,
-) -> int:
-    """Final layer norm, output layer and fp32 logits (never recomputed; 2205.05198 §4.3)."""
-    args = (model, microbatch, tp, sequence_parallel, "none", bytes_per_value, False)
-    return _saved_bytes(_OUTPUT, *args)
+def output_layer_activation_bytes(config: GPTConfig, microbatch: int, *, tp: int = 1,
+                                  bytes_per_value: int = 2) -> int:
+    """Final layer norm, output layer and the fp32 logits over the padded vocabulary (never
+    recomputed; 2205.05198 §4.3)."""
+    return _saved_bytes(_OUTPUT, config, microbatch, tp, "none", bytes_per_value, False)
 
 
-def embedding_activation_bytes(
-    model: ModelShape, microbatch: int, *, tp: int = 1, sequence_parallel: bool = False
-) -> int:
+def embedding_activation_bytes(config: GPTConfig, microbatch: int, *, tp: int = 1,
+                               dropout: bool | None = None) -> int:
     """The embedding's dropout mask (2205.05198 §4.3); the lookup itself saves only indices."""
-    return _saved_bytes(_EMBEDDING, model, microbatch, tp, sequence_parallel, "none", 1, True)
+    return _saved_bytes(_EMBEDDING, config, microbatch, tp, "none", 1, dropout)
 
 
-def forwards_in_flight(
-    schedule: str, pp: int, num_microbatches: int, stage: int = 0, chunks: int = 1
-) -> list[int]:
-    """Forward passes whose activations a pipeline rank holds at its peak, per model chunk.
+# ---- activations, per pipeline rank: read off the schedule --------------------------------------
 
-    GPipe runs all m forwards first (2104.04473 §2.2.1). 1F1B warms up with p - rank - 1
-    forwards, then alternates one forward and one backward: p - rank in flight (§2.2.1).
-    Interleaved (§2.2.2) warms up with (p - rank - 1)·2 + (v - 1)·p chunk-forwards (Megatron's
-    count), running groups of p microbatches through chunk 0, then chunk 1, ...; + 1 in the
-    steady state. Each chunk holds 1/v of the rank's layers, so rank 0 holds p + (p - 1)/v
-    stages' worth, a little more than 1F1B's p.
+
+@lru_cache(maxsize=1024)
+def _held_after_forwards(schedule: str, p: int, m: int, v: int) -> tuple[tuple[tuple[int, ...],
+                                                                              ...], ...]:
+    """Per pipeline rank, every distinct count of microbatches held per model chunk right after
+    one of its forwards — where any peak is —, in order of first occurrence.
+
+    One walk of the rank's actions, the count of ``simulate.Timeline.peak_activations`` kept per
+    chunk: F stores its microbatch's activations on its chunk; B frees them, or W does when the
+    schedule splits the backward (2401.10241 §2.3). Cached: a sweep asks the same schedules
+    again and again, and a rank repeats a few states however many microbatches it runs.
     """
-    p, m, v = pp, num_microbatches, chunks
-    if schedule == "gpipe":
-        return [m]
-    if schedule == "1f1b":
-        return [min(p - stage, m)]
-    peak = min((p - stage - 1) * 2 + (v - 1) * p + 1, m * v)
-    held = [0] * v
-    for k in range(peak):
-        held[(k // p) % v] += 1
-    return held
+    plan = make_schedule(schedule, p, m, v)
+    freed_by = "W" if plan.splits_backward else "B"
+    ranks = []
+    for row in plan:
+        held, seen = [0] * v, {}
+        for action in row:
+            if action.kind == "F":
+                held[action.chunk] += 1
+                seen.setdefault(tuple(held), None)
+            elif action.kind == freed_by:
+                held[action.chunk] -= 1
+        ranks.append(tuple(seen))
+    return tuple(ranks)
 
 
-def activation_bytes_per_rank(
-    model: ModelShape,
-    layout: Layout,
-    global_batch: int,
-    stage: int = 0,
-    *,
-    bytes_per_value: int = 2,
-    dropout: bool = True,
-) -> int:
-    """Activations a GPU of pipeline stage `stage` holds at its peak."""
-    b, t, sp = layout.microbatch, layout.tp, layout.sequence_parallel
-    held = forwards_in_flight(
-        layout.schedule, layout.pp, layout.num_microbatches(global_batch), stage, layout.chunks
-    )
-    layers_per_chunk = model.layers // (layout.pp * layout.chunks)
+def _held(layout: Layout, stage: int) -> tuple[tuple[int, ...], ...]:
+    return _held_after_forwards(layout.schedule, layout.pp, layout.num_microbatches,
+                                layout.chunks)[stage]
 
-    per_layer = partial(activation_bytes_per_layer, model, b, tp=t, sequence_parallel=sp,
-                        bytes_per_value=bytes_per_value, dropout=dropout)
-    kept = sum(held) * layers_per_chunk * per_layer(recompute=layout.recompute)
+
+def forwards_in_flight(layout: Layout, stage: int = 0) -> list[int]:
+    """Per model chunk, the microbatches whose activations pipeline rank ``stage`` holds when it
+    holds the most, read off ``layout.make_schedule()``: GPipe m; 1F1B p − rank (2104.04473
+    §2.2.1); interleaved, on rank 0, p + (p − 1)/v stages' worth (§2.2.2); ZB-H1 p on every
+    rank, ZB-H2 2p − 1 (2401.10241 §2). Their sum is ``simulate(...).peak_activations[stage]``."""
+    return list(max(_held(layout, stage), key=sum))
+
+
+def activation_bytes_per_rank(config: GPTConfig, layout: Layout, stage: int = 0, *,
+                              bytes_per_value: int = 2, dropout: bool | None = None) -> int:
+    """Activations a GPU of pipeline rank ``stage`` holds at its peak.
+
+    Each chunk's microbatch weighs its layers' bytes, plus the embedding's on the chunk of the
+    first stage and the output layer's on the chunk of the last; the peak is the heaviest moment
+    of the schedule (right after a forward). While one layer runs its backward, what
+    recomputation rebuilt for it is alive too.
+    """
+    b, t, stages = layout.microbatch, layout.tp, layout.stages
+
+    def layer(keeping: GPTConfig) -> int:
+        return activation_bytes_per_layer(keeping, b, tp=t, bytes_per_value=bytes_per_value,
+                                          dropout=dropout)
+
+    per_chunk = []
+    for chunk in range(stages.v):
+        held = stages.stage(stage, chunk)
+        weight = config.num_layers // stages.num_stages * layer(config)
+        if held == 0:
+            weight += embedding_activation_bytes(config, b, tp=t, dropout=dropout)
+        if held == stages.num_stages - 1:
+            weight += output_layer_activation_bytes(config, b, tp=t,
+                                                    bytes_per_value=bytes_per_value)
+        per_chunk.append(weight)
+    peak = max(sum(n * w for n, w in zip(counts, per_chunk, strict=True))
+               for counts in _held(layout, stage))
     # while one layer runs its backward, what recomputation rebuilt for it is alive too
-    kept += per_layer(recompute="none") - per_layer(recompute=layout.recompute)
-    if stage == 0 and dropout:
-        kept += held[0] * embedding_activation_bytes(model, b, tp=t, sequence_parallel=sp)
-    if stage == layout.pp - 1:
-        out = output_layer_activation_bytes(
-            model, b, tp=t, sequence_parallel=sp, bytes_per_value=bytes_per_value
-        )
-        kept += held[-1] * out
-    return kept
+    return peak + layer(replace(config, recompute="none")) - layer(config)
 
 
-def memory_per_rank(
-    model: ModelShape,
-    layout: Layout,
-    global_batch: int,
-    *,
-    precision: Precision = MIXED,
-    zero1: bool = False,
-    dropout: bool = True,
-    stage: int | None = None,
-) -> MemoryEstimate:
-    """Peak bytes on one GPU of `stage`; by default the fuller of the first and last stages.
-
-    Middle stages never hold more than the first: the same layers, no embedding, fewer
-    microbatches in flight. ZeRO-1 shards the master weights and Adam's moments over dp.
-    """
-    error = layout_error(model, layout, global_batch)
-    if error:
-        raise ValueError(error)
+def memory_per_rank(config: GPTConfig, layout: Layout, *, precision: Precision = MIXED,
+                    dropout: bool | None = None, stage: int | None = None) -> MemoryEstimate:
+    """Peak bytes on one GPU of pipeline rank ``stage``; by default the fuller of the ranks that
+    hold the first and the last stage (middle ranks hold the same layers, no embedding and no
+    more microbatches). ``layout.zero1`` shards the master weights and Adam's moments over dp.
+    A ValueError if ``layout`` cannot split ``config``'s model (``Layout.check``)."""
+    layout.check(config)
     if stage is None:
-        stages = {0, layout.pp - 1}
-        estimates = [memory_per_rank(model, layout, global_batch, precision=precision,
-                                     zero1=zero1, dropout=dropout, stage=st) for st in stages]
-        return max(estimates, key=lambda e: e.total)
-    params = parameters_per_rank(model, layout.tp, layout.pp, stage)
+        ends = sorted({layout.stages.first_rank, layout.stages.last_rank})
+        return max((memory_per_rank(config, layout, precision=precision, dropout=dropout,
+                                    stage=rank) for rank in ends), key=lambda e: e.total)
+    params = parameters_per_rank(config, layout, stage)
     optimizer = params * (precision.master + precision.adam)
-    if zero1:
+    if layout.zero1:
         optimizer = -(-optimizer // layout.dp)  # ceil: the last shard may be padded
-    activations = activation_bytes_per_rank(
-        model, layout, global_batch, stage, bytes_per_value=precision.activation, dropout=dropout
-    )
+    activations = activation_bytes_per_rank(config, layout, stage,
+                                            bytes_per_value=precision.activation, dropout=dropout)
     return MemoryEstimate(params * precision.weights, params * precision.grads, optimizer,
                           activations)

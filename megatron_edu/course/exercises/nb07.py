@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -22,8 +23,7 @@ from megatron_edu import comm
 from megatron_edu.course.exercises.checking import Hint, exercise, on_ranks
 from megatron_edu.grid import Layout, ParallelGrid
 from megatron_edu.model import GPTConfig
-from megatron_edu.perf import ModelShape
-from megatron_edu.perf.memory import parameters_per_rank
+from megatron_edu.perf import parameters_per_rank, wire_bytes_by_group
 from megatron_edu.ptdp import PTDP, PTDPOptions
 
 TIMEOUT = 20.0  # seconds: a rank that waits longer is in a deadlock (tests lower it)
@@ -207,9 +207,6 @@ def _measure_step(tp: int, pp: int, dp: int) -> comm.CommLog:
 @functools.cache
 def measured_bytes(tp: int, pp: int, dp: int) -> dict[str, int]:
     """Bytes all ranks put on the wire in one PTD-P step of BYTES_CONFIG, by purpose."""
-    # imported here, in the parent only: the ranks need not load matplotlib
-    from megatron_edu.course.viz.data_parallel import wire_bytes_by_group
-
     logs = on_ranks(tp * pp * dp, _measure_step, tp, pp, dp, timeout=300)
     return wire_bytes_by_group(logs)
 
@@ -227,8 +224,9 @@ def reference_bytes(config: GPTConfig, tp: int, pp: int, dp: int, batch: int, mi
     stage_layers = layers if mistake == "all layers" else layers // p
     sg = mistake != "no scatter/gather"
     extras = mistake != "paper only"
-    vocab = config.vocab_size if mistake == "no padding" else config.padded_vocab(t)
-    shape = ModelShape(layers, h, config.num_heads, vocab, s)
+    if mistake == "no padding":  # the vocabulary as given, rounded only to a multiple of t
+        config = replace(config, make_vocab_size_divisible_by=1)
+    vocab = config.padded_vocab(t)
     ranks = t * p * d
     tp_bytes = ranks * stage_layers * four * m * ring(t) * act                # f and g
     if extras:
@@ -240,7 +238,7 @@ def reference_bytes(config: GPTConfig, tp: int, pp: int, dp: int, batch: int, mi
     pp_bytes *= {"one direction": 0.5, "send and recv": 2}.get(mistake, 1)
     embedding = 2 * d * t * ring(2) * 4 * vocab * h // t if p > 1 else 0
     embedding *= 0.5 if mistake == "one copy" else 1
-    dp_bytes = d * t * sum(ring(d) * 4 * parameters_per_rank(shape, t, p, stage)
+    dp_bytes = d * t * sum(ring(d) * 4 * parameters_per_rank(config, Layout(tp=t, pp=p), stage)
                            for stage in range(p)) if d > 1 else 0
     dp_bytes *= 1 / d if mistake == "one replica" else 1
     return dict(tp=tp_bytes * per, pp=pp_bytes * per, dp=dp_bytes, embedding=embedding)
@@ -277,7 +275,7 @@ PURPOSE_HELP = {
     "pp": "one [b, s, h] activation per microbatch across each of the pp − 1 stage boundaries, "
           "and its gradient back, 1/t of it from each tp rank",
     "dp": "each rank all-reduces the gradients of its own parameters once per step "
-          "(parameters_per_rank of its stage)",
+          "(parameters_per_rank(config, Layout(tp=tp, pp=pp), stage) of its stage)",
     "embedding": "the first and the last stage of each pipeline all-reduce their copy's "
                  "[V_padded/t, h] gradient (only when pp > 1)",
 }

@@ -24,12 +24,11 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from megatron_edu.course.exercises.checking import Hint, exercise
+from megatron_edu.grid import Layout
 from megatron_edu.model import GPT, GPTConfig
 from megatron_edu.perf import (
     SELENE_A100,
     Hardware,
-    Layout,
-    ModelShape,
     advise,
     num_parameters,
     training_flops,
@@ -287,7 +286,8 @@ GB = 10**9
 DGX_H200_DATASHEET = Hardware(
     "DGX H200", gpus_per_node=8, memory_bytes=141 * GB, peak_flops=989e12,
     memory_bandwidth=4.8e12, intra_node_bandwidth=450 * GB, inter_node_bandwidth=8 * 50 * GB)
-TRILLION = ModelShape(layers=128, hidden=25600, heads=160, vocab=51200, seq_len=2048)  # Table 1
+TRILLION = GPTConfig(vocab_size=51200, seq_len=2048, num_layers=128, hidden=25600,
+                     num_heads=160, recompute="full")  # Table 1's 1T model, as it trained
 
 
 def _field_hints(hw: Hardware) -> list[str]:

@@ -12,8 +12,8 @@ draw_optimizer_state: optimizer-state bytes per rank, plain data parallelism vs 
 draw_memory_per_rank: a GPU's memory as stacked weights, gradients, optimizer and activations.
 show_zero1_memory / explore_zero1_memory: that picture for plain DP and ZeRO-1 at several dp,
     from the memory model (`perf.memory`); the notebook's static call and its ipywidgets explorer.
-wire_bytes_by_group: bytes every rank puts on the wire, summed, split by purpose (tp, pp, dp, ...).
-draw_bytes_per_layout: those bytes as a heatmap, one row per layout.
+draw_bytes_per_layout: the bytes every rank puts on the wire, by purpose (counted by
+    `perf.wire_bytes_by_group`), as a heatmap, one row per layout.
 format_bytes: 1234567 -> "1.23 MB" (decimal units, as links are rated).
 """
 
@@ -27,16 +27,18 @@ from matplotlib.axes import Axes
 from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
 
-from megatron_edu.comm import CommLog
 from megatron_edu.data_parallel import BucketTiming
-from megatron_edu.perf.memory import GIB, Layout, MemoryEstimate, ModelShape, memory_per_rank
+from megatron_edu.grid import Layout
+from megatron_edu.model.config import GPTConfig
+from megatron_edu.perf.memory import GIB, MemoryEstimate, memory_per_rank
+
+__all__ = ["PARTS", "format_bytes", "draw_bucket_timeline", "draw_optimizer_state",
+           "draw_memory_per_rank", "show_zero1_memory", "explore_zero1_memory",
+           "draw_bytes_per_layout"]
 
 PARTS = ("weights", "grads", "optimizer", "activations")
 PART_COLOURS = ("#4c72b0", "#dd8452", "#c44e52", "#8c8c8c")
 BACKWARD_COLOUR, BUCKET_COLOUR = "#4c72b0", "#dd8452"
-PURPOSES = ("tp", "pp", "dp", "embedding", "scalars")
-SCALAR_LABELS = ("dp loss", "pp loss", "dp tokens", "grad norm")  # shared for printing,
-# weighting the loss by target tokens, and clipping
 
 
 def format_bytes(n: float) -> str:
@@ -133,23 +135,25 @@ def draw_memory_per_rank(estimates: Mapping[str, MemoryEstimate], capacity: int 
     return ax
 
 
-def show_zero1_memory(model: ModelShape, tp: int, pp: int, dps: Sequence[int],
+def show_zero1_memory(config: GPTConfig, tp: int, pp: int, dps: Sequence[int],
                       global_batch: int, capacity: int | None = None) -> dict[str, MemoryEstimate]:
-    """Plain DP beside ZeRO-1 at each dp (mixed precision, 16 bytes per parameter); returns the
-    estimates drawn, keyed by bar label. Raises ValueError for a layout the model cannot take."""
+    """Plain DP beside ZeRO-1 at each dp (mixed precision, 16 bytes per parameter; 1F1B,
+    microbatches of one sequence); returns the estimates drawn, keyed by bar label. Raises the
+    layout's ValueError for a layout that cannot split the model."""
     estimates = {}
     for dp in dps:
-        layout = Layout(tp=tp, pp=pp, dp=dp)
         for zero1 in (False, True):
+            layout = Layout(tp=tp, pp=pp, dp=dp, num_microbatches=global_batch // dp,
+                            zero1=zero1)
             label = f"dp={dp}\n{'ZeRO-1' if zero1 else 'plain'}"
-            estimates[label] = memory_per_rank(model, layout, global_batch, zero1=zero1)
+            estimates[label] = memory_per_rank(config, layout)
     draw_memory_per_rank(estimates, capacity, group_size=2,
-                         title=f"{model.layers} layers, h={model.hidden}, tp={tp}, pp={pp}")
+                         title=f"{config.num_layers} layers, h={config.hidden}, tp={tp}, pp={pp}")
     plt.show()
     return estimates
 
 
-def explore_zero1_memory(model: ModelShape, global_batch: int,
+def explore_zero1_memory(config: GPTConfig, global_batch: int,
                          capacity: int | None = None) -> None:
     """The ipywidgets explorer: pick tp, pp and the largest dp; show_zero1_memory draws it."""
     import ipywidgets as widgets  # imported here: only the notebook's explorer needs it
@@ -157,7 +161,7 @@ def explore_zero1_memory(model: ModelShape, global_batch: int,
     def update(tp: int, pp: int, max_dp: int) -> None:
         dps = [2**k for k in range(max_dp.bit_length()) if 2**k <= max_dp]
         try:
-            show_zero1_memory(model, tp, pp, dps, global_batch, capacity)
+            show_zero1_memory(config, tp, pp, dps, global_batch, capacity)
         except ValueError as error:
             print(f"tp={tp}, pp={pp} cannot split this model: {error}")
 
@@ -168,28 +172,6 @@ def explore_zero1_memory(model: ModelShape, global_batch: int,
 
 
 # --- traffic per layout ---------------------------------------------------------------------------
-
-def _purpose(op: str, group: str, label: str) -> str:
-    if label in SCALAR_LABELS:
-        return "scalars"
-    if op == "send":
-        return "pp"
-    return group
-
-
-def wire_bytes_by_group(logs: Sequence[CommLog], steps: int = 1) -> dict[str, int]:
-    """Bytes all ranks together put on the wire per step (ring algorithms: ``wire_bytes``),
-    by purpose: "tp" (the tp group: f/g all-reduces, the vocab-parallel loss, §4.1's
-    all-gather), "pp" (point-to-point sends; receives are the same bytes, not counted again),
-    "dp" (gradients, and ZeRO-1's parameter all-gather), "embedding" (tied-embedding
-    gradients), "scalars" (losses and the gradient norm). ``logs``: one per rank."""
-    totals = dict.fromkeys(PURPOSES, 0.0)
-    for log in logs:
-        for event in log.events:
-            if event.op != "recv":
-                totals[_purpose(event.op, event.group, event.label)] += event.wire_bytes
-    return {purpose: round(total / steps) for purpose, total in totals.items()}
-
 
 def draw_bytes_per_layout(table: Mapping[str, Mapping[str, int]],
                           ax: Axes | None = None) -> Axes:

@@ -3,9 +3,9 @@
 References: Narayanan et al. 2021, arXiv 2104.04473 — §2.2 bubbles and memory in flight, §3 the
 takeaways (Fig. 13: tensor parallelism peaks at the GPUs of a node; Fig. 12: interleaving pays at
 small batch; §3.4: the microbatch size), §5.1 Table 1; Korthikanti et al. 2022, arXiv 2205.05198
-§4 activation memory. Every number drawn comes from ``megatron_edu.perf``; nothing is fitted here.
+§4 activation memory. Every number drawn comes from ``megatron_edu.perf`` (the sweeps from
+``perf.sweeps``, the papers' tables from ``perf.papers``); nothing is computed or fitted here.
 
-read_paper_table / table1_shape      the papers' csv tables (docs/papers/) and their model shapes
 draw_activation_memory               bytes a layer saves, by recomputation and sequence parallelism
 draw_forwards_in_flight              microbatches each pipeline stage holds, per schedule
 draw_table1                          predicted vs reported TFLOP/s per GPU, and where time goes
@@ -17,15 +17,13 @@ draw_tp_sweep                        Fig. 13: throughput vs tp at fixed GPUs, se
 draw_interleaving_speedup            Fig. 12: interleaved over 1F1B as the batch grows
 draw_microbatch_tradeoff             §3.4: bubble, memory and busy time vs microbatch size
 show_advice / explore_advisor        the notebook's static call and its ipywidgets explorer
-show_machine_mfu                     this machine's MFU, measured live (a timing: not checked)
+show_machine_mfu                     this machine's MFU, measured live (``perf.measure_mfu``)
 """
 
 from __future__ import annotations
 
-import csv
-import time
 from collections.abc import Sequence
-from pathlib import Path
+from dataclasses import replace
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -33,49 +31,34 @@ import torch
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
+from megatron_edu.grid import Layout
+from megatron_edu.model.config import RECOMPUTE, GPTConfig
 from megatron_edu.perf import (
     DGX_H100,
+    GIB,
     SELENE_A100,
     Hardware,
-    Layout,
-    ModelShape,
     Prediction,
     activation_bytes_per_layer,
     advise,
-    candidate_layouts,
+    best_per_split,
     forwards_in_flight,
-    layout_error,
+    interleaving_speedup,
+    measure_mfu,
+    microbatch_tradeoff,
     predict,
-    training_flops,
+    table1_config,
+    tp_sweep,
 )
-from megatron_edu.perf.memory import GIB
+
+__all__ = ["MIB", "PARTS", "HARDWARE", "draw_activation_memory", "draw_forwards_in_flight",
+           "draw_memory_per_gpu", "draw_table1", "draw_advisor_vs_table1", "draw_split_sweep",
+           "draw_bubble_vs_microbatches", "draw_tp_sweep", "draw_interleaving_speedup",
+           "draw_microbatch_tradeoff", "show_advice", "explore_advisor", "show_machine_mfu"]
 
 MIB = 2**20
 PARTS = ("compute", "bubble", "tensor_parallel", "pipeline_p2p", "data_parallel", "optimizer")
 HARDWARE = {hw.name: hw for hw in (SELENE_A100, DGX_H100)}
-
-
-# ---- the papers' tables -------------------------------------------------------------------------
-
-
-def read_paper_table(path: str | Path) -> list[dict[str, float | str]]:
-    """Rows of a docs/papers csv; its column names are the last '#' line before the data."""
-    lines = Path(path).read_text().splitlines()
-    header = [x for x in lines if x.startswith("#")][-1].lstrip("# ").split(",")
-    rows = csv.DictReader([x for x in lines if not x.startswith("#")], fieldnames=header)
-    return [{k: _number(v) for k, v in row.items()} for row in rows]
-
-
-def _number(text: str) -> float | str:
-    try:
-        return float(text)
-    except ValueError:
-        return text
-
-
-def table1_shape(row: dict) -> ModelShape:
-    """A 2104.04473 Table 1 row as a model: vocabulary 51,200, sequence 2048."""
-    return ModelShape(int(row["layers"]), int(row["hidden"]), int(row["heads"]), 51200, 2048)
 
 
 def _axes(ax: Axes | None, size: tuple[float, float]) -> Axes:
@@ -85,17 +68,18 @@ def _axes(ax: Axes | None, size: tuple[float, float]) -> Axes:
 # ---- memory -------------------------------------------------------------------------------------
 
 
-def draw_activation_memory(model: ModelShape, microbatch: int, tp: int,
+def draw_activation_memory(config: GPTConfig, microbatch: int, tp: int,
                            ax: Axes | None = None, bytes_per_value: int = 2,
                            measured: dict[tuple[str, bool], int] | None = None) -> Axes:
-    """MiB one layer saves per GPU (2205.05198 §4; 16-bit values unless ``bytes_per_value``) for
-    each recomputation × sequence parallelism; ``measured[(mode, sp)]`` bytes drawn as dots."""
+    """MiB one layer of ``config``'s model saves per GPU (2205.05198 §4; 16-bit values unless
+    ``bytes_per_value``) for each recomputation × sequence parallelism; ``measured[(mode, sp)]``
+    bytes drawn as dots."""
     ax = _axes(ax, (7, 3.2))
-    modes = ("none", "selective", "full")
+    modes = RECOMPUTE
     for i, sp in enumerate((False, True)):
-        mib = [activation_bytes_per_layer(model, microbatch, tp=tp, sequence_parallel=sp,
-                                          recompute=r, bytes_per_value=bytes_per_value) / MIB
-               for r in modes]
+        mib = [activation_bytes_per_layer(replace(config, recompute=r, sequence_parallel=sp),
+                                          microbatch, tp=tp, bytes_per_value=bytes_per_value)
+               / MIB for r in modes]
         bars = ax.bar(np.arange(3) + 0.4 * i, mib, 0.4,
                       label="sequence parallel" if sp else "tensor parallel only")
         ax.bar_label(bars, fmt="%.2f" if max(mib) < 10 else "%.0f", fontsize=8)
@@ -104,8 +88,8 @@ def draw_activation_memory(model: ModelShape, microbatch: int, tp: int,
                     color="black", label="measured" if i else None, gid=f"measured sp={sp}")
     ax.set_xticks(np.arange(3) + 0.2, [f"recompute: {r}" for r in modes])
     ax.set_ylabel("MiB per layer per GPU")
-    ax.set_title(f"activations one layer keeps (h={model.hidden}, a={model.heads}, "
-                 f"s={model.seq_len}, b={microbatch}, t={tp})", fontsize=10)
+    ax.set_title(f"activations one layer keeps (h={config.hidden}, a={config.num_heads}, "
+                 f"s={config.seq_len}, b={microbatch}, t={tp})", fontsize=10)
     ax.legend(fontsize=8)
     ax.figure.tight_layout()
     return ax
@@ -117,7 +101,8 @@ def draw_forwards_in_flight(p: int, m: int, v: int, ax: Axes | None = None) -> A
     ax = _axes(ax, (7, 3.2))
     stages = np.arange(p)
     for schedule, chunks in (("gpipe", 1), ("1f1b", 1), ("interleaved", v)):
-        held = [sum(forwards_in_flight(schedule, p, m, s, chunks)) / chunks for s in stages]
+        layout = Layout(pp=p, schedule=schedule, chunks=chunks, num_microbatches=m)
+        held = [sum(forwards_in_flight(layout, s)) / chunks for s in stages]
         label = schedule + (f" v={chunks}" if chunks > 1 else "")
         ax.plot(stages, held, marker="o", label=label)
     ax.set_yscale("log")
@@ -129,19 +114,19 @@ def draw_forwards_in_flight(p: int, m: int, v: int, ax: Axes | None = None) -> A
     return ax
 
 
-def draw_memory_per_gpu(model: ModelShape, layouts: Sequence[Layout], global_batch: int,
-                        hw: Hardware = SELENE_A100, ax: Axes | None = None) -> Axes:
-    """Stacked GiB per GPU (the fuller of first and last stage) with the GPU's capacity."""
+def draw_memory_per_gpu(predictions: Sequence[Prediction], hw: Hardware = SELENE_A100,
+                        ax: Axes | None = None) -> Axes:
+    """Stacked GiB per GPU of each prediction's layout (the fuller of first and last stage)
+    with the GPU's capacity."""
     ax = _axes(ax, (8, 3.4))
-    memories = [predict(model, layout, global_batch, hw).memory for layout in layouts]
-    bottom = np.zeros(len(layouts))
+    bottom = np.zeros(len(predictions))
     for part in ("weights", "grads", "optimizer", "activations"):
-        gib = np.array([getattr(mem, part) / GIB for mem in memories])
-        ax.bar(range(len(layouts)), gib, bottom=bottom, label=part)
+        gib = np.array([getattr(pred.memory, part) / GIB for pred in predictions])
+        ax.bar(range(len(predictions)), gib, bottom=bottom, label=part)
         bottom += gib
     ax.axhline(hw.memory_bytes / GIB, color="black", linestyle="--", linewidth=1,
                label=f"{hw.memory_bytes / GIB:.0f} GiB")
-    ax.set_xticks(range(len(layouts)), [_short(x) for x in layouts], fontsize=7)
+    ax.set_xticks(range(len(predictions)), [_short(x) for x in predictions], fontsize=7)
     ax.set_ylabel("GiB per GPU")
     ax.set_title("memory per GPU")
     ax.legend(loc="upper left", bbox_to_anchor=(1, 1), fontsize=8)
@@ -149,10 +134,12 @@ def draw_memory_per_gpu(model: ModelShape, layouts: Sequence[Layout], global_bat
     return ax
 
 
-def _short(layout: Layout) -> str:
+def _short(prediction: Prediction) -> str:
+    layout = prediction.layout
     schedule = "il" if layout.schedule == "interleaved" else layout.schedule
     tail = f" v{layout.chunks}" if layout.chunks > 1 else ""
-    recompute = "" if layout.recompute == "full" else f"\nrc={layout.recompute}"
+    rc = prediction.config.recompute
+    recompute = "" if rc == "full" else f"\nrc={rc}"
     return f"t{layout.tp} p{layout.pp} d{layout.dp}\nb{layout.microbatch} {schedule}{tail}" \
            + recompute
 
@@ -213,31 +200,13 @@ def draw_advisor_vs_table1(rows: Sequence[dict], own: Sequence[Prediction],
     return ax
 
 
-def best_per_split(model: ModelShape, global_batch: int, num_gpus: int,
-                   hw: Hardware = SELENE_A100) -> dict[tuple[int, int], Prediction]:
-    """For each (tp, pp), the fastest microbatch and schedule that fits in memory, or, when none
-    fits, the fastest of all (check ``prediction.memory.total`` against the GPU's)."""
-
-    def rank(pred: Prediction) -> tuple[bool, float]:
-        return pred.memory.total > hw.memory_bytes, pred.time.total
-
-    best: dict[tuple[int, int], Prediction] = {}
-    for layout in candidate_layouts(model, global_batch, num_gpus, hw):
-        if layout_error(model, layout, global_batch):
-            continue
-        pred = predict(model, layout, global_batch, hw)
-        key = (layout.tp, layout.pp)
-        if key not in best or rank(pred) < rank(best[key]):
-            best[key] = pred
-    return best
-
-
-def draw_split_sweep(model: ModelShape, global_batch: int, num_gpus: int,
+def draw_split_sweep(config: GPTConfig, global_batch: int, num_gpus: int,
                      hw: Hardware = SELENE_A100, ax: Axes | None = None) -> Axes:
-    """Predicted TFLOP/s per GPU against pp, one line per tp: filled, the split's fastest layout
-    that fits in memory; hollow, none fits (the fastest, memory ignored)."""
+    """Predicted TFLOP/s per GPU against pp, one line per tp (``perf.best_per_split``): filled,
+    the split's fastest layout that fits in memory; hollow, none fits (the fastest, memory
+    ignored)."""
     ax = _axes(ax, (7, 3.4))
-    best = best_per_split(model, global_batch, num_gpus, hw)
+    best = best_per_split(config, global_batch, num_gpus, hw)
     for tp in sorted({t for t, _ in best}):
         pps = sorted(p for t, p in best if t == tp)
         preds = [best[tp, p] for p in pps]
@@ -261,15 +230,15 @@ def draw_split_sweep(model: ModelShape, global_batch: int, num_gpus: int,
 # ---- the takeaways (2104.04473 §3 and §5.4-5.8) ------------------------------------------------
 
 
-def draw_bubble_vs_microbatches(model: ModelShape, tp: int, pp: int, chunks: int,
+def draw_bubble_vs_microbatches(config: GPTConfig, tp: int, pp: int, chunks: int,
                                 microbatch_counts: Sequence[int], hw: Hardware = SELENE_A100,
                                 ax: Axes | None = None) -> Axes:
     """Predicted bubble over the rest of an iteration (dp = 1, b = 1) against m, beside the
     paper's t_pb / t_id = (p-1)/(v·m) (2104.04473 §2.2)."""
     ax = _axes(ax, (7, 3.2))
     for schedule, v in (("1f1b", 1), ("interleaved", chunks)):
-        layout = Layout(tp, pp, 1, 1, schedule, v)
-        preds = [predict(model, layout, m, hw) for m in microbatch_counts]
+        preds = [predict(config, Layout(tp, pp, 1, schedule, v, num_microbatches=m), hw)
+                 for m in microbatch_counts]
         label = schedule + (f" v={v}" if v > 1 else "")
         ratio = [p.time.bubble / (p.time.total - p.time.bubble) for p in preds]
         line, = ax.plot(microbatch_counts, ratio, marker="o", label=f"{label}: predicted")
@@ -286,18 +255,12 @@ def draw_bubble_vs_microbatches(model: ModelShape, tp: int, pp: int, chunks: int
     return ax
 
 
-def tp_sweep(model: ModelShape, num_gpus: int, global_batch: int, tps: Sequence[int],
-             hw: Hardware = SELENE_A100) -> dict[int, float]:
-    """2104.04473 Fig. 13: TFLOP/s per GPU for tp × (num_gpus/tp) pipelines, no data parallel."""
-    return {t: predict(model, Layout(t, num_gpus // t), global_batch, hw).tflops_per_gpu
-            for t in tps}
-
-
-def draw_tp_sweep(model: ModelShape, num_gpus: int, batches: Sequence[int], tps: Sequence[int],
-                  hw: Hardware = SELENE_A100, ax: Axes | None = None) -> Axes:
+def draw_tp_sweep(config: GPTConfig, num_gpus: int, batches: Sequence[int],
+                  tps: Sequence[int], hw: Hardware = SELENE_A100, ax: Axes | None = None) -> Axes:
+    """Fig. 13: ``perf.tp_sweep``'s TFLOP/s per GPU against (tp, pp), one line per batch."""
     ax = _axes(ax, (7, 3.2))
     for batch in batches:
-        by_tp = tp_sweep(model, num_gpus, batch, tps, hw)
+        by_tp = tp_sweep(config, num_gpus, batch, tps, hw)
         ax.plot(list(by_tp), list(by_tp.values()), marker="o", label=f"batch {batch}")
     ax.axvline(hw.gpus_per_node, color="grey", linestyle=":", label="GPUs per node")
     ax.set_xscale("log", base=2)
@@ -310,19 +273,12 @@ def draw_tp_sweep(model: ModelShape, num_gpus: int, batches: Sequence[int], tps:
     return ax
 
 
-def interleaving_speedup(model: ModelShape, tp: int, pp: int, chunks: int, global_batch: int,
-                         hw: Hardware = SELENE_A100) -> float:
-    """2104.04473 Fig. 12: 1F1B iteration time over interleaved (dp = 1, b = 1)."""
-    plain = predict(model, Layout(tp, pp, 1, 1, "1f1b"), global_batch, hw)
-    interleaved = predict(model, Layout(tp, pp, 1, 1, "interleaved", chunks), global_batch, hw)
-    return plain.time.total / interleaved.time.total
-
-
-def draw_interleaving_speedup(model: ModelShape, tp: int, pp: int, chunks: int,
+def draw_interleaving_speedup(config: GPTConfig, tp: int, pp: int, chunks: int,
                               batches: Sequence[int], hw: Hardware = SELENE_A100,
                               ax: Axes | None = None) -> Axes:
+    """Fig. 12: ``perf.interleaving_speedup`` against the global batch."""
     ax = _axes(ax, (7, 3.0))
-    speedups = [interleaving_speedup(model, tp, pp, chunks, b, hw) for b in batches]
+    speedups = [interleaving_speedup(config, tp, pp, chunks, b, hw) for b in batches]
     ax.plot(batches, speedups, marker="o")
     ax.axhline(1.0, color="grey", linewidth=1)
     ax.set_xlabel("global batch size (microbatches of 1)")
@@ -332,21 +288,10 @@ def draw_interleaving_speedup(model: ModelShape, tp: int, pp: int, chunks: int,
     return ax
 
 
-def microbatch_tradeoff(model: ModelShape, tp: int, pp: int, global_batch: int,
-                        microbatches: Sequence[int], hw: Hardware = SELENE_A100) -> dict:
-    """§3.4: per microbatch size b, bubble share, activation GiB, busy seconds per sequence."""
-    preds = [predict(model, Layout(tp, pp, 1, b), global_batch, hw) for b in microbatches]
-    return {
-        "bubble share": [p.time.bubble / p.time.total for p in preds],
-        "activations (GiB)": [p.memory.activations / GIB for p in preds],
-        "busy ms per sequence": [1e3 * (p.time.total - p.time.bubble) / global_batch
-                                 for p in preds],
-    }
-
-
-def draw_microbatch_tradeoff(model: ModelShape, tp: int, pp: int, global_batch: int,
+def draw_microbatch_tradeoff(config: GPTConfig, tp: int, pp: int, global_batch: int,
                              microbatches: Sequence[int], hw: Hardware = SELENE_A100) -> Figure:
-    curves = microbatch_tradeoff(model, tp, pp, global_batch, microbatches, hw)
+    """§3.4: ``perf.microbatch_tradeoff``'s three curves against the microbatch size."""
+    curves = microbatch_tradeoff(config, tp, pp, global_batch, microbatches, hw)
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.0))
     for ax, (name, values) in zip(axes, curves.items(), strict=True):
         ax.plot(microbatches, values, marker="o")
@@ -362,18 +307,17 @@ def draw_microbatch_tradeoff(model: ModelShape, tp: int, pp: int, global_batch: 
 # ---- the advisor, static and interactive --------------------------------------------------------
 
 
-def show_advice(model: ModelShape, global_batch: int, num_gpus: int,
+def show_advice(config: GPTConfig, global_batch: int, num_gpus: int,
                 hw: Hardware = SELENE_A100, top: int = 5) -> None:
     """The advisor's best layouts, printed; throughput of every split and their memory, drawn."""
-    ranked = advise(model, global_batch, num_gpus, hw)
+    ranked = advise(config, global_batch, num_gpus, hw)
     print(f"{len(ranked)} layouts fit; the best {min(top, len(ranked))}:")
     for _, prediction in ranked[:top]:
         print("  ", prediction)
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 3.6))
-    draw_split_sweep(model, global_batch, num_gpus, hw, ax=left)
+    draw_split_sweep(config, global_batch, num_gpus, hw, ax=left)
     if ranked:
-        draw_memory_per_gpu(model, [layout for layout, _ in ranked[:top]], global_batch, hw,
-                            ax=right)
+        draw_memory_per_gpu([prediction for _, prediction in ranked[:top]], hw, ax=right)
     fig.tight_layout()
     plt.show()
 
@@ -382,7 +326,7 @@ def explore_advisor(rows: Sequence[dict]) -> None:
     """Sliders over a Table 1 model, the GPU count, the batch and the hardware."""
     import ipywidgets as widgets  # imported here: only the notebook's explorer needs it
 
-    models = {f"{r['params_billion']:g}B": table1_shape(r) for r in rows}
+    models = {f"{r['params_billion']:g}B": table1_config(r) for r in rows}
 
     def update(model, gpus, batch, hardware):
         show_advice(models[model], batch, gpus, HARDWARE[hardware])
@@ -404,33 +348,10 @@ def explore_advisor(rows: Sequence[dict]) -> None:
 
 def show_machine_mfu(model: torch.nn.Module, batch: int, rounds: int = 3,
                      matmul_size: int = 1024) -> float:
-    """Time training steps of a GPT and runs of large matmuls of as many FLOPs, alternately, on one
-    thread; draw both rates and return the MFU: model FLOP/s (2104.04473 §5.1, no recompute)
-    over matmul FLOP/s, medians of ``rounds``. A measurement: it changes from run to run."""
-    config = model.config
-    flops = training_flops(batch, config.seq_len, config.num_layers, config.hidden,
-                           config.padded_vocab(), recompute=False)
-    repeats = max(1, round(flops / (2 * matmul_size**3)))
-    ids = torch.randint(config.vocab_size, (batch, config.seq_len + 1))
-    optimizer = torch.optim.AdamW(model.parameters())
-    a, b = torch.randn(matmul_size, matmul_size), torch.randn(matmul_size, matmul_size)
-
-    def step() -> None:
-        model(ids[:, :-1], ids[:, 1:]).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-
-    def matmuls() -> None:
-        for _ in range(repeats):
-            torch.mm(a, b)
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # one thread: less at the mercy of other processes
-    try:
-        step_s, matmul_s = (np.median(t) for t in _alternate((step, matmuls), rounds))
-    finally:
-        torch.set_num_threads(threads)
-    achieved, peak = flops / step_s / 1e9, 2 * matmul_size**3 * repeats / matmul_s / 1e9
+    """Draw this machine's model FLOP/s of ``model``'s training steps beside its matmul FLOP/s
+    (``perf.measure_mfu``: one thread, alternately, medians of ``rounds``) and return the MFU,
+    their ratio. A measurement: it changes from run to run."""
+    achieved, peak = (x / 1e9 for x in measure_mfu(model, batch, rounds, matmul_size))
     _, ax = plt.subplots(figsize=(5, 2.4))
     ax.barh(["training step (model FLOPs)", f"matmul {matmul_size}³"], [achieved, peak])
     ax.set_xlabel("GFLOP/s (one thread)")
@@ -438,17 +359,3 @@ def show_machine_mfu(model: torch.nn.Module, batch: int, rounds: int = 3,
     ax.figure.tight_layout()
     plt.show()
     return achieved / peak
-
-
-def _alternate(fns: Sequence, rounds: int) -> list[list[float]]:
-    """Seconds of each call of each function, run in turn for ``rounds`` rounds after a warm-up:
-    a slow moment of a shared machine falls on both alike."""
-    for fn in fns:
-        fn()
-    seconds: list[list[float]] = [[] for _ in fns]
-    for _ in range(rounds):
-        for fn, times in zip(fns, seconds, strict=True):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-    return seconds
