@@ -58,7 +58,7 @@ from torch import nn
 
 from megatron_edu import comm
 from megatron_edu.grid import ParallelGrid
-from megatron_edu.model import GPT, GPTConfig, stage_layers
+from megatron_edu.model import GPT, GPTConfig, build_model, stage_layers
 from megatron_edu.model.gpt import IGNORE_INDEX
 from megatron_edu.pipeline.backward import WeightPass, backward, backward_input
 from megatron_edu.pipeline.p2p import make_transport, messages_placed
@@ -82,8 +82,8 @@ def build_chunks(config: GPTConfig, grid: ParallelGrid, num_chunks: int = 1,
     for c in range(num_chunks):
         stage = virtual_stage(grid.pp_rank, c, grid.pp, placement)
         layers = stage_layers(config.num_layers, num_stages, stage)  # the stage-th of p·v runs
-        chunks.append(GPT(config, grid, layers=layers, first=stage == 0,
-                          last=stage == num_stages - 1))
+        chunks.append(build_model(config, grid, layers=layers, first=stage == 0,
+                                  last=stage == num_stages - 1))
     return chunks
 
 
