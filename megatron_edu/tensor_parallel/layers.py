@@ -173,7 +173,6 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [b, s] → their embeddings [b, s, h] ([b, s/t, h] under sequence parallelism)."""
-        check_initialised(self)
         partial = self.partial(ids)                  # each id found on one rank
         if self.sequence_parallel:
             return comm.reduce_scatter_seq(partial, self.group)  # [b, s/t, h]
@@ -181,6 +180,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def partial(self, ids: torch.Tensor) -> torch.Tensor:
         """This rank's share of the lookup, before g: its rows, zeros for the ids it lacks."""
+        check_initialised(self)
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)   # [b, s] not ours
         local = (ids - self.vocab_start).masked_fill(outside, 0)      # look up row 0 instead...
         out = F.embedding(local, self.weight)                           # [b, s, h]
