@@ -62,6 +62,8 @@ def test_build_model_picks_the_model_from_the_config_type():
     assert type(build_model(GPTConfig(**_gpt_fields()))) is GPT
     stage = build_model(bert_config(), layers=range(1, 2), first=False)
     assert (type(stage), list(stage.blocks), stage.first, stage.last) == (BERT, ["1"], False, True)
+    with pytest.raises(TypeError, match="a GPT is built from a GPTConfig, not a BertConfig"):
+        GPT(bert_config())                 # no longer a BERT in disguise: a loud refusal
 
 
 def _gpt_fields():

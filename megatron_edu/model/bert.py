@@ -121,6 +121,7 @@ class BERT(TransformerStage):
     """BERT, whole or one pipeline stage, tensor-parallel over ``grid``: the GPT's stage with
     BERT's inputs and heads; stage arguments (``layers``, ``first``, ``last``) as for the GPT."""
 
+    config_class = BertConfig
     vocab_rows = (WORD_EMBEDDING, MLM_BIAS)
 
     def _build(self, config: BertConfig) -> None:

@@ -356,11 +356,15 @@ class TransformerStage(nn.Module):
     on the grid's device.
     """
 
+    config_class = GPTConfig        # the configuration it is built from, exactly (BERT: its own)
     vocab_rows = (WORD_EMBEDDING,)  # tensors of padded_vocab rows (``full_state_dict`` trims)
 
     def __init__(self, config: GPTConfig, grid: ParallelGrid | None = None, *,
                  layers: range | None = None, first: bool = True, last: bool = True) -> None:
         super().__init__()
+        if type(config) is not self.config_class:
+            raise TypeError(f"a {type(self).__name__} is built from a {self.config_class.__name__}"
+                            f", not a {type(config).__name__} (model.build_model picks the model)")
         self.tp_group = grid.tp_group if grid is not None else serial_group()
         config.validate(self.tp_group.size)
         self.config, self.first, self.last = config, first, last
