@@ -12,7 +12,7 @@ What differs between the two layouts, and what is done about it:
   package store [out, in] → transposed.
 * The fused qkv: c_attn is [h, 3h] with the output columns as q | k | v blocks (heads contiguous
   inside each). Here qkv is [3h, h] grouped per head (q, k, v of head 0, then head 1, …) so that
-  a column split gives each tensor-parallel rank whole heads (see model/gpt.py) → permuted.
+  a column split gives each tensor-parallel rank whole heads (model/transformer.py) → permuted.
 * The tied head: lm_head.weight is wte.weight; here the output layer reads embedding.word.weight.
 * gelu_new is GeLU's tanh approximation, F.gelu(approximate="tanh"); eps is layer_norm_epsilon.
 * The vocabulary (50,257) is padded to a multiple of 128·tp with zero rows, masked out of the
@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from megatron_edu.grid import ParallelGrid
 from megatron_edu.model.config import GPTConfig
@@ -93,7 +92,7 @@ def save_hf_gpt2(model: GPT, path: str | Path) -> None:
     if not (model.first and model.last and list(model.layers) == list(range(config.num_layers))):
         raise ValueError("save_hf_gpt2 needs the whole model; gather pipeline stages first")
     state = _to_hf(model.full_state_dict(), config)
-    if model.tp_group.size > 1 and dist.get_rank() != model.tp_group.ranks[0]:
+    if model.tp_group.rank != 0:
         return
     save_file = _safetensors().save_file
     path = Path(path)

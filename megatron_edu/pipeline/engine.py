@@ -59,7 +59,7 @@ from torch import nn
 
 from megatron_edu import comm
 from megatron_edu.grid import ParallelGrid
-from megatron_edu.model import GPT, GPTConfig
+from megatron_edu.model import GPT, GPTConfig, build_model
 from megatron_edu.model.gpt import IGNORE_INDEX
 from megatron_edu.pipeline.backward import WeightPass, backward, backward_input
 from megatron_edu.pipeline.p2p import make_transport
@@ -80,8 +80,8 @@ def build_chunks(config: GPTConfig, grid: ParallelGrid, stages: StageMap) -> lis
     chunks = []
     for c in range(stages.v):
         stage = stages.stage(grid.pp_rank, c)
-        chunks.append(GPT(config, grid, layers=stages.layers(stage, config.num_layers),
-                          first=stage == 0, last=stage == stages.num_stages - 1))
+        chunks.append(build_model(config, grid, layers=stages.layers(stage, config.num_layers),
+                                  first=stage == 0, last=stage == stages.num_stages - 1))
     return chunks
 
 
