@@ -388,8 +388,8 @@ def check_model(meta: dict[str, Any], config: GPTConfig) -> None:
 
 def export_hf(checkpoint: str | Path, out_dir: str | Path) -> Path:
     """Write a checkpoint (any layout) as a Hugging Face GPT-2 directory, tokenizer included."""
+    from megatron_edu.hf import save_hf_gpt2
     from megatron_edu.model import GPT
-    from megatron_edu.model.hf import save_hf_gpt2
 
     meta = read_metadata(checkpoint)
     config = config_from_dict(meta["config"])

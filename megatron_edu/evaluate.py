@@ -55,9 +55,9 @@ from megatron_edu.checkpoint import load_model_chunks, read_metadata
 from megatron_edu.comm import CommGroup
 from megatron_edu.data import Tokenizer, prepare_data, zeroshot
 from megatron_edu.grid import Layout, ParallelGrid
+from megatron_edu.hf import read_hf_gpt2
 from megatron_edu.launch import RankError, run
 from megatron_edu.model import BertConfig, GPTConfig, config_from_dict
-from megatron_edu.model.hf import read_hf_gpt2
 from megatron_edu.model.transformer import IGNORE_INDEX
 from megatron_edu.pipeline.engine import build_chunks, run_schedule
 from megatron_edu.pipeline.schedules import forward_only, one_f_one_b
@@ -185,7 +185,7 @@ def _run_batches(chunks, grid: ParallelGrid, ids: np.ndarray, labels: np.ndarray
                                                                      IGNORE_INDEX)
         with torch.no_grad():
             result = run_schedule(schedule, chunks, grid, batch_ids.to(grid.device),
-                                  batch_labels.to(grid.device), m, hidden,
+                                  batch_labels.to(grid.device), hidden,
                                   num_tokens=1)   # the last stage's sums, undivided
         total += result.loss.double()
     return comm.all_reduce(total, grid.dp_group, "dp sum").item()
@@ -343,7 +343,7 @@ def validation_loss(args: argparse.Namespace, meta: dict[str, Any]) -> dict[str,
         for i in range(args.batches):
             ids, labels = val.fixed_batch(i, args.batch, grid.dp_rank, grid.dp)
             result = run_schedule(schedule, chunks, grid, ids.to(grid.device),
-                                  labels.to(grid.device), m, config.hidden)
+                                  labels.to(grid.device), config.hidden)
             losses.append(comm.all_reduce(result.loss, grid.dp_group, "dp loss") / grid.dp)
     loss = torch.stack(losses).mean().item()
     return {"loss": loss, "perplexity": math.exp(loss), "tokens": args.batches * args.batch

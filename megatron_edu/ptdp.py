@@ -147,7 +147,7 @@ class PTDP:
         tokens = comm.all_reduce(torch.tensor(float((labels != IGNORE_INDEX).sum()),
                                               device=device), self.grid.dp_group, "dp tokens")
         return run_schedule(schedule, self.chunks, self.grid, input_ids.to(device),
-                            labels.to(device), self.layout.num_microbatches, self.config.hidden,
+                            labels.to(device), self.config.hidden,
                             scatter_gather=(self.options.scatter_gather and self.grid.tp > 1
                                             and self.sequence_parts == 1),
                             grad_sync=grad_sync, num_tokens=int(tokens.item()),

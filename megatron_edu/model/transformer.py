@@ -16,8 +16,8 @@ grouped *per head* — head 0's q, k, v rows, then head 1's, … (Megatron's [np
 A column split into t equal blocks then gives each rank whole heads with their own q, k and v,
 at every t; and because the layout does not depend on t, the whole tensor is the same at tp = 1,
 2, 4 (layout-independent initialisation and checkpoints). Hugging Face's c_attn is [h, 3h] as
-q | k | v blocks; ``model/hf.py`` permutes it. For BERT, ``Attention`` takes a ``causal`` switch
-and a padding mask, ``Block`` the layer-norm placement of 1909.08053 Figure 7.
+q | k | v blocks; ``megatron_edu/hf.py`` permutes it. For BERT, ``Attention`` takes a ``causal``
+switch and a padding mask, ``Block`` the layer-norm placement of 1909.08053 Figure 7.
 
 Pipeline stages (``TransformerStage``, of which ``GPT`` and ``BERT`` are kinds): blocks live in
 an ``nn.ModuleDict`` keyed by their global index, so a stage's parameter names are exactly the

@@ -101,7 +101,6 @@ def run_schedule(
     grid: ParallelGrid,
     input_ids: torch.Tensor,
     labels: torch.Tensor,
-    num_microbatches: int,
     hidden: int,
     *,
     scatter_gather: bool = False,
@@ -120,7 +119,7 @@ def run_schedule(
     stage's input [b, s, hidden] (in the parameters' dtype), and on the last virtual stage
     ``chunk(x, labels, dropout_key=key, loss_reduction="sum")`` the summed token losses.
     ``input_ids`` and ``labels`` are this data-parallel replica's batch [b, s] (every pipeline
-    rank may pass it; only the first and last stage read it), cut into ``num_microbatches``.
+    rank may pass it; only the first and last stage read it), cut into the schedule's microbatches.
     Gradients accumulate in the chunks' parameters. ``num_tokens``: the target tokens the loss
     is averaged over (default: this batch's; PTD-P passes the global batch's).
     ``grad_sync(chunk, is_last_backward)`` wraps every pass that accumulates weight gradients —
@@ -135,7 +134,7 @@ def run_schedule(
     05.2 passes the learner's). Where the chunks live is the schedule's own ``stages``, which
     ``build_chunks`` built them by.
     """
-    m = num_microbatches
+    m = schedule.num_microbatches
     if input_ids.shape[0] % m:
         raise ValueError(f"batch of {input_ids.shape[0]} sequences does not split into "
                          f"{m} microbatches")

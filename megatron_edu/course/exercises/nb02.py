@@ -148,7 +148,7 @@ def _per_head_qkv(fn) -> str:
     per_rank = _HEADS // TP
     heads = "; ".join(f"rank {r}: heads {r * per_rank}–{(r + 1) * per_rank - 1}"
                       for r in range(TP))
-    return (f"the rows are grouped per head ([heads, 3, d]), as model/hf.py does; cut in "
+    return (f"the rows are grouped per head ([heads, 3, d]), as megatron_edu/hf.py does; cut in "
             f"{TP}, each rank holds whole heads with their q, k and v ({heads}), and the "
             f"package's Attention on {TP} ranks equals Hugging Face's attention computed whole")
 
