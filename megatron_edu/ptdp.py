@@ -76,6 +76,8 @@ class PTDPOptions:
 
 @dataclass
 class StepResult:
+    """What one ``train_step`` did, the same on every rank."""
+
     loss: float                      # mean over the global batch's tokens (equal on every rank)
     grad_norm: float                 # the global norm before clipping (inf: not finite)
     skipped: bool = False            # the norm was not finite: no rank updated its weights
