@@ -119,7 +119,7 @@ def timelines_on_ranks(kind: str, rounds: int, schedule_name: str = "1f1b"
     schedule = make_schedule(schedule_name, P, M)
     timelines = []
     for _ in range(rounds + 1):
-        result = run_schedule(schedule, chunks, grid, tokens[:, :-1], tokens[:, 1:], M, hidden)
+        result = run_schedule(schedule, chunks, grid, tokens[:, :-1], tokens[:, 1:], hidden)
         for chunk in chunks:
             chunk.zero_grad(set_to_none=True)
         dist.barrier()

@@ -64,8 +64,7 @@ class Contenders:
             self.theirs = ScheduleInterleaved1F1B(stages, m, loss_fn=torch_loss)
 
     def megatron_edu(self) -> None:
-        run_schedule(self.ours, self.chunks, self.grid, self.ids, self.labels, MICROBATCHES,
-                     self.hidden)
+        run_schedule(self.ours, self.chunks, self.grid, self.ids, self.labels, self.hidden)
 
     def pipelining(self) -> None:
         first, last = self.grid.pp_rank == 0, self.grid.pp_rank == self.grid.pp - 1

@@ -31,8 +31,10 @@ from bench.common import Spread, Timings, all_close, alternate, ratios, report
 from megatron_edu.grid import ParallelGrid
 from megatron_edu.launch import run
 from megatron_edu.model import GPTConfig
-from megatron_edu.model.gpt import Block
+from megatron_edu.model.transformer import Block
 from megatron_edu.tensor_parallel.init import gather_full, init_parameters
+
+__all__ = ["main"]
 
 TP = 2
 MODEL = dict(vocab_size=128, num_layers=1, num_heads=8, dropout=0.0)  # no dropout: same outputs
@@ -85,6 +87,7 @@ def compare_on_ranks(model: dict, batch: int, rounds: int) -> Timings:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
+    """Time ours against DTensor at each size; the rows printed and returned."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=24, help="(twice as many at the small size)")
     args = parser.parse_args(argv)

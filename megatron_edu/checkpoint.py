@@ -27,7 +27,7 @@ of the one or few saved shards that intersect its range only the intersection (v
 mapped tensors); rows past the vocabulary are padding, zeros, never read. Of a tensor saved
 more than once (not split over tp; the tied embedding of the first and last stage) it reads
 the copy nearest to its own place in the grid: its own file, on the same layout. Parameters
-and AdamW moments alike. ``record_reads`` lists every slice copied (tests/test_checkpoint.py
+and AdamW moments alike. ``_record_reads`` lists every slice copied (tests/test_checkpoint.py
 proves that a rank reads only its own). ``load_full_model_state`` (export, generation) is the
 same read of the range ``[0, whole)`` of every tensor.
 """
@@ -48,12 +48,12 @@ import torch.distributed as dist
 
 from megatron_edu.grid import ParallelGrid
 from megatron_edu.model import GPTConfig, config_from_dict
-from megatron_edu.model.gpt import WORD_EMBEDDING
+from megatron_edu.model.transformer import WORD_EMBEDDING
 from megatron_edu.ptdp import PTDP
 
 __all__ = ["save_checkpoint", "load_checkpoint", "load_model_chunks", "read_metadata",
            "load_full_model_state",
-           "resolve_checkpoint", "check_model", "export_hf", "record_reads", "Read",
+           "resolve_checkpoint", "check_model", "export_hf", "Read",
            "CheckpointError"]
 
 FORMAT = 1
@@ -214,7 +214,7 @@ _active_reads: list[list[Read]] = []
 
 
 @contextmanager
-def record_reads() -> Iterator[list[Read]]:
+def _record_reads() -> Iterator[list[Read]]:
     """Record every slice this process copies out of shard files inside the block."""
     log: list[Read] = []
     _active_reads.append(log)
@@ -388,8 +388,8 @@ def check_model(meta: dict[str, Any], config: GPTConfig) -> None:
 
 def export_hf(checkpoint: str | Path, out_dir: str | Path) -> Path:
     """Write a checkpoint (any layout) as a Hugging Face GPT-2 directory, tokenizer included."""
+    from megatron_edu.hf import save_hf_gpt2
     from megatron_edu.model import GPT
-    from megatron_edu.model.hf import save_hf_gpt2
 
     meta = read_metadata(checkpoint)
     config = config_from_dict(meta["config"])

@@ -52,6 +52,7 @@ class CommGroup:
 
     @property
     def size(self) -> int:
+        """The number of ranks in the group."""
         return len(self.ranks)
 
     def __deepcopy__(self, memo: dict) -> CommGroup:
@@ -59,8 +60,8 @@ class CommGroup:
 
     @property
     def rank(self) -> int:
-        """This process's index inside the group."""
-        return self.ranks.index(dist.get_rank())
+        """This process's index in the group (0 in a group of one, torch.distributed or not)."""
+        return 0 if self.size == 1 else self.ranks.index(dist.get_rank())
 
 
 def world() -> CommGroup:
@@ -73,6 +74,8 @@ def world() -> CommGroup:
 
 @dataclass(frozen=True)
 class CommEvent:
+    """One collective or point-to-point call, as a ``record()`` block notes it."""
+
     op: str          # all_reduce | all_gather | reduce_scatter | broadcast | send | recv
     group: str       # tp | pp | dp | embedding | mp | world | p2p
     group_size: int
@@ -100,16 +103,19 @@ class CommLog:
 
     def select(self, op: str | None = None, group: str | None = None,
                label: str | None = None) -> list[CommEvent]:
+        """The events of this op, group and label (None: any)."""
         return [e for e in self.events
                 if (op is None or e.op == op) and (group is None or e.group == group)
                 and (label is None or e.label == label)]
 
     def count(self, op: str | None = None, group: str | None = None,
               label: str | None = None) -> int:
+        """How many events ``select`` finds."""
         return len(self.select(op, group, label))
 
     def total_bytes(self, op: str | None = None, group: str | None = None,
                     label: str | None = None) -> int:
+        """The bytes of the events ``select`` finds."""
         return sum(e.bytes for e in self.select(op, group, label))
 
     def summary(self) -> dict[tuple[str, str, str], tuple[int, int]]:
@@ -122,6 +128,7 @@ class CommLog:
         return {k: (calls[k], nbytes[k]) for k in calls}
 
     def table(self) -> str:
+        """``summary`` as a printable table."""
         rows = [f"{'op':<15}{'group':<11}{'label':<22}{'calls':>6}{'bytes':>12}"]
         for (op, group, label), (n, b) in self.summary().items():
             rows.append(f"{op:<15}{group:<11}{label:<22}{n:>6}{b:>12,}")
@@ -207,6 +214,7 @@ def broadcast(x: torch.Tensor, src: int, group: CommGroup, label: str = "") -> t
 
 
 def send(x: torch.Tensor, dst: int, label: str = "") -> None:
+    """Send ``x`` to global rank ``dst`` (blocking)."""
     _note("send", "p2p", 2, _nbytes(x), label, dst)
     dist.send(x.contiguous(), dst)
 

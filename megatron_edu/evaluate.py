@@ -55,10 +55,10 @@ from megatron_edu.checkpoint import load_model_chunks, read_metadata
 from megatron_edu.comm import CommGroup
 from megatron_edu.data import Tokenizer, prepare_data, zeroshot
 from megatron_edu.grid import Layout, ParallelGrid
+from megatron_edu.hf import read_hf_gpt2
 from megatron_edu.launch import RankError, run
 from megatron_edu.model import BertConfig, GPTConfig, config_from_dict
-from megatron_edu.model.gpt import IGNORE_INDEX
-from megatron_edu.model.hf import read_hf_gpt2
+from megatron_edu.model.transformer import IGNORE_INDEX
 from megatron_edu.pipeline.engine import build_chunks, run_schedule
 from megatron_edu.pipeline.schedules import forward_only, one_f_one_b
 from megatron_edu.tensor_parallel.cross_entropy import vocab_range
@@ -70,6 +70,7 @@ TASKS = ("wikitext103", "lambada")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m megatron_edu.evaluate``."""
     p = argparse.ArgumentParser(prog="python -m megatron_edu.evaluate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     model = p.add_mutually_exclusive_group()
@@ -184,7 +185,7 @@ def _run_batches(chunks, grid: ParallelGrid, ids: np.ndarray, labels: np.ndarray
                                                                      IGNORE_INDEX)
         with torch.no_grad():
             result = run_schedule(schedule, chunks, grid, batch_ids.to(grid.device),
-                                  batch_labels.to(grid.device), m, hidden,
+                                  batch_labels.to(grid.device), hidden,
                                   num_tokens=1)   # the last stage's sums, undivided
         total += result.loss.double()
     return comm.all_reduce(total, grid.dp_group, "dp sum").item()
@@ -296,6 +297,7 @@ class _CountCorrect(nn.Module):
 
 def lambada_result(correct: float, correct_filtered: float, n: int,
                    stop_word_filter: bool) -> dict[str, Any]:
+    """LAMBADA's result record from the counts of correct predictions over ``n`` samples."""
     plain, filtered = correct / n, correct_filtered / n
     return {"task": "lambada", "accuracy": filtered if stop_word_filter else plain, "n": n,
             "stop_word_filter": stop_word_filter, "accuracy_without_filter": plain,
@@ -341,7 +343,7 @@ def validation_loss(args: argparse.Namespace, meta: dict[str, Any]) -> dict[str,
         for i in range(args.batches):
             ids, labels = val.fixed_batch(i, args.batch, grid.dp_rank, grid.dp)
             result = run_schedule(schedule, chunks, grid, ids.to(grid.device),
-                                  labels.to(grid.device), m, config.hidden)
+                                  labels.to(grid.device), config.hidden)
             losses.append(comm.all_reduce(result.loss, grid.dp_group, "dp loss") / grid.dp)
     loss = torch.stack(losses).mean().item()
     return {"loss": loss, "perplexity": math.exp(loss), "tokens": args.batches * args.batch
@@ -376,6 +378,7 @@ def _prepare_task(args: argparse.Namespace) -> tuple[Source, dict[str, Any]]:
 
 
 def check_left_to_right(config: GPTConfig, task: str) -> None:
+    """Raise unless ``config`` is a left-to-right (causal) language model, as ``task`` needs."""
     if isinstance(config, BertConfig) or not config.causal:
         raise ValueError(f"--task {task} scores a left-to-right language model; this "
                          f"checkpoint holds a {type(config).__name__}")
@@ -394,6 +397,7 @@ def _prepare_validation(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """python -m megatron_edu.evaluate: evaluate a checkpoint or a Hugging Face GPT-2."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -288,6 +288,7 @@ def _generate_on_rank(path: Path, config: GPTConfig, tp: int, pp: int, prompt: l
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m megatron_edu.generate``: the prompt and its continuation, printed."""
     parser = _parser()
     args = parser.parse_args(argv)
     try:

@@ -76,6 +76,8 @@ class PTDPOptions:
 
 @dataclass
 class StepResult:
+    """What one ``train_step`` did, the same on every rank."""
+
     loss: float                      # mean over the global batch's tokens (equal on every rank)
     grad_norm: float                 # the global norm before clipping (inf: not finite)
     skipped: bool = False            # the norm was not finite: no rank updated its weights
@@ -147,7 +149,7 @@ class PTDP:
         tokens = comm.all_reduce(torch.tensor(float((labels != IGNORE_INDEX).sum()),
                                               device=device), self.grid.dp_group, "dp tokens")
         return run_schedule(schedule, self.chunks, self.grid, input_ids.to(device),
-                            labels.to(device), self.layout.num_microbatches, self.config.hidden,
+                            labels.to(device), self.config.hidden,
                             scatter_gather=(self.options.scatter_gather and self.grid.tp > 1
                                             and self.sequence_parts == 1),
                             grad_sync=grad_sync, num_tokens=int(tokens.item()),

@@ -57,6 +57,7 @@ __all__ = ["parse_args", "validate", "main", "train"]
 # --- the command line ----------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
+    """The command line: layout, model, optimisation, data and run flags."""
     p = argparse.ArgumentParser(prog="python -m megatron_edu.train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     layout = p.add_argument_group("layout (2104.04473 §3)")
@@ -129,10 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags of ``argv`` (default: the command line's)."""
     return build_parser().parse_args(argv)
 
 
 def model_config(args: argparse.Namespace) -> GPTConfig:
+    """The model the flags describe: the preset, with the sizes and switches given."""
     overrides = {field: getattr(args, attr) for field, attr in (
         ("num_layers", "layers"), ("hidden", "hidden"), ("num_heads", "heads"),
         ("seq_len", "seq_len"), ("vocab_size", "vocab_size")) if getattr(args, attr)}
@@ -416,6 +419,7 @@ def _median(values: list[float]) -> float | None:
 # --- entry point ---------------------------------------------------------------------------------
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m megatron_edu.train``: validate, launch the ranks, report; the exit status."""
     args = parse_args(argv)
     try:
         plan = validate(args, int(os.environ["WORLD_SIZE"]) if under_torchrun() else None)

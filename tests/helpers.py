@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_edu.model import GPT, GPTConfig
+from megatron_edu.model import GPTConfig, build_model
 
 TOL = 1e-5  # fp32, dropout 0: parallel and serial agree to rounding
 
@@ -32,11 +32,11 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 def assert_two_stages_chain_into_serial(config: GPTConfig, ids: torch.Tensor,
                                         labels: torch.Tensor) -> None:
-    """A 2-layer model cut into two pipeline stages (``GPT(config, …)``: a GPT, or a BERT for a
+    """A 2-layer model cut into two pipeline stages (``build_model``: a GPT, or a BERT for a
     ``BertConfig``) gives the serial model's gradients, the tied embedding's two copies summed."""
-    serial = GPT(config)
-    stages = [GPT(config, layers=range(0, 1), last=False),
-              GPT(config, layers=range(1, 2), first=False)]
+    serial = build_model(config)
+    stages = [build_model(config, layers=range(0, 1), last=False),
+              build_model(config, layers=range(1, 2), first=False)]
     serial(ids, labels).backward()
     stages[1](stages[0](ids), labels).backward()
     grads = {**stages[0].full_state_dict(grads=True), **stages[1].full_state_dict(grads=True)}

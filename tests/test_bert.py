@@ -24,9 +24,9 @@ from megatron_edu.data.bert import (
 )
 from megatron_edu.grid import ParallelGrid
 from megatron_edu.launch import run
-from megatron_edu.model import BERT, GPT, BertConfig, GPTConfig, config_from_dict
+from megatron_edu.model import BERT, GPT, BertConfig, GPTConfig, build_model, config_from_dict
 from megatron_edu.model.bert import token_types
-from megatron_edu.model.gpt import Attention
+from megatron_edu.model.transformer import Attention
 from megatron_edu.tensor_parallel.init import init_parameters
 from megatron_edu.tensor_parallel.layers import serial_group
 from megatron_edu.train import main
@@ -57,8 +57,13 @@ def bert_batch(b: int = 2, s: int = 16, padded: bool = True, seed: int = 0):
 
 # --- the model ---------------------------------------------------------------------------------
 
-def test_a_bert_config_builds_a_bert_through_the_gpt_constructor():
-    assert type(GPT(bert_config())) is BERT and type(GPT(GPTConfig(**_gpt_fields()))) is GPT
+def test_build_model_picks_the_model_from_the_config_type():
+    assert type(build_model(bert_config())) is BERT
+    assert type(build_model(GPTConfig(**_gpt_fields()))) is GPT
+    stage = build_model(bert_config(), layers=range(1, 2), first=False)
+    assert (type(stage), list(stage.blocks), stage.first, stage.last) == (BERT, ["1"], False, True)
+    with pytest.raises(TypeError, match="a GPT is built from a GPTConfig, not a BertConfig"):
+        GPT(bert_config())                 # no longer a BERT in disguise: a loud refusal
 
 
 def _gpt_fields():

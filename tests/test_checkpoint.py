@@ -14,7 +14,7 @@ from megatron_edu.checkpoint import MOMENTS, load_full_model_state
 from megatron_edu.grid import Layout, ParallelGrid
 from megatron_edu.launch import run
 from megatron_edu.model import GPTConfig
-from megatron_edu.model.gpt import WORD_EMBEDDING
+from megatron_edu.model.transformer import WORD_EMBEDDING
 from megatron_edu.ptdp import PTDP, PTDPOptions
 from megatron_edu.tensor_parallel.init import shard
 
@@ -75,7 +75,7 @@ def _load(path, tp, pp, dp, zero1):
     with torch.no_grad():
         for p in trainer.parameters():
             p.fill_(float("nan"))
-    with checkpoint.record_reads() as reads:
+    with checkpoint._record_reads() as reads:
         checkpoint.load_checkpoint(path, trainer)
     states = trainer.optimizer.param_states() if zero1 else trainer.optimizer.state
     whole, group = _whole_path(path), trainer.grid.tp_group

@@ -5,6 +5,7 @@ import torch
 
 from megatron_edu import comm
 from megatron_edu.launch import run
+from megatron_edu.tensor_parallel.layers import serial_group
 
 WORLD_SIZES = [1, 2, 4]
 
@@ -172,3 +173,7 @@ def test_nothing_is_recorded_outside_a_record_block():
         return log.count()
 
     assert run(work, 2) == [0, 0]
+
+
+def test_a_group_of_one_is_rank_0_without_torch_distributed():
+    assert serial_group().rank == comm.CommGroup("pp", (5,)).rank == 0

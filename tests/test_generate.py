@@ -15,7 +15,7 @@ from megatron_edu.generate import Sampling, generate, main, sample
 from megatron_edu.grid import Layout, ParallelGrid
 from megatron_edu.launch import run
 from megatron_edu.model import GPT
-from megatron_edu.model.gpt import KVCache
+from megatron_edu.model.transformer import KVCache
 from megatron_edu.pipeline.engine import build_chunks
 from megatron_edu.ptdp import PTDP, PTDPOptions
 

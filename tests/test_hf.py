@@ -12,8 +12,8 @@ import torch.distributed as dist
 
 from megatron_edu import comm
 from megatron_edu.grid import ParallelGrid
+from megatron_edu.hf import config_from_hf, load_hf_gpt2, save_hf_gpt2
 from megatron_edu.launch import run
-from megatron_edu.model.hf import config_from_hf, load_hf_gpt2, save_hf_gpt2
 
 transformers = pytest.importorskip("transformers")
 

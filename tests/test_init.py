@@ -13,8 +13,15 @@ from helpers import max_diff, tiny_config
 
 from megatron_edu.grid import ParallelGrid
 from megatron_edu.launch import run
-from megatron_edu.model import GPT
+from megatron_edu.model import BERT, GPT, BertConfig
+from megatron_edu.model.transformer import MLP, Attention, Block, Embedding
 from megatron_edu.tensor_parallel.init import BLOCK, blocks, init_parameters
+from megatron_edu.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    serial_group,
+)
 
 
 def _config(tp):
@@ -107,3 +114,41 @@ def test_vocabulary_padding_rows_are_zero(tp_run):
                                               (96, 144, range(1, 3)), (144, 192, range(0))])
 def test_blocks_meeting_a_slice_of_144_rows(lo, hi, expected):
     assert blocks(144, lo, hi) == expected
+
+
+# Numbers drawn before layers were built on the meta device (the same seeds, so the same values:
+# the shipped checkpoints and the notebooks' outputs depend on them).
+RECORDED = {
+    "embedding.word.weight": [-0.01660051755607128, 0.009707573801279068, 0.027163095772266388],
+    "embedding.position.weight": [-0.034591495990753174, 0.005728240590542555,
+                                  -0.0021151676774024963],
+    "blocks.1.attn.qkv.weight": [-0.014075042679905891, 0.018780771642923355,
+                                 -0.01634366065263748],
+    "blocks.0.mlp.proj.weight": [-0.005623131059110165, -0.01853654906153679,
+                                 -0.017746375873684883],
+    "token_type.weight": [-0.011628490872681141, -0.014299889095127583, 0.03183013200759888],
+    "mlm.dense.weight": [-0.003459762781858444, -0.021772906184196472, 0.024615691974759102],
+    "order.classifier.weight": [0.011702083051204681, 0.0022675988730043173,
+                                -0.005221269093453884],
+}
+
+
+def test_initialisation_draws_the_numbers_recorded_before():
+    fields = dict(vocab_size=100, seq_len=16, num_layers=2, hidden=32, num_heads=4, seed=7)
+    state = {**GPT(tiny_config()).full_state_dict(), **BERT(BertConfig(**fields)).full_state_dict()}
+    assert {name: state[name].flatten()[:3].tolist() for name in RECORDED} == RECORDED
+
+
+def test_a_layer_used_before_init_parameters_raises_and_init_makes_it_real():
+    config, group = tiny_config(), serial_group()
+    x, ids = torch.randn(2, 8, config.hidden), torch.zeros(2, 8, dtype=torch.long)
+    layers = [(ColumnParallelLinear(32, 64, group), x), (RowParallelLinear(32, 32, group), x),
+              (VocabParallelEmbedding(100, 32, group), ids), (Embedding(config, group), ids),
+              (Attention(config, group), x), (MLP(config, group), x), (Block(config, group), x)]
+    for layer, inputs in layers:
+        assert all(p.is_meta for p in layer.parameters())        # shapes only: no memory
+        with pytest.raises(RuntimeError, match="not initialised.*Call init_parameters"):
+            layer(inputs)
+        init_parameters(layer, config.seed, group)
+        assert torch.isfinite(layer(inputs)).all()
+        assert all(p.device.type == "cpu" and hasattr(p, "tp_dim") for p in layer.parameters())

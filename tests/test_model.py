@@ -12,7 +12,8 @@ from helpers import TOL, assert_two_stages_chain_into_serial, batch, max_diff, t
 from megatron_edu import comm
 from megatron_edu.grid import ParallelGrid
 from megatron_edu.launch import run
-from megatron_edu.model import GPT, GPTConfig, stage_layers
+from megatron_edu.model import GPT, GPTConfig
+from megatron_edu.pipeline.stages import StageMap
 
 # --- configuration: pure checks, before any launch ------------------------------------------
 
@@ -65,21 +66,27 @@ def test_num_parameters_is_the_papers_formula_plus_the_final_layer_norm():
     assert GPT(c).num_parameters() == round(paper) + 2 * h
 
 
-@pytest.mark.parametrize("pp, v, rank, chunk, expected", [(2, 1, 1, 0, range(4, 8)),
-                                                          (2, 2, 0, 1, range(4, 6)),
-                                                          (2, 2, 1, 0, range(2, 4))])
-def test_stage_layers_interleaves_virtual_stages(pp, v, rank, chunk, expected):
-    assert stage_layers(8, pp, rank, v, chunk) == expected
+@pytest.mark.parametrize("stages, rank, chunk, expected", [
+    (StageMap(2, 1, "interleaved"), 1, 0, range(4, 8)),
+    (StageMap(2, 2, "interleaved"), 0, 1, range(4, 6)),   # chunk 1 of rank 0: stage 2
+    (StageMap(2, 2, "interleaved"), 1, 0, range(2, 4)),
+    (StageMap(2, 2, "v"), 1, 1, range(4, 6)),             # ZB-V's turn: stage 2 on rank 1
+    (StageMap(2, 2, "v"), 0, 1, range(6, 8)),             # rank 0 holds the last stage too
+])
+def test_a_stage_map_gives_each_chunk_its_layers(stages, rank, chunk, expected):
+    assert stages.layers(stages.stage(rank, chunk), 8) == expected
 
 
-def test_stage_layers_cover_every_layer_once():
-    held = [i for r in range(4) for c in range(3) for i in stage_layers(24, 4, r, 3, c)]
+@pytest.mark.parametrize("kind", ["interleaved", "v"])
+def test_the_stages_cover_every_layer_once(kind):
+    stages = StageMap(4, 3, kind)
+    held = [i for r in range(4) for c in range(3) for i in stages.layers(stages.stage(r, c), 24)]
     assert sorted(held) == list(range(24))
 
 
-def test_stage_layers_rejects_an_uneven_split():
-    with pytest.raises(ValueError, match="num_layers = 10 is not divisible by pp·num_chunks"):
-        stage_layers(10, 4, 0)
+def test_a_stage_map_rejects_an_uneven_split():
+    with pytest.raises(ValueError, match="num_layers = 10 is not divisible by the 4 virtual"):
+        StageMap(4, 1, "interleaved").layers(0, 10)
 
 
 # --- serial model ------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ def _pipelined(name, tp, pp, v, scatter_gather=False, transport="auto"):
     schedule = make_schedule(name, pp, MICROBATCHES, v)
     chunks = build_chunks(CONFIG, grid, schedule.stages)
     with comm.record() as log:
-        result = run_schedule(schedule, chunks, grid, *_batch(), MICROBATCHES, CONFIG.hidden,
+        result = run_schedule(schedule, chunks, grid, *_batch(), CONFIG.hidden,
                               scatter_gather=scatter_gather, transport=transport)
     grads = [chunk.full_state_dict(grads=True) for chunk in chunks]
     return result.loss, grads, result.timeline, log
@@ -105,7 +105,7 @@ def _bytes_per_activation_element(autocast: bool, param_dtype: torch.dtype) -> f
     chunks = [c.to(param_dtype) for c in build_chunks(CONFIG, grid, grid.layout.stages)]
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), comm.record() as log:
         result = run_schedule(make_schedule("1f1b", 2, MICROBATCHES), chunks, grid, *_batch(),
-                              MICROBATCHES, CONFIG.hidden)
+                              CONFIG.hidden)
     assert torch.isfinite(result.loss)
     send = log.select("send")[0]
     return send.bytes / (BATCH // MICROBATCHES * CONFIG.seq_len * CONFIG.hidden)

@@ -58,7 +58,7 @@ def _memory(name, transport):
     for p in (p for c in chunks for p in c.parameters()):  # as in training, gradients exist:
         p.grad = torch.zeros_like(p)                       # accumulated in place, not counted
     with MemoryMeter() as meter:
-        result = run_schedule(schedule, chunks, grid, *_batch(), M, CONFIG.hidden,
+        result = run_schedule(schedule, chunks, grid, *_batch(), CONFIG.hidden,
                               transport=transport)
     actions = schedule[grid.pp_rank]
     return dict(peak=meter.peak, boundary=result.peak_boundary_tensors,

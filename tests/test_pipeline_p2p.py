@@ -101,7 +101,7 @@ def _batches_of_every_schedule(p):
         schedule = make_schedule(name, p, m, v)
         chunks = build_chunks(_config(p, v), grid, schedule.stages)
         with comm.record() as log:
-            run_schedule(schedule, chunks, grid, *_batch(m), m, 16, transport="batched")
+            run_schedule(schedule, chunks, grid, *_batch(m), 16, transport="batched")
         grads = [c.full_state_dict(grads=True) for c in chunks]
         results[name, v] = (_batches(log), grads)
     return results

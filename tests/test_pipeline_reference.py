@@ -62,7 +62,7 @@ def _compare(p, cases):
         with comm.record() as ref_log:
             ref_loss = pipeline_step(ref, grid, ids, labels, m, CONFIG.hidden, schedule=name)
         with comm.record() as eng_log:
-            eng_loss = run_schedule(SCHEDULES[name](p, m), [eng], grid, ids, labels, m,
+            eng_loss = run_schedule(SCHEDULES[name](p, m), [eng], grid, ids, labels,
                                     CONFIG.hidden).loss
         outcomes[name, m] = Outcome(
             (ref_loss, eng_loss), (_grads(ref), _grads(eng)),

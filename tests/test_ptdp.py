@@ -9,7 +9,7 @@ from megatron_edu import comm
 from megatron_edu.grid import Layout, ParallelGrid, all_layouts
 from megatron_edu.launch import run
 from megatron_edu.model import GPT, GPTConfig
-from megatron_edu.model.gpt import IGNORE_INDEX
+from megatron_edu.model.transformer import IGNORE_INDEX
 from megatron_edu.optim import build_param_groups
 from megatron_edu.ptdp import PTDP, PTDPOptions
 from megatron_edu.tensor_parallel.random import DropoutKey

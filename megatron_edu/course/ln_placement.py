@@ -104,6 +104,7 @@ def smooth(losses: list[float | None], window: int = 20) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m megatron_edu.course.ln_placement``: train both placements, print (or save)."""
     p = argparse.ArgumentParser(prog="python -m megatron_edu.course.ln_placement",
                                 description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -87,6 +87,7 @@ def write_student_notebooks(source: Path, out: Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m megatron_edu.course.student [NOTEBOOKS] [OUT]``: write the student notebooks."""
     args = sys.argv[1:] if argv is None else argv
     source = Path(args[0]) if args else Path("notebooks")
     out = Path(args[1]) if len(args) > 1 else source / "student"

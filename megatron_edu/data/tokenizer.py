@@ -28,6 +28,8 @@ import sentencepiece as spm
 
 from megatron_edu.data.corpus import documents_sha256, resolve_cache_dir, write_atomically
 
+__all__ = ["Tokenizer", "train_tokenizer"]
+
 UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 3
 MODEL_TYPES = ("bpe", "unigram")
 TOKENIZER_FORMAT = 1  # bump when the training options below change, so stale caches are not reused

@@ -1,13 +1,25 @@
 """The models (1909.08053 §3, §5.3; 2104.04473 §2.2): configurations, GPT, BERT, pipeline stages.
 
-config.py  GPTConfig, BertConfig: sizes, presets, checks before launching
-gpt.py     GPT from tensor-parallel layers (the blocks BERT shares); stage_layers for pipelines
-bert.py    BERT: the same blocks, bidirectional, with its masked-LM and sentence-order heads
-hf.py      Hugging Face GPT-2 weights in and out
+config.py        GPTConfig, BertConfig: sizes, presets, checks before launching
+transformer.py   the tensor-parallel blocks both models share, and the pipeline stage of them
+gpt.py, bert.py  GPT-2 (causal, a KV cache to generate); BERT (bidirectional, its two heads)
+hf.py            Hugging Face GPT-2 weights in and out
 """
 
+from megatron_edu.grid import ParallelGrid
 from megatron_edu.model.bert import BERT
 from megatron_edu.model.config import BertConfig, GPTConfig, config_from_dict
-from megatron_edu.model.gpt import GPT, stage_layers
+from megatron_edu.model.gpt import GPT
 
-__all__ = ["GPTConfig", "BertConfig", "config_from_dict", "GPT", "BERT", "stage_layers"]
+__all__ = ["GPTConfig", "BertConfig", "config_from_dict", "GPT", "BERT", "MODELS", "build_model"]
+
+MODELS = {GPTConfig: GPT, BertConfig: BERT}  # the model each configuration describes
+
+
+def build_model(config: GPTConfig, grid: ParallelGrid | None = None, *,
+                layers: range | None = None, first: bool = True, last: bool = True) -> GPT | BERT:
+    """This rank's stage of the model ``config`` describes (``MODELS``), built and initialised,
+    as the pipeline engine and checkpoints build theirs; the arguments as for ``GPT``."""
+    if type(config) not in MODELS:
+        raise TypeError(f"no model is built from a {type(config).__name__}")
+    return MODELS[type(config)](config, grid, layers=layers, first=first, last=last)

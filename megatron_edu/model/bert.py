@@ -1,11 +1,11 @@
-"""BERT on the GPT's tensor-parallel blocks (Devlin et al. 2019; 1909.08053 §5.3, Figure 7).
+"""BERT on the blocks it shares with the GPT (Devlin et al. 2019; 1909.08053 §5.3, Figure 7).
 
 1909.08053 finds that the original BERT (Figure 7a: layer norm *after* each residual add) trains
 well at 336M parameters but not at 752M, while rearranging the layer norm and the residual
 connection — pre-LN, as in GPT-2 (Figure 7b) — trains both stably, the larger to the lower loss;
 so rearranged, it trains BERTs of 1.3B and 3.9B (Table 4). Both arrangements are the switch
-``config.ln_placement`` of the shared ``Block`` (``model/gpt.py`` explains how one switch gives
-both).
+``config.ln_placement`` of the shared ``Block`` (``model/transformer.py`` explains how one switch
+gives both).
 
 What BERT adds to the GPT, and nothing else:
 
@@ -46,15 +46,15 @@ from torch import nn
 
 from megatron_edu.comm import CommGroup
 from megatron_edu.model.config import BertConfig
-from megatron_edu.model.gpt import (
-    GPT,
+from megatron_edu.model.transformer import (
     IGNORE_INDEX,
     WORD_EMBEDDING,
-    _layer_norm,
+    TransformerStage,
+    layer_norm,
     reduce_loss,
 )
 from megatron_edu.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from megatron_edu.tensor_parallel.init import mark, normal, zeros
+from megatron_edu.tensor_parallel.init import mark, normal, placeholder, zeros
 from megatron_edu.tensor_parallel.random import DropoutKey
 
 __all__ = ["BERT", "BertOutput", "token_types", "padding_mask"]
@@ -63,6 +63,8 @@ MLM_BIAS = "mlm.bias"
 
 
 class BertOutput(NamedTuple):
+    """The two heads' logits (a BERT's last stage, called without labels)."""
+
     mlm_logits: torch.Tensor    # [b, s, V_padded/t]: this tp rank's vocabulary shard
     order_logits: torch.Tensor  # [b, 2]: in order, swapped
 
@@ -81,7 +83,7 @@ def padding_mask(ids: torch.Tensor, pad_id: int) -> torch.Tensor | None:
 
 def _replicated_linear(n_in: int, n_out: int, std: float) -> nn.Linear:
     """A plain linear, whole on every tp rank (the heads are small: Megatron keeps them so)."""
-    linear = nn.Linear(n_in, n_out)
+    linear = nn.Linear(n_in, n_out, device="meta")
     mark(linear.weight, None, normal(std))
     mark(linear.bias, None, zeros)
     return linear
@@ -94,11 +96,11 @@ class MaskedLMHead(nn.Module):
     def __init__(self, config: BertConfig, group: CommGroup) -> None:
         super().__init__()
         self.dense = _replicated_linear(config.hidden, config.hidden, config.init_std)
-        self.ln = _layer_norm(config)
-        self.bias = mark(nn.Parameter(torch.empty(config.padded_vocab(group.size) // group.size)),
-                         0, zeros)
+        self.ln = layer_norm(config)
+        self.bias = placeholder((config.padded_vocab(group.size) // group.size,), 0, zeros)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """The last hidden states [b, s, h] transformed, for the output layer."""
         return self.ln(F.gelu(self.dense(h), approximate="tanh"))      # [b, s, h]
 
 
@@ -111,20 +113,21 @@ class SentenceOrderHead(nn.Module):
         self.classifier = _replicated_linear(config.hidden, 2, config.init_std)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """The last hidden states [b, s, h] → in-order / swapped logits [b, 2]."""
         return self.classifier(torch.tanh(self.pooler(h[:, 0])))      # [b, 2]
 
 
-class BERT(GPT):
-    """BERT, whole or one pipeline stage, tensor-parallel over ``grid`` — a ``GPT`` with BERT's
-    inputs and heads. Build it as ``BERT(config, grid)`` or ``GPT(config, grid)`` with a
-    ``BertConfig``; stage arguments (``layers``, ``first``, ``last``) as for the GPT."""
+class BERT(TransformerStage):
+    """BERT, whole or one pipeline stage, tensor-parallel over ``grid``: the GPT's stage with
+    BERT's inputs and heads; stage arguments (``layers``, ``first``, ``last``) as for the GPT."""
 
+    config_class = BertConfig
     vocab_rows = (WORD_EMBEDDING, MLM_BIAS)
 
     def _build(self, config: BertConfig) -> None:
         super()._build(config)
         if self.first:
-            self.token_type = nn.Embedding(config.type_vocab_size, config.hidden)
+            self.token_type = nn.Embedding(config.type_vocab_size, config.hidden, device="meta")
             mark(self.token_type.weight, None, normal(config.init_std))
         if self.last:
             self.mlm = MaskedLMHead(config, self.tp_group)

@@ -9,7 +9,7 @@ Presets:
   tiny                    a model a 2-core laptop trains in minutes (the notebooks' and tests' size)
   gpt2-small … gpt2-xl    Radford et al. 2019, Table 2 (117M, 345M, 762M, 1542M)
   megatron-1.2b … 8.3b    1909.08053 Table 1, the weak-scaling series (vocab 51,200, seq 1024;
-                          /work/shared/papers/1909.08053_configs.csv)
+                          docs/papers/1909.08053_configs.csv)
   bert-base, bert-large   Devlin et al. 2019 (110M, 340M; WordPiece vocab 30,522, seq 512)
   megatron-bert-336m … 3.9b   1909.08053 Table 4, the BERTs of Figure 7 and §5.3
 """
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 __all__ = ["GPTConfig", "BertConfig", "PRESETS", "RECOMPUTE", "LN_PLACEMENTS", "config_from_dict"]
@@ -44,7 +45,7 @@ class GPTConfig:
     The blocks, shared with BERT: ``causal`` attention (each position sees only those before
     it; False: every position sees all, BERT) and ``ln_placement`` (1909.08053 §5.3, Figure 7):
     "rearranged", x + f(LN(x)), GPT-2's and Megatron-BERT's; "original", LN(x + f(x)), the
-    original BERT's (``model.gpt.Block`` says how).
+    original BERT's (``model.transformer.Block`` says how).
     """
 
     vocab_size: int = 50257
@@ -85,6 +86,7 @@ class GPTConfig:
 
     @property
     def head_dim(self) -> int:
+        """The size of one attention head, hidden / num_heads."""
         return self.hidden // self.num_heads
 
     def padded_vocab(self, tp: int = 1) -> int:
@@ -128,17 +130,13 @@ class GPTConfig:
         return cls(**{**PRESETS[name], **overrides})
 
 
-def _gpt2(layers: int, hidden: int, heads: int) -> dict[str, int]:
-    return dict(vocab_size=50257, seq_len=1024, num_layers=layers, hidden=hidden, num_heads=heads)
+def _sizes(vocab: int, seq: int, layers: int, hidden: int, heads: int) -> dict[str, int]:
+    return dict(vocab_size=vocab, seq_len=seq, num_layers=layers, hidden=hidden, num_heads=heads)
 
 
-def _megatron(layers: int, hidden: int, heads: int) -> dict[str, int]:
-    return dict(vocab_size=51200, seq_len=1024, num_layers=layers, hidden=hidden, num_heads=heads)
-
-
-def _bert(layers: int, hidden: int, heads: int) -> dict[str, int]:
-    return dict(vocab_size=30522, seq_len=512, num_layers=layers, hidden=hidden, num_heads=heads)
-
+_gpt2 = partial(_sizes, 50257, 1024)      # each family's vocabulary and sequence length;
+_megatron = partial(_sizes, 51200, 1024)  # a preset adds layers, hidden, heads
+_bert = partial(_sizes, 30522, 512)
 
 # Keyword arguments rather than configs, so that overriding ``hidden`` also rescales ffn_hidden.
 PRESETS: dict[str, dict[str, int]] = {
@@ -185,6 +183,7 @@ class BertConfig(GPTConfig):
             raise ValueError(f"a BertConfig describes a BERT, got model={self.model!r}")
 
     def validate(self, tp: int = 1, pp: int = 1, chunks: int = 1) -> None:
+        """The GPT's checks, and no sequence parallelism."""
         if self.sequence_parallel:
             raise ValueError("BERT runs without sequence parallelism here: its pooler reads the "
                              "[CLS] position, which only one tp rank would hold")

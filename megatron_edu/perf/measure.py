@@ -93,7 +93,7 @@ def layer_activation_bytes(config, group: CommGroup, microbatch: int) -> int:
     """What one transformer layer of ``config`` keeps for backward on this tp rank, measured: a
     training-mode forward of a ``Block`` on a [b, s, h] input ([b, s/t, h] under sequence
     parallelism), wrapped like the model wraps it under ``config.recompute``."""
-    from megatron_edu.model.gpt import Block
+    from megatron_edu.model.transformer import Block
     from megatron_edu.tensor_parallel.init import init_parameters
     from megatron_edu.tensor_parallel.random import DropoutKey, checkpoint
 

@@ -59,7 +59,7 @@ from torch import nn
 
 from megatron_edu import comm
 from megatron_edu.grid import ParallelGrid
-from megatron_edu.model import GPT, GPTConfig
+from megatron_edu.model import GPT, GPTConfig, build_model
 from megatron_edu.model.gpt import IGNORE_INDEX
 from megatron_edu.pipeline.backward import WeightPass, backward, backward_input
 from megatron_edu.pipeline.p2p import make_transport
@@ -80,8 +80,8 @@ def build_chunks(config: GPTConfig, grid: ParallelGrid, stages: StageMap) -> lis
     chunks = []
     for c in range(stages.v):
         stage = stages.stage(grid.pp_rank, c)
-        chunks.append(GPT(config, grid, layers=stages.layers(stage, config.num_layers),
-                          first=stage == 0, last=stage == stages.num_stages - 1))
+        chunks.append(build_model(config, grid, layers=stages.layers(stage, config.num_layers),
+                                  first=stage == 0, last=stage == stages.num_stages - 1))
     return chunks
 
 
@@ -101,7 +101,6 @@ def run_schedule(
     grid: ParallelGrid,
     input_ids: torch.Tensor,
     labels: torch.Tensor,
-    num_microbatches: int,
     hidden: int,
     *,
     scatter_gather: bool = False,
@@ -120,7 +119,7 @@ def run_schedule(
     stage's input [b, s, hidden] (in the parameters' dtype), and on the last virtual stage
     ``chunk(x, labels, dropout_key=key, loss_reduction="sum")`` the summed token losses.
     ``input_ids`` and ``labels`` are this data-parallel replica's batch [b, s] (every pipeline
-    rank may pass it; only the first and last stage read it), cut into ``num_microbatches``.
+    rank may pass it; only the first and last stage read it), cut into the schedule's microbatches.
     Gradients accumulate in the chunks' parameters. ``num_tokens``: the target tokens the loss
     is averaged over (default: this batch's; PTD-P passes the global batch's).
     ``grad_sync(chunk, is_last_backward)`` wraps every pass that accumulates weight gradients —
@@ -135,7 +134,7 @@ def run_schedule(
     05.2 passes the learner's). Where the chunks live is the schedule's own ``stages``, which
     ``build_chunks`` built them by.
     """
-    m = num_microbatches
+    m = schedule.num_microbatches
     if input_ids.shape[0] % m:
         raise ValueError(f"batch of {input_ids.shape[0]} sequences does not split into "
                          f"{m} microbatches")

@@ -33,8 +33,7 @@ __all__ = ["vocab_parallel_cross_entropy", "mask_padded_vocab", "vocab_range"]
 
 def vocab_range(local_vocab: int, group: CommGroup) -> tuple[int, int]:
     """[start, end) of the global vocabulary ids whose logits this rank holds."""
-    rank = group.rank if group.size > 1 else 0
-    return rank * local_vocab, (rank + 1) * local_vocab
+    return group.rank * local_vocab, (group.rank + 1) * local_vocab
 
 
 def mask_padded_vocab(logits: torch.Tensor, vocab_size: int, group: CommGroup) -> torch.Tensor:

@@ -11,7 +11,9 @@ CPU generators, so the numbers do not depend on the device either. (Megatron-LM 
 weight" whole on every rank and splits it; picotron draws per shard, which cannot be compared
 with serial.)
 
-Every parameter carries two attributes set where it is created:
+Layers are built on the meta device (``placeholder``s: shapes, no numbers), made real and filled
+by ``init_parameters``; used before, they raise (``check_initialised``). Every parameter carries
+two attributes set where it is created:
 
 * ``param.tp_dim`` — the dimension it is split along across the tensor-parallel group, or None
   when every tp rank holds the whole of it (layer norms, row-parallel biases, positions). Gathering
@@ -35,8 +37,8 @@ from megatron_edu import comm
 from megatron_edu.comm import CommGroup
 
 __all__ = [
-    "Init", "normal", "zeros", "ones", "mark", "param_seed", "full_shape", "shard",
-    "gather_full", "init_parameters", "BLOCK", "blocks",
+    "Init", "normal", "zeros", "ones", "mark", "placeholder", "check_initialised", "param_seed",
+    "full_shape", "shard", "gather_full", "init_parameters", "BLOCK", "blocks",
 ]
 
 # Rows (or columns) per block along tp_dim. Model widths are multiples of 64 (heads of 64 or 128,
@@ -71,6 +73,18 @@ def mark(param: nn.Parameter, tp_dim: int | None, init: Init) -> nn.Parameter:
     param.tp_dim = tp_dim
     param.init = init
     return param
+
+
+def placeholder(shape: tuple[int, ...], tp_dim: int | None, init: Init) -> nn.Parameter:
+    """A marked parameter of ``shape`` on the meta device, until ``init_parameters`` fills it."""
+    return mark(nn.Parameter(torch.empty(shape, device="meta")), tp_dim, init)
+
+
+def check_initialised(module: nn.Module) -> None:
+    """Raise if ``module``'s parameters are still placeholders (never initialised)."""
+    if any(p.is_meta for p in module.parameters()):
+        raise RuntimeError(f"{type(module).__name__} is not initialised: its parameters are meta-"
+                           f"device placeholders. Call init_parameters(module, seed, group) first")
 
 
 def param_seed(seed: int, name: str, block: int | None = None) -> int:
@@ -136,15 +150,18 @@ def _draw(param: nn.Parameter, seed: int, name: str, group: CommGroup,
         param.zero_()                                  # the padding rows, from drawn[0] on
     if param.tp_dim is None:                           # replicated, and small: drawn whole
         gen.manual_seed(param_seed(seed, name))
-        param[: drawn[0]].normal_(0.0, init.std, generator=gen)
+        param[: drawn[0]].copy_(torch.empty(drawn).normal_(0.0, init.std, generator=gen))
         return
-    rank = group.rank if group.size > 1 else 0
-    _draw_slice(param, init.std, drawn, seed, name, rank, gen)
+    _draw_slice(param, init.std, drawn, seed, name, group.rank, gen)
 
 
 @torch.no_grad()
-def init_parameters(module: nn.Module, seed: int, group: CommGroup) -> None:
-    """Fill every parameter's slice on this rank, drawing only the blocks that meet it."""
+def init_parameters(module: nn.Module, seed: int, group: CommGroup,
+                    device: torch.device | str = "cpu") -> None:
+    """Make every parameter real on ``device`` (placeholders or not) and fill its slice on this
+    rank, drawing only the blocks that meet it: the same numbers on any device."""
+    marks = {name: (p.tp_dim, p.init) for name, p in module.named_parameters()}
+    module.to_empty(device=device)                    # new tensors: their marks are put back
     gen = torch.Generator()                           # CPU: the same numbers on any device
     for name, param in module.named_parameters():
-        _draw(param, seed, name, group, gen)
+        _draw(mark(param, *marks[name]), seed, name, group, gen)

@@ -29,8 +29,8 @@ the gathered input is never kept), so a layer's backward makes one more all-gath
 layer than the forward.
 
 With a group of one member every layer here is the plain PyTorch layer and communicates nothing.
-Parameters are allocated here and filled by ``init.init_parameters`` (each rank drawing its
-shard only, the same numbers at any tp).
+Parameters are built on the meta device and filled by ``init.init_parameters`` (each rank drawing
+its shard only, the same numbers at any tp); a layer used before that raises.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from torch import nn
 
 from megatron_edu import comm
 from megatron_edu.comm import CommGroup
-from megatron_edu.tensor_parallel.init import mark, normal, zeros
+from megatron_edu.tensor_parallel.init import check_initialised, normal, placeholder, zeros
 
 __all__ = ["serial_group", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
            "sequence_gather_linear", "sum_replicated_grads_"]
@@ -74,11 +74,12 @@ class ColumnParallelLinear(nn.Module):
         self.group, self.gather_output = group, gather_output
         self.sequence_parallel = sequence_parallel and group.size > 1
         out_local = _divide(out_features, group.size, "out_features")
-        self.weight = mark(nn.Parameter(torch.empty(out_local, in_features)), 0, normal(init_std))
-        self.bias = mark(nn.Parameter(torch.empty(out_local)), 0, zeros) if bias else None
+        self.weight = placeholder((out_local, in_features), 0, normal(init_std))
+        self.bias = placeholder((out_local,), 0, zeros) if bias else None
 
     def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
         """``add_bias=False``: leave the bias to the caller (a fused bias+GeLU)."""
+        check_initialised(self)
         bias = self.bias if add_bias else None
         if self.sequence_parallel:                   # [b, s/t, in] → gathered inside
             y = sequence_gather_linear(x, self.weight, bias, self.group)
@@ -101,12 +102,13 @@ class RowParallelLinear(nn.Module):
         self.group = group
         self.sequence_parallel = sequence_parallel and group.size > 1
         in_local = _divide(in_features, group.size, "in_features")
-        self.weight = mark(nn.Parameter(torch.empty(out_features, in_local)), 1, normal(init_std))
+        self.weight = placeholder((out_features, in_local), 1, normal(init_std))
         # Replicated: added once after the all-reduce, so it is not counted t times.
-        self.bias = mark(nn.Parameter(torch.empty(out_features)), None, zeros) if bias else None
+        self.bias = placeholder((out_features,), None, zeros) if bias else None
 
     def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
         """``add_bias=False``: leave the bias to the caller (a fused bias+dropout+add)."""
+        check_initialised(self)
         y = F.linear(x, self.weight)                 # [.., out] partial sum on each rank
         if self.sequence_parallel:
             y = comm.reduce_scatter_seq(y, self.group)  # [b, s/t, out] summed, this rank's part
@@ -166,12 +168,11 @@ class VocabParallelEmbedding(nn.Module):
         self.sequence_parallel = sequence_parallel and group.size > 1
         padded_vocab = vocab_size if padded_vocab is None else padded_vocab
         rows = _divide(padded_vocab, group.size, "padded vocabulary")
-        rank = group.rank if group.size > 1 else 0
-        self.vocab_start, self.vocab_end = rank * rows, (rank + 1) * rows  # this rank's ids
-        init = normal(init_std, rows=vocab_size)
-        self.weight = mark(nn.Parameter(torch.empty(rows, hidden)), 0, init)
+        self.vocab_start, self.vocab_end = group.rank * rows, (group.rank + 1) * rows  # its ids
+        self.weight = placeholder((rows, hidden), 0, normal(init_std, rows=vocab_size))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [b, s] → their embeddings [b, s, h] ([b, s/t, h] under sequence parallelism)."""
         partial = self.partial(ids)                  # each id found on one rank
         if self.sequence_parallel:
             return comm.reduce_scatter_seq(partial, self.group)  # [b, s/t, h]
@@ -179,6 +180,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def partial(self, ids: torch.Tensor) -> torch.Tensor:
         """This rank's share of the lookup, before g: its rows, zeros for the ids it lacks."""
+        check_initialised(self)
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)   # [b, s] not ours
         local = (ids - self.vocab_start).masked_fill(outside, 0)      # look up row 0 instead...
         out = F.embedding(local, self.weight)                           # [b, s, h]

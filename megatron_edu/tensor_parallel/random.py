@@ -128,6 +128,7 @@ class Dropout(nn.Module):
         return torch.stack(masks)
 
     def forward(self, x: torch.Tensor, key: DropoutKey | None) -> torch.Tensor:
+        """x with the mask of ``key`` applied and the kept values scaled by 1/(1 − p)."""
         if not self.training or self.p == 0.0:
             return x
         return x * self.keep(key, x) * (1.0 / (1.0 - self.p))  # saves the 1-byte mask only

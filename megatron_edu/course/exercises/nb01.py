@@ -21,6 +21,8 @@ import torch.nn.functional as F
 from megatron_edu import comm
 from megatron_edu.course.exercises.checking import Hint, close, exercise, on_ranks
 
+__all__ = ["TP", "TIMEOUT"]  # the checkers register themselves (``@exercise``)
+
 TP = 2
 TIMEOUT = 30.0
 
@@ -81,7 +83,7 @@ def _run_shards(fn):
     """The learner's slices and the package's: an MLP built for this rank, its parameters'
     ``tp_dim`` read, and each whole tensor cut by ``tensor_parallel.shard``."""
     from megatron_edu.model import GPTConfig
-    from megatron_edu.model.gpt import MLP
+    from megatron_edu.model.transformer import MLP
     from megatron_edu.tensor_parallel import shard
 
     group = comm.world()  # the 2 ranks as the tensor-parallel group
@@ -286,11 +288,12 @@ def _run_tp_mlp(fn):
 def _reference_mlp():
     """The package's own serial MLP with these weights: output and gradients."""
     from megatron_edu.model import GPTConfig
-    from megatron_edu.model.gpt import MLP
-    from megatron_edu.tensor_parallel import serial_group
+    from megatron_edu.model.transformer import MLP
+    from megatron_edu.tensor_parallel import init_parameters, serial_group
 
     mlp = MLP(GPTConfig(vocab_size=8, seq_len=4, num_layers=1, hidden=_H, num_heads=1,
                         ffn_hidden=_FFN, dropout=0.0), serial_group())
+    init_parameters(mlp, 0, serial_group())  # real tensors, then these weights copied in
     with torch.no_grad():
         for p, w in zip((mlp.fc.weight, mlp.fc.bias, mlp.proj.weight, mlp.proj.bias),
                         _mlp_weights(), strict=True):

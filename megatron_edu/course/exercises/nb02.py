@@ -29,6 +29,8 @@ from megatron_edu.course.exercises.nb01 import (
     _used,
 )
 
+__all__ = ["TP", "TIMEOUT"]  # the checkers register themselves (``@exercise``)
+
 TP = 2
 TIMEOUT = 30.0
 _QKV = ("query", "key", "value")
@@ -111,10 +113,12 @@ def _expected_columns() -> list[int]:
 
 def _run_whole_heads(qkv: torch.Tensor, proj: torch.Tensor, x: torch.Tensor):
     """The package's Attention on this tp rank, loaded with its contiguous cut of ``qkv``."""
-    from megatron_edu.model.gpt import Attention
+    from megatron_edu.model.transformer import Attention
+    from megatron_edu.tensor_parallel import init_parameters
 
     group = comm.world()  # the 2 ranks as the tensor-parallel group
     attention = Attention(_config(_H, _HEADS), group)
+    init_parameters(attention, 0, group)  # real tensors, then these weights copied in
     rows, cols = 3 * _H // TP, _H // TP
     with torch.no_grad():
         attention.qkv.weight.copy_(qkv[group.rank * rows:(group.rank + 1) * rows])
@@ -144,7 +148,7 @@ def _per_head_qkv(fn) -> str:
     per_rank = _HEADS // TP
     heads = "; ".join(f"rank {r}: heads {r * per_rank}–{(r + 1) * per_rank - 1}"
                       for r in range(TP))
-    return (f"the rows are grouped per head ([heads, 3, d]), as model/hf.py does; cut in "
+    return (f"the rows are grouped per head ([heads, 3, d]), as megatron_edu/hf.py does; cut in "
             f"{TP}, each rank holds whole heads with their q, k and v ({heads}), and the "
             f"package's Attention on {TP} ranks equals Hugging Face's attention computed whole")
 
@@ -176,11 +180,12 @@ def _run_parallel_attention(fn):
 
 def _reference_attention():
     """The package's serial Attention (biases zero) with these weights: output and gradients."""
-    from megatron_edu.model.gpt import Attention
-    from megatron_edu.tensor_parallel import serial_group
+    from megatron_edu.model.transformer import Attention
+    from megatron_edu.tensor_parallel import init_parameters, serial_group
 
     x, qkv, proj, upstream = _attention_data()
     attention = Attention(_config(_H2, _HEADS2), serial_group())
+    init_parameters(attention, 0, serial_group())  # real tensors, then these weights copied in
     with torch.no_grad():
         attention.qkv.weight.copy_(qkv)
         attention.proj.weight.copy_(proj)

@@ -50,7 +50,7 @@ def _run_pipeline(schedule: Schedule, messages=messages_of) -> float:
     chunks = build_chunks(CONFIG, grid, schedule.stages)
     m = schedule.num_microbatches
     ids, labels = _batch(m)
-    return run_schedule(schedule, chunks, grid, ids, labels, m, CONFIG.hidden,
+    return run_schedule(schedule, chunks, grid, ids, labels, CONFIG.hidden,
                         messages=messages).loss.item()
 
 

@@ -26,6 +26,8 @@ from megatron_edu.model import GPTConfig
 from megatron_edu.perf import parameters_per_rank, wire_bytes_by_group
 from megatron_edu.ptdp import PTDP, PTDPOptions
 
+__all__ = ["measured_bytes", "reference_bytes"]
+
 TIMEOUT = 20.0  # seconds: a rank that waits longer is in a deadlock (tests lower it)
 KINDS = ("tp", "dp", "pp", "embedding")
 

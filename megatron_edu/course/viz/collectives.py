@@ -24,6 +24,8 @@ from matplotlib.patches import Rectangle
 
 from megatron_edu.comm import CommEvent
 
+__all__ = ["element_origins", "draw_collective", "draw_ring_cost"]
+
 MIXED = -1  # an element that is a sum over every rank
 Origins = list[list[int]]  # per rank, per element: the rank its value came from, or MIXED
 TITLES = {

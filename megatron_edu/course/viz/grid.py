@@ -24,6 +24,8 @@ from matplotlib.patches import Rectangle
 
 from megatron_edu.grid import Layout, all_layouts
 
+__all__ = ["groups_across_nodes", "draw_grid", "draw_grid_groups", "explore_grid"]
+
 KINDS = ("tp", "dp", "pp", "embedding")
 COLUMN_STEP = 1.6  # x distance between pipeline stages
 BLOCK_GAP = 0.5    # extra y distance between dp replicas

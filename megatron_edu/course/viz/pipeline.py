@@ -38,6 +38,10 @@ from megatron_edu.pipeline.simulate import (
     simulate_measured,
 )
 
+__all__ = ["draw_schedule", "draw_measured_vs_simulated", "draw_peak_activations",
+           "draw_bubble_vs_latency", "draw_memory_vs_bubble", "show_schedule", "explorer_setting",
+           "show_explored", "explore", "draw_measured_run", "EXPLORER"]
+
 HATCHES = ["", "//", "..", "xx", "\\\\", "oo"]  # chunk 0, 1, 2, … (§2.2.2)
 LABEL_FONTSIZE = 7
 

@@ -27,6 +27,10 @@ from matplotlib.patches import Circle, Rectangle
 
 from megatron_edu.model.config import GPTConfig
 
+__all__ = ["rank_colour", "draw_mlp_split", "head_owners", "draw_attention_split",
+           "draw_qkv_layout", "draw_embedding_split", "draw_params_per_rank", "show_split",
+           "explore"]
+
 WHOLE = "#d9d9d9"       # a tensor every rank holds whole
 FONT = 8
 GAP = 0.55              # horizontal space for an arrow between two pictures
@@ -35,6 +39,7 @@ BYTES_PER_PARAM = 16    # mixed-precision Adam: fp16 weight and grad, fp32 maste
 
 
 def rank_colour(rank: int):
+    """The colour every picture gives tensor-parallel rank ``rank``."""
     return plt.get_cmap("tab10")(rank % 10)
 
 

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 
+__all__ = ["draw_loss_curve", "draw_resumed_runs"]
+
 
 def draw_loss_curve(records: list[dict], unigram_entropy: float | None = None,
                     path: str | Path | None = None, ax=None):
