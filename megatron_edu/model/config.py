@@ -113,14 +113,27 @@ class GPTConfig:
                              f"{pp}·{chunks} = {pp * chunks} (every virtual pipeline stage "
                              f"holds the same number of layers)")
 
-    def num_parameters(self, tp: int = 1) -> int:
-        """Parameters held by one tensor-parallel rank of the whole model (padded vocabulary):
-        ``perf.parameters_per_rank`` without a pipeline, the package's one exact count. At tp=1
-        this is 12·l·h² + 13·l·h + (V + s)·h + 2h (2104.04473 §5.1, plus the final LN)."""
-        from megatron_edu.grid import Layout  # both build on this module: imported when called
-        from megatron_edu.perf.memory import parameters_per_rank
+    def num_parameters(self, tp: int = 1, layers: int | None = None, first: bool = True,
+                       last: bool = True) -> int:
+        """Parameters one tensor-parallel rank holds of a stage of ``layers`` blocks (None: all)
+        with the embeddings if ``first``, the final layer norm and the output layer if ``last``:
+        what ``GPT(config, grid, layers=…, first=…, last=…)`` builds. The package's one exact
+        count; ``perf.parameters_per_rank`` adds up the stages a pipeline rank holds.
 
-        return parameters_per_rank(self, Layout(tp=tp))
+        Per block, with f = ffn_hidden: QKV and fc column-parallel (weights and biases split by
+        tp), both projections row-parallel (weights split, biases replicated), two replicated
+        layer norms: (4h² + 3h + 2h·f + f)/tp + 6h. The word table (padded vocabulary, split by
+        tp) on the first stage and, tied, its copy on a last stage that is not the first too;
+        the positions on the first, the final layer norm on the last. Whole at tp = 1 with
+        f = 4h: 12·l·h² + 13·l·h + (V + s)·h + 2h (2104.04473 §5.1, plus the final LN).
+        """
+        self.validate(tp)
+        h, f = self.hidden, self.ffn_hidden
+        per_layer = (4 * h * h + 3 * h + 2 * h * f + f) // tp + 6 * h
+        params = (self.num_layers if layers is None else layers) * per_layer
+        if first or last:
+            params += self.padded_vocab(tp) * h // tp
+        return params + first * self.seq_len * h + last * 2 * h
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> GPTConfig:
@@ -189,14 +202,16 @@ class BertConfig(GPTConfig):
                              "[CLS] position, which only one tp rank would hold")
         super().validate(tp, pp, chunks)
 
-    def num_parameters(self, tp: int = 1) -> int:
-        """GPT's count (the blocks, the word and position tables, the final LN) plus the token
-        types, the masked-LM head (dense, LN, its vocabulary-parallel bias) and the
-        sentence-order head (pooler, 2-way classifier)."""
+    def num_parameters(self, tp: int = 1, layers: int | None = None, first: bool = True,
+                       last: bool = True) -> int:
+        """GPT's count (the blocks, the word and position tables, the final LN) plus, on the
+        first stage, the token types, and on the last the masked-LM head (dense, LN, its
+        vocabulary-parallel bias) and the sentence-order head (pooler, 2-way classifier)."""
         h = self.hidden
         mlm_head = h * h + h + 2 * h + self.padded_vocab(tp) // tp
         order_head = h * h + h + 2 * h + 2
-        return super().num_parameters(tp) + self.type_vocab_size * h + mlm_head + order_head
+        return (super().num_parameters(tp, layers, first, last)
+                + first * self.type_vocab_size * h + last * (mlm_head + order_head))
 
 
 def config_from_dict(fields: dict[str, Any]) -> GPTConfig:

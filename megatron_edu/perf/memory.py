@@ -77,31 +77,18 @@ class MemoryEstimate:
 
 
 def parameters_per_rank(config: GPTConfig, layout: Layout, stage: int = 0) -> int:
-    """Parameters one GPU of pipeline rank ``stage`` holds, exactly as ``model.GPT`` builds them
-    (Megatron's split, 1909.08053 §3): the package's one exact count.
-
-    Per layer, with f = ``config.ffn_hidden``: the QKV and MLP-in matrices are column-parallel
-    (weights and biases split by t), the projection and MLP-out matrices row-parallel (weights
-    split, biases replicated), the two layer norms replicated: (4h² + 3h + 2h·f + f)/t + 6h, which
-    is (12h² + 7h)/t + 6h at f = 4h. The rank's chunks hold l/pp layers. The chunk of the first
-    stage holds the vocabulary-parallel word embedding (V_padded·h/t) and the positions (s·h); the
-    chunk of the last stage the final layer norm (2h) and, when it is another chunk, its own copy
-    of the tied word embedding. Where the chunks are is ``layout.stages`` (ZB-V's V puts both
-    ends on rank 0). At tp = pp = 1 this is 2104.04473 §5.1's 12lh² + 13lh + (V + s)h plus the
-    final layer norm's 2h.
-    """
+    """Parameters one GPU of pipeline rank ``stage`` holds: ``config.num_parameters`` (the one
+    exact count, Megatron's split of 1909.08053 §3) of each model chunk the rank holds, l/(pp·v)
+    layers each, with the embeddings on the chunk of the first stage and the final layer norm and
+    the tied output layer on the chunk of the last. Where the chunks are is ``layout.stages``
+    (ZB-V's V puts both ends on rank 0, each chunk with its own copy of the word table). A
+    ValueError if the layout cannot split the model (``Layout.check``)."""
     layout.check(config)
-    stages, t, h, f = layout.stages, layout.tp, config.hidden, config.ffn_hidden
-    per_layer = (4 * h * h + 3 * h + 2 * h * f + f) // t + 6 * h
-    word = config.padded_vocab(t) * h // t
-    params = config.num_layers // stages.p * per_layer
-    for chunk in range(stages.v):
-        held = stages.stage(stage, chunk)
-        if held == 0:
-            params += word + config.seq_len * h
-        if held == stages.num_stages - 1:
-            params += 2 * h + (word if held > 0 else 0)
-    return params
+    stages = layout.stages
+    layers, last = config.num_layers // stages.num_stages, stages.num_stages - 1
+    held = [stages.stage(stage, chunk) for chunk in range(stages.v)]
+    return sum(config.num_parameters(layout.tp, layers, first=s == 0, last=s == last)
+               for s in held)
 
 
 # ---- activations, per layer (2205.05198 §4) -----------------------------------------------------
