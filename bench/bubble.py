@@ -45,14 +45,10 @@ from bench.common import Spread, report
 from megatron_edu.grid import ParallelGrid
 from megatron_edu.launch import run
 from megatron_edu.model import GPTConfig
+from megatron_edu.perf.bubble import bubble_formula, bubble_size_formula
 from megatron_edu.pipeline.engine import build_chunks, run_schedule
 from megatron_edu.pipeline.schedules import Action, dependencies, make_schedule
-from megatron_edu.pipeline.simulate import (
-    Timeline,
-    bubble_formula,
-    bubble_size_formula,
-    simulate_measured,
-)
+from megatron_edu.pipeline.simulate import Timeline, simulate_measured
 
 P, M, MICROBATCH = 4, 8, 2
 SLEEP_FORWARD = 0.030  # seconds; the backward sleeps twice as long (2104.04473 §2.2: t_b ≈ 2·t_f),

@@ -149,7 +149,7 @@ def _next_token(logits: torch.Tensor | None, grid: ParallelGrid | None, sampling
     if grid is None or (grid.pp_rank == last_stage_rank and grid.tp_rank == 0):
         token[0] = sample(logits.cpu(), sampling, generator)   # on the CPU: same on any device
     if grid is not None:
-        sampler = grid.rank_of(0, last_stage_rank, grid.dp_rank)
+        sampler = grid.layout.rank_of(0, last_stage_rank, grid.dp_rank)
         comm.broadcast(token, sampler, grid.mp_group, "next token")
     return int(token)
 

@@ -161,10 +161,6 @@ class ParallelGrid:
         # pipeline group (pipeline/p2p.py), which needs no extra communicators.
         self.p2p_channels = self._new_p2p_channels() if dist.get_backend() != "nccl" else {}
 
-    def rank_of(self, tp_rank: int, pp_rank: int, dp_rank: int) -> int:
-        """The global rank at these coordinates."""
-        return self.layout.rank_of(tp_rank, pp_rank, dp_rank)
-
     def _new_group(self, name: str, groups: list[list[int]]) -> CommGroup:
         """Create every group of this kind (a collective call on all ranks); keep ours. A rank
         in none of them (a middle stage has no embedding) gets a group of itself: a no-op."""

@@ -10,15 +10,21 @@ stamped by the GPU when the stream reaches it — the time the work before it re
 an event: waiting for it), on the ``perf_counter`` scale in both cases — a GPU event is placed at
 the perf_counter time of an origin event synchronised when the clock was made — so timelines from
 either device, and CPU-side times such as a completion callback's, share one axis.
+
+``BucketTimer`` uses it beside the data-parallel algorithm: ``DataParallel`` tells it three moments
+per gradient bucket (ready, launched, done — completion is the moment the collective's future
+resolves), the overlap notebook 06 draws; nothing in the bucket algorithm depends on them.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
-__all__ = ["Clock", "Stamp"]
+__all__ = ["Clock", "Stamp", "BucketTiming", "BucketTimer"]
 
 Stamp = float | torch.cuda.Event
 
@@ -49,3 +55,50 @@ class Clock:
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         return event
+
+
+@dataclass(frozen=True)
+class BucketTiming:
+    """When one bucket's communication ran (perf_counter seconds)."""
+
+    index: int
+    bytes: int
+    ready_at: float     # its last gradient arrived (its launch time if one never did)
+    launched_at: float
+    done_at: float
+
+
+class BucketTimer:
+    """Collects ``BucketTiming``s for one optimizer step of a ``DataParallel``."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.clock = Clock(device)
+        self.ready: dict[int, Stamp] = {}
+        self.launched: dict[int, tuple[Stamp, torch.futures.Future]] = {}
+
+    def on_ready(self, index: int) -> None:
+        """A gradient of bucket ``index`` arrived (the last one's time is kept)."""
+        self.ready[index] = self.clock.stamp()
+
+    def on_launch(self, index: int, work: dist.Work | None) -> None:
+        """Bucket ``index``'s collective started (``work`` None: it ran synchronously)."""
+        self.launched[index] = (self.clock.stamp(), _completion_time(work))
+
+    def collect(self, sizes: list[int]) -> list[BucketTiming]:
+        """Every bucket's timing (call after waiting for all); resets for the next step."""
+        timings = []
+        for index, nbytes in enumerate(sizes):
+            launched, done = self.launched.pop(index)
+            ready = self.ready.pop(index, launched)
+            timings.append(BucketTiming(index, nbytes, self.clock.seconds(ready),
+                                        self.clock.seconds(launched), done.wait()))
+        return timings
+
+
+def _completion_time(work: dist.Work | None) -> torch.futures.Future:
+    """A future whose value is the time the collective completed (now, if it is done)."""
+    if work is None:
+        done = torch.futures.Future()
+        done.set_result(time.perf_counter())
+        return done
+    return work.get_future().then(lambda _: time.perf_counter())

@@ -56,7 +56,7 @@ def test_the_import_graph_of_the_package_has_no_cycle():
         raise AssertionError(f"import cycle: {' → '.join(error.args[1])}") from None
 
 
-# --- the core reads on its own --------------------------------------------------------------------
+# --- the core reads on its own -----------------------------------------------------------------
 
 CORE = ("launch", "grid", "comm", "tensor_parallel", "model", "pipeline", "data_parallel",
         "optim", "ptdp", "timing")
@@ -78,7 +78,7 @@ def test_the_core_imports_nothing_outside_it():
     assert not outside, sorted(outside)
 
 
-# --- nothing silently chooses where a stage lives --------------------------------------------------
+# --- nothing silently chooses where a stage lives ---------------------------------------------
 
 def _functions() -> list[tuple[str, ast.FunctionDef]]:
     return [(f"{path.relative_to(ROOT.parent)}:{node.lineno} {node.name}", node)
@@ -87,14 +87,14 @@ def _functions() -> list[tuple[str, ast.FunctionDef]]:
 
 
 def test_no_function_takes_a_placement():
-    """Where a chunk lives is the schedule's StageMap; no function takes it as an argument (a
-    defaulted string once silently picked the wrong placement)."""
+    """Where a chunk lives is the schedule's StageMap; no function takes it as an argument
+    (a defaulted string once silently picked the wrong placement)."""
     takes = [where for where, node in _functions()
              for arg in [*node.args.args, *node.args.kwonlyargs] if arg.arg == "placement"]
     assert not takes, takes
 
 
-# --- every public name says what it is ----------------------------------------------------------
+# --- every public name says what it is --------------------------------------------------------
 
 def _public(tree: ast.Module) -> list[ast.AST]:
     return [node for node in tree.body if isinstance(node, ast.FunctionDef | ast.ClassDef)

@@ -5,6 +5,7 @@ from fractions import Fraction
 import matplotlib
 import pytest
 
+from megatron_edu.perf.bubble import bubble_formula
 from megatron_edu.pipeline.schedules import (
     Action,
     gpipe,
@@ -12,7 +13,7 @@ from megatron_edu.pipeline.schedules import (
     make_schedule,
     one_f_one_b,
 )
-from megatron_edu.pipeline.simulate import Timeline, bubble_formula, simulate
+from megatron_edu.pipeline.simulate import Timeline, simulate
 
 matplotlib.use("Agg")
 

@@ -6,6 +6,7 @@ from functools import partial
 
 import pytest
 
+from megatron_edu.perf.bubble import bubble_size_formula
 from megatron_edu.pipeline.schedules import (
     Action,
     Schedule,
@@ -17,7 +18,7 @@ from megatron_edu.pipeline.schedules import (
     zero_bubble_h2,
     zero_bubble_v,
 )
-from megatron_edu.pipeline.simulate import bubble_size_formula, simulate
+from megatron_edu.pipeline.simulate import simulate
 from megatron_edu.pipeline.stages import StageMap
 
 ZB = ["zb-h1", "zb-h2", "zb-v"]

@@ -21,8 +21,8 @@ Read in this order:
 * ``zero1.py`` — ``DistributedOptimizer``: ZeRO-1. Gradients are reduce-scattered, each rank
   steps only its 1/dp shard of every bucket (so holds 1/dp of Adam's moments), and the updated
   shards are all-gathered back: the same traffic as one all-reduce.
-* ``timing.py`` — when each bucket was ready, launched and done: what notebook 06 draws. Kept
-  beside the algorithm, not inside it.
+* ``megatron_edu/timing.py``'s ``BucketTimer`` — when each bucket was ready, launched and done:
+  what notebook 06 draws. Kept beside the algorithm, not inside it.
 
 Per optimizer step (a pipeline engine, or any training loop)::
 
@@ -36,8 +36,8 @@ Per optimizer step (a pipeline engine, or any training loop)::
 
 from megatron_edu.data_parallel.buckets import Bucket, make_buckets
 from megatron_edu.data_parallel.ddp import DataParallel
-from megatron_edu.data_parallel.timing import BucketTimer, BucketTiming
 from megatron_edu.data_parallel.zero1 import DistributedOptimizer, Piece
+from megatron_edu.timing import BucketTimer, BucketTiming
 
 __all__ = ["Bucket", "make_buckets", "DataParallel", "BucketTimer", "BucketTiming",
            "DistributedOptimizer", "Piece"]

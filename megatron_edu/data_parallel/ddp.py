@@ -26,7 +26,7 @@ from torch import nn
 from megatron_edu import comm
 from megatron_edu.comm import CommGroup
 from megatron_edu.data_parallel.buckets import Bucket, make_buckets
-from megatron_edu.data_parallel.timing import BucketTimer, BucketTiming
+from megatron_edu.timing import BucketTimer, BucketTiming
 
 __all__ = ["DataParallel"]
 

@@ -24,7 +24,7 @@ an ``nn.ModuleDict`` keyed by their global index, so a stage's parameter names a
 serial model's (``blocks.5.attn.qkv.weight``), each initialised from the same seed by name. A
 last stage that is not also the first holds its own copy of ``embedding.word.weight`` for the
 output layer; its gradient must be all-reduced with the first stage's over
-``grid.embedding_group`` (2104.04473's tied embeddings across stages; the pipeline engine's job).
+``grid.embedding_group`` (2104.04473's tied embeddings across stages; PTD-P's job, ``ptdp.py``).
 Layers are built on the meta device; a stage initialises its own (``init_parameters``).
 """
 

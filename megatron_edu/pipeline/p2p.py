@@ -56,7 +56,7 @@ from megatron_edu.grid import ParallelGrid
 from megatron_edu.pipeline.schedules import Meeting, MessagesOf, Schedule, messages_of, walk
 from megatron_edu.pipeline.stages import Message
 
-__all__ = ["Exchange", "exchange_plan", "format_plan", "MailboxTransport", "BatchedTransport",
+__all__ = ["Exchange", "exchange_plan", "MailboxTransport", "BatchedTransport",
            "make_transport", "LABELS"]
 
 LABELS = {"act": "pp activation", "grad": "pp gradient"}  # as comm.record() names them
@@ -94,23 +94,6 @@ def exchange_plan(schedule: Schedule, messages: MessagesOf = messages_of) -> Pla
     return plan
 
 
-def format_plan(schedule: Schedule) -> str:
-    """Each rank's actions with its exchanges between them: 'F0 [⇄1 send act0>1] F1 …'."""
-    plan, stages = exchange_plan(schedule), schedule.stages
-    lines = []
-    for rank, row in enumerate(schedule):
-        items = []
-        for i, action in enumerate([*row, None]):
-            for e in plan[rank][i]:
-                ops = ", ".join(("send " if stages.sender(m) == rank else "recv ")
-                                + f"{m.kind}{m.microbatch}>{m.stage}" for m in e.messages)
-                items.append(f"[⇄{e.peer} {ops}]")
-            if action is not None:
-                items.append(str(action))
-        lines.append(f"rank {rank}: " + " ".join(items))
-    return "\n".join(lines)
-
-
 # --- the wire: what goes on it, shared by both transports ----------------------------------------
 
 class _Transport:
@@ -130,7 +113,7 @@ class _Transport:
         self.wire_numel = numel // parts
 
     def global_rank(self, pp_rank: int) -> int:
-        return self.grid.rank_of(self.grid.tp_rank, pp_rank, self.grid.dp_rank)
+        return self.grid.pp_group.ranks[pp_rank]
 
     def to_wire(self, tensor: torch.Tensor) -> torch.Tensor:
         """The flat payload: the whole tensor, or this tp rank's slice (§4.1). A view: the

@@ -76,10 +76,6 @@ class Schedule(list):
         """Whether it has W actions: then each B is the input gradient only (2401.10241)."""
         return any(action.kind == "W" for row in self for action in row)
 
-    def rows_like(self, rows: Iterable[Iterable[Action]]) -> Schedule:
-        """Other lists on the same stages (e.g. the forwards alone)."""
-        return Schedule(rows, self.stages)
-
 
 def _plain(p: int) -> StageMap:
     return StageMap(p, 1, "interleaved")  # one chunk per rank: rank r holds stage r
@@ -319,7 +315,7 @@ def forward_only(schedule: Schedule) -> Schedule:
     It cannot deadlock: a forward waits only for forwards of earlier virtual stages, each of
     which runs in its rank's order without waiting on any backward.
     """
-    return schedule.rows_like([a for a in row if a.kind == "F"] for row in schedule)
+    return Schedule(([a for a in row if a.kind == "F"] for row in schedule), schedule.stages)
 
 
 def format_schedule(schedule: Schedule) -> str:

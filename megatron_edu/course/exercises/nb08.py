@@ -138,7 +138,7 @@ class GatedGQALayer(nn.Module):
         self.gated = gated
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:        # x: [b, s, h]
-        """The layer's output [b, s, h]: attention (GQA), then the MLP (gated or not), each residual."""
+        """The layer's output [b, s, h]: attention (GQA), then the MLP, each residual."""
         b, s, h = x.shape
         y = self.ln1(x)
         q = self.q(y).view(b, s, self.heads, self.head_dim).transpose(1, 2)     # [b, a, s, d]

@@ -28,17 +28,12 @@ import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-from megatron_edu.pipeline.schedules import SCHEDULES, make_schedule, stage_map
-from megatron_edu.pipeline.simulate import (
-    BUBBLE_SIZE_WEIGHTS,
-    Timeline,
-    bubble_formula,
-    bubble_size_formula,
-    simulate,
-    simulate_measured,
-)
+from megatron_edu.perf.bubble import BUBBLE_SIZE_WEIGHTS, bubble_formula, bubble_size_formula
+from megatron_edu.pipeline.p2p import exchange_plan
+from megatron_edu.pipeline.schedules import SCHEDULES, Schedule, make_schedule, stage_map
+from megatron_edu.pipeline.simulate import Timeline, simulate, simulate_measured
 
-__all__ = ["draw_schedule", "draw_measured_vs_simulated", "draw_peak_activations",
+__all__ = ["format_plan", "draw_schedule", "draw_measured_vs_simulated", "draw_peak_activations",
            "draw_bubble_vs_latency", "draw_memory_vs_bubble", "show_schedule", "explorer_setting",
            "show_explored", "explore", "draw_measured_run", "EXPLORER"]
 
@@ -274,3 +269,23 @@ def draw_measured_run(measured: Timeline, title: str) -> Figure:
         ax.set_xlim(0, span)
         ax.set_xlabel(ax.get_xlabel().replace("time", "seconds", 1))
     return fig
+
+
+# --- NCCL's exchange plan, as text (notebook 05) -----------------------------------------------
+
+
+def format_plan(schedule: Schedule) -> str:
+    """Each rank's actions with its exchanges between them: 'F0 [⇄1 send act0>1] F1 …'."""
+    plan, stages = exchange_plan(schedule), schedule.stages
+    lines = []
+    for rank, row in enumerate(schedule):
+        items = []
+        for i, action in enumerate([*row, None]):
+            for e in plan[rank][i]:
+                ops = ", ".join(("send " if stages.sender(m) == rank else "recv ")
+                                + f"{m.kind}{m.microbatch}>{m.stage}" for m in e.messages)
+                items.append(f"[⇄{e.peer} {ops}]")
+            if action is not None:
+                items.append(str(action))
+        lines.append(f"rank {rank}: " + " ".join(items))
+    return "\n".join(lines)
