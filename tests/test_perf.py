@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from megatron_edu.grid import Layout
-from megatron_edu.model import GPT, GPTConfig
+from megatron_edu.model import BertConfig, GPTConfig, build_model
 from megatron_edu.perf import (
     A100_BF16_PEAK,
     DGX2H_V100,
@@ -247,25 +247,26 @@ def test_parameters_per_rank_is_the_papers_count_plus_the_final_layer_norm():
     assert parameters_per_rank(TINY, Layout()) == num_parameters(l, h, v, s) + 2 * h
 
 
-STAGED = gpt(layers=8, hidden=32, heads=4, vocab=100, seq_len=16, ffn_hidden=48)
+STAGED = dict(vocab_size=100, seq_len=16, num_layers=8, hidden=32, num_heads=4, ffn_hidden=48)
 
 
 @pytest.mark.parametrize("layout", [Layout(pp=4), Layout(pp=2, schedule="interleaved", chunks=2,
                                                          num_microbatches=2),
                                     Layout(pp=2, schedule="zb-v")],
                          ids=["1f1b", "interleaved", "zb-v"])
-def test_parameters_per_rank_are_what_the_models_stages_hold(layout):
-    """Each pipeline rank's chunks, built as model.GPT stages (ZB-V: rank 0 holds the first and
-    the last stage, each chunk its own copy of the word embedding), any ffn width."""
-    stages = layout.stages
+@pytest.mark.parametrize("kind", [GPTConfig, BertConfig])
+def test_parameters_per_rank_are_what_the_models_stages_hold(layout, kind):
+    """Each pipeline rank's chunks, built as the model's stages (ZB-V: rank 0 holds the first
+    and the last stage, each chunk its own copy of the word embedding), any ffn width."""
+    config, stages = kind(**STAGED), layout.stages
     for rank in range(layout.pp):
         held = 0
         for chunk in range(stages.v):
             stage = stages.stage(rank, chunk)
-            model = GPT(STAGED, layers=stages.layers(stage, STAGED.num_layers), first=stage == 0,
-                        last=stage == stages.num_stages - 1)
+            model = build_model(config, layers=stages.layers(stage, config.num_layers),
+                                first=stage == 0, last=stage == stages.num_stages - 1)
             held += sum(p.numel() for p in model.parameters())
-        assert parameters_per_rank(STAGED, layout, rank) == held, rank
+        assert parameters_per_rank(config, layout, rank) == held, rank
 
 
 @pytest.mark.parametrize("tp, pp", [(2, 1), (1, 4), (4, 2)])

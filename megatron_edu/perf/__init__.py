@@ -7,6 +7,7 @@ split a ``grid.Layout``: the same two values a training run takes.
 flops.py     the papers' counting formulas: parameters, FLOPs, training time, utilization
 memory.py    weights, gradients, optimizer states and activations per GPU; the exact parameter
              count; microbatches in flight, read off the schedule
+bubble.py    the papers' pipeline bubbles as formulas, beside what the simulator plays
 advisor.py   the time of one iteration, and the advisor that ranks every layout
 sweeps.py    the model swept over one setting: the experiments of 2104.04473 §3 and §5
 traffic.py   bytes on the wire from ``comm.record()`` logs, by purpose

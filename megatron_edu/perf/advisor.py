@@ -59,8 +59,9 @@ from itertools import product
 from megatron_edu.grid import Layout
 from megatron_edu.model.config import GPTConfig
 from megatron_edu.pipeline.schedules import make_schedule
-from megatron_edu.pipeline.simulate import bubble_formula, simulate
+from megatron_edu.pipeline.simulate import simulate
 
+from .bubble import bubble_formula
 from .flops import A100_BF16_PEAK, H100_SXM_BF16_PEAK, V100_FP16_PEAK
 from .memory import (
     GIB,
