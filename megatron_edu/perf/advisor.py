@@ -53,12 +53,10 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from functools import cache
 from itertools import product
 
 from megatron_edu.grid import Layout
 from megatron_edu.model.config import GPTConfig
-from megatron_edu.pipeline.schedules import make_schedule
 from megatron_edu.pipeline.simulate import simulate
 
 from .bubble import bubble_formula
@@ -70,6 +68,7 @@ from .memory import (
     Precision,
     memory_per_rank,
     parameters_per_rank,
+    splits_backward,
 )
 
 __all__ = ["GEMM_EFFICIENCY", "DP_OVERLAP", "Hardware", "SELENE_A100", "DGX_H100", "DGX2H_V100",
@@ -320,12 +319,6 @@ def _optimizer_time(config: GPTConfig, layout: Layout, hw: Hardware,
 # ---- the bubble ----
 
 
-@cache
-def _splits_backward(schedule: str, chunks: int) -> bool:
-    """Whether ``schedule`` has weight-gradient passes W (read off a small instance of it)."""
-    return make_schedule(schedule, 2, 4, chunks).splits_backward
-
-
 def _bubble(layout: Layout, stage: _Cost, communication: float) -> float:
     """Seconds every rank idles per iteration, as 2104.04473 counts it (the optimizer step
     waits for the last rank): ``stage`` is one microbatch through a stage, ``communication``
@@ -337,7 +330,7 @@ def _bubble(layout: Layout, stage: _Cost, communication: float) -> float:
     state adds one microbatch's work per microbatch and no idle time.
     """
     p, m = layout.pp, layout.num_microbatches
-    if not _splits_backward(layout.schedule, layout.chunks):
+    if not splits_backward(layout.schedule, layout.chunks):
         whole = stage.seconds + communication
         return float(bubble_formula(layout.schedule, p, m, layout.chunks)) * m * whole
     share = communication / (stage.forward + stage.backward)

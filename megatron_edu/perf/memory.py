@@ -22,16 +22,18 @@ split the model is the layout's rule (``Layout.check``), asked once. Bytes are e
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from functools import lru_cache
+from functools import cache, lru_cache
+
+import numpy as np
 
 from megatron_edu.grid import Layout
 from megatron_edu.model.config import RECOMPUTE, GPTConfig
-from megatron_edu.pipeline.schedules import make_schedule
+from megatron_edu.pipeline.schedules import Schedule, make_schedule
 
 __all__ = ["GIB", "FP32", "MIXED", "MIXED_FP32_GRADS", "Precision", "MemoryEstimate",
            "parameters_per_rank", "activation_bytes_per_layer", "output_layer_activation_bytes",
            "embedding_activation_bytes", "forwards_in_flight", "activation_bytes_per_rank",
-           "memory_per_rank"]
+           "memory_per_rank", "splits_backward"]
 
 GIB = 2**30
 
@@ -175,35 +177,44 @@ def embedding_activation_bytes(config: GPTConfig, microbatch: int, *, tp: int = 
 # ---- activations, per pipeline rank: read off the schedule --------------------------------------
 
 
-@lru_cache(maxsize=1024)
-def _held_after_forwards(schedule: str, p: int, m: int, v: int) -> tuple[tuple[tuple[int, ...],
-                                                                              ...], ...]:
-    """Per pipeline rank, every distinct count of microbatches held per model chunk right after
-    one of its forwards — where any peak is —, in order of first occurrence.
+@cache
+def splits_backward(schedule: str, chunks: int) -> bool:
+    """Whether the schedule called ``schedule`` has weight-gradient passes W, so that its B is
+    the input gradient only (2401.10241): read off a small instance of it."""
+    return make_schedule(schedule, 2, 4, chunks).splits_backward
+
+
+@lru_cache(maxsize=1)
+def _schedule(schedule: str, p: int, m: int, v: int) -> Schedule:
+    """The last schedule made: the first and the last rank are read off the same one."""
+    return make_schedule(schedule, p, m, v)
+
+
+@lru_cache(maxsize=4096)
+def _held_after_forwards(schedule: str, p: int, m: int, v: int, rank: int) -> np.ndarray:
+    """[states, v]: how many microbatches pipeline rank ``rank`` holds per model chunk right
+    after each of its forwards — where any peak is —, each distinct state once, in the order
+    the schedule first reaches it.
 
     One walk of the rank's actions, the count of ``simulate.Timeline.peak_activations`` kept per
     chunk: F stores its microbatch's activations on its chunk; B frees them, or W does when the
     schedule splits the backward (2401.10241 §2.3). Cached: a sweep asks the same schedules
     again and again, and a rank repeats a few states however many microbatches it runs.
     """
-    plan = make_schedule(schedule, p, m, v)
-    freed_by = "W" if plan.splits_backward else "B"
-    ranks = []
-    for row in plan:
-        held, seen = [0] * v, {}
-        for action in row:
-            if action.kind == "F":
-                held[action.chunk] += 1
-                seen.setdefault(tuple(held), None)
-            elif action.kind == freed_by:
-                held[action.chunk] -= 1
-        ranks.append(tuple(seen))
-    return tuple(ranks)
+    freed_by = "W" if splits_backward(schedule, v) else "B"
+    held, seen = [0] * v, {}
+    for action in _schedule(schedule, p, m, v)[rank]:
+        if action.kind == "F":
+            held[action.chunk] += 1
+            seen.setdefault(tuple(held), None)
+        elif action.kind == freed_by:
+            held[action.chunk] -= 1
+    return np.array(list(seen), dtype=np.int64).reshape(-1, v)
 
 
-def _held(layout: Layout, stage: int) -> tuple[tuple[int, ...], ...]:
+def _held(layout: Layout, stage: int) -> np.ndarray:
     return _held_after_forwards(layout.schedule, layout.pp, layout.num_microbatches,
-                                layout.chunks)[stage]
+                                layout.chunks, stage)
 
 
 def forwards_in_flight(layout: Layout, stage: int = 0) -> list[int]:
@@ -211,7 +222,8 @@ def forwards_in_flight(layout: Layout, stage: int = 0) -> list[int]:
     holds the most, read off ``layout.make_schedule()``: GPipe m; 1F1B p − rank (2104.04473
     §2.2.1); interleaved, on rank 0, p + (p − 1)/v stages' worth (§2.2.2); ZB-H1 p on every
     rank, ZB-H2 2p − 1 (2401.10241 §2). Their sum is ``simulate(...).peak_activations[stage]``."""
-    return list(max(_held(layout, stage), key=sum))
+    held = _held(layout, stage)
+    return held[held.sum(axis=1).argmax()].tolist()
 
 
 def activation_bytes_per_rank(config: GPTConfig, layout: Layout, stage: int = 0, *,
@@ -229,20 +241,21 @@ def activation_bytes_per_rank(config: GPTConfig, layout: Layout, stage: int = 0,
         return activation_bytes_per_layer(keeping, b, tp=t, bytes_per_value=bytes_per_value,
                                           dropout=dropout)
 
+    kept = layer(config)
     per_chunk = []
     for chunk in range(stages.v):
         held = stages.stage(stage, chunk)
-        weight = config.num_layers // stages.num_stages * layer(config)
+        weight = config.num_layers // stages.num_stages * kept
         if held == 0:
             weight += embedding_activation_bytes(config, b, tp=t, dropout=dropout)
         if held == stages.num_stages - 1:
             weight += output_layer_activation_bytes(config, b, tp=t,
                                                     bytes_per_value=bytes_per_value)
         per_chunk.append(weight)
-    peak = max(sum(n * w for n, w in zip(counts, per_chunk, strict=True))
-               for counts in _held(layout, stage))
+    peak = int((_held(layout, stage) @ np.array(per_chunk, dtype=np.int64)).max())
     # while one layer runs its backward, what recomputation rebuilt for it is alive too
-    return peak + layer(replace(config, recompute="none")) - layer(config)
+    rebuilt = kept if config.recompute == "none" else layer(replace(config, recompute="none"))
+    return peak + rebuilt - kept
 
 
 def memory_per_rank(config: GPTConfig, layout: Layout, *, precision: Precision = MIXED,
