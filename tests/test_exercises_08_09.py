@@ -198,9 +198,8 @@ def test_09_1_stub_is_not_done_yet():
 
 def resume(checkpoint, tp, pp, run, load="all", restore_sampler=True, grid_tp=None):
     tp, pp = (grid_tp, 1) if grid_tp is not None else (tp, pp)
-    dp = torch.distributed.get_world_size() // (tp * pp)
-    grid = ParallelGrid(Layout(tp, pp, dp, microbatch=run.micro_batch,
-                               num_microbatches=run.global_batch // (dp * run.micro_batch)))
+    grid = ParallelGrid(Layout(tp, pp, microbatch=run.micro_batch,
+                               num_microbatches=run.global_batch // run.micro_batch))
     trainer = PTDP(run.config, grid, PTDPOptions(lr=run.lr))
     meta = (load_checkpoint(checkpoint, trainer) if load == "all" else
             load_model_chunks(checkpoint, trainer.chunks, grid) if load == "weights" else

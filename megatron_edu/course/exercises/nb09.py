@@ -144,14 +144,11 @@ def _make_run(folder: Path) -> ResumeRun:
 
 
 def _trainer(run: ResumeRun, tp: int, pp: int):
-    import torch.distributed as dist
-
     from megatron_edu.grid import Layout, ParallelGrid
     from megatron_edu.ptdp import PTDP, PTDPOptions
 
-    dp = dist.get_world_size() // (tp * pp)
-    layout = Layout(tp, pp, dp, microbatch=run.micro_batch,
-                    num_microbatches=run.global_batch // (dp * run.micro_batch))
+    layout = Layout(tp, pp, microbatch=run.micro_batch,  # dp = 1: tp · pp fills the ranks
+                    num_microbatches=run.global_batch // run.micro_batch)
     return PTDP(run.config, ParallelGrid(layout), PTDPOptions(lr=run.lr))
 
 
