@@ -196,19 +196,13 @@ def _held_after_forwards(schedule: str, p: int, m: int, v: int, rank: int) -> np
     after each of its forwards — where any peak is —, each distinct state once, in the order
     the schedule first reaches it.
 
-    One walk of the rank's actions, the count of ``simulate.Timeline.peak_activations`` kept per
-    chunk: F stores its microbatch's activations on its chunk; B frees them, or W does when the
-    schedule splits the backward (2401.10241 §2.3). Cached: a sweep asks the same schedules
-    again and again, and a rank repeats a few states however many microbatches it runs.
+    The schedule's own walk (``Schedule.in_flight``, which the simulator's peak counts too).
+    Cached: a sweep asks the same schedules again and again, and a rank repeats a few states
+    however many microbatches it runs.
     """
-    freed_by = "W" if splits_backward(schedule, v) else "B"
-    held, seen = [0] * v, {}
-    for action in _schedule(schedule, p, m, v)[rank]:
-        if action.kind == "F":
-            held[action.chunk] += 1
-            seen.setdefault(tuple(held), None)
-        elif action.kind == freed_by:
-            held[action.chunk] -= 1
+    made = _schedule(schedule, p, m, v)
+    seen = {held: None for action, held in zip(made[rank], made.in_flight(rank), strict=True)
+            if action.kind == "F"}
     return np.array(list(seen), dtype=np.int64).reshape(-1, v)
 
 

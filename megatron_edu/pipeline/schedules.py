@@ -76,6 +76,14 @@ class Schedule(list):
         """Whether it has W actions: then each B is the input gradient only (2401.10241)."""
         return any(action.kind == "W" for row in self for action in row)
 
+    def in_flight(self, rank: int) -> Iterator[tuple[int, ...]]:
+        """Per chunk, the microbatches whose activations ``rank`` holds after each of its
+        actions: F stores them; B frees them, or W when the backward is split (2401.10241 §2.3)."""
+        held, freed_by = [0] * self.stages.v, "W" if self.splits_backward else "B"
+        for action in self[rank]:
+            held[action.chunk] += {"F": 1, freed_by: -1}.get(action.kind, 0)
+            yield tuple(held)
+
 
 def _plain(p: int) -> StageMap:
     return StageMap(p, 1, "interleaved")  # one chunk per rank: rank r holds stage r

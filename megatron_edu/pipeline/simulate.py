@@ -93,18 +93,9 @@ class Timeline:
 
     @property
     def peak_activations(self) -> list[int]:
-        """Per rank, the most (microbatch, chunk) activations held at once: F stores; B frees
-        them, or, when the schedule splits the backward, W does (2401.10241 §2.3)."""
-        split = any(action.kind == "W" for row in self.ranks for action, _, _ in row)
-        freed_by = "W" if split else "B"
-        peaks = []
-        for row in self.ranks:
-            held = peak = 0
-            for action, _, _ in row:
-                held += {"F": 1, freed_by: -1}.get(action.kind, 0)
-                peak = max(peak, held)
-            peaks.append(peak)
-        return peaks
+        """Per rank, the most (microbatch, chunk) activations held at once (``in_flight``)."""
+        schedule = Schedule([[action for action, _, _ in row] for row in self.ranks], self.stages)
+        return [max(map(sum, schedule.in_flight(rank)), default=0) for rank in range(len(schedule))]
 
     @property
     def num_p2p_messages(self) -> int:
