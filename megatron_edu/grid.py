@@ -133,20 +133,20 @@ class Layout:
 
 class ParallelGrid:
     """This rank's place in a ``Layout`` and its tp, pp, dp, embedding and model-parallel process
-    groups. ``ParallelGrid(tp=2, dp=2)`` is the grid of ``Layout(tp=2, dp=2)``.
+    groups: ``ParallelGrid(layout)``, or ``ParallelGrid(tp, pp, dp)`` for ``Layout(tp, pp, dp)``
+    (1F1B, where the first and the last stage are the pipeline's two ends).
 
     Build it inside a launched rank (``megatron_edu.launch.run``): every rank must construct the
     same grid, since creating a process group is itself a collective.
     """
 
-    def __init__(self, layout: Layout | None = None, *, tp: int = 1, pp: int = 1,
-                 dp: int = 1) -> None:
+    def __init__(self, tp: int | Layout = 1, pp: int = 1, dp: int = 1) -> None:
         if not dist.is_initialized():
             raise RuntimeError("ParallelGrid needs torch.distributed initialised: build it inside "
                                "a function started by megatron_edu.launch.run")
-        if layout is not None and (tp, pp, dp) != (1, 1, 1):
+        if isinstance(tp, Layout) and (pp, dp) != (1, 1):
             raise ValueError("give a Layout or the sizes tp, pp, dp, not both")
-        self.layout = layout if layout is not None else Layout(tp=tp, pp=pp, dp=dp)
+        self.layout = tp if isinstance(tp, Layout) else Layout(tp, pp, dp)
         self.layout.check_world(dist.get_world_size())
         self.tp, self.pp, self.dp = self.layout.tp, self.layout.pp, self.layout.dp
         self.rank = dist.get_rank()

@@ -109,3 +109,15 @@ def _mismatched_grid():
 def test_a_mismatched_grid_raises_before_any_collective():
     with pytest.raises(RankError, match=r"tp·pp·dp = 2·2·2 = 8 ranks, but the world has 2"):
         run(_mismatched_grid, 2, timeout=30)
+
+
+def _sizes_of(*args, **kwargs):
+    grid = ParallelGrid(*args, **kwargs)
+    return grid.tp, grid.pp, grid.dp, grid.layout.schedule
+
+
+def test_a_grid_is_made_from_sizes_or_from_a_layout():
+    assert run(_sizes_of, 4, 2, 2, 1)[0] == (2, 2, 1, "1f1b")
+    assert run(_sizes_of, 4, tp=2, dp=2)[0] == (2, 1, 2, "1f1b")
+    layout = Layout(pp=4, schedule="zb-v", num_microbatches=8)
+    assert run(_sizes_of, 4, layout)[0] == (1, 4, 1, "zb-v")
