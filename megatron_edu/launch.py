@@ -14,8 +14,11 @@ Why it is built this way (each point was seen to matter on a 2-core laptop and i
   order (nbval compares it) and visible in Jupyter, where child processes' output is otherwise
   lost or interleaved.
 * A fresh file-store rendezvous per call, so launches run back to back in one kernel.
-* If any rank raises (or dies), the parent kills the others and raises ``RankError`` with that
-  rank's traceback within seconds; a stuck collective is cut off by ``timeout``. Never a hang.
+* If any rank raises (or dies), the parent — which polls its ranks, it does not wait in a
+  collective — kills the others and raises ``RankError`` with that rank's traceback within
+  seconds, however long a collective may wait (``collective_timeout``: a training run's
+  checkpoint barrier may wait many minutes for the slowest writer). A stuck call is cut off by
+  ``timeout``. Never a hang.
 * Under ``torchrun`` (RANK/WORLD_SIZE/MASTER_ADDR set), ``run`` just initialises the process
   group, calls ``fn`` on this process, and all-gathers the results so every rank returns the
   same list. In both modes the process group ``run`` created is destroyed before it returns
@@ -44,7 +47,7 @@ import torch.distributed as dist
 
 __all__ = ["run", "RankError", "resolve_backend", "under_torchrun"]
 
-DEFAULT_TIMEOUT = 300.0
+DEFAULT_TIMEOUT = 300.0  # seconds: a call from a notebook or a test, and its collectives
 
 
 class RankError(RuntimeError):
@@ -90,6 +93,7 @@ def run(
     *args: Any,
     backend: str = "auto",
     timeout: float | None = DEFAULT_TIMEOUT,
+    collective_timeout: float | None = None,
     threads_per_rank: int | None = None,
     capture_output: bool = True,
     **kwargs: Any,
@@ -97,21 +101,25 @@ def run(
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return their results in rank order.
 
     ``backend``: "auto" (NCCL with one GPU per rank if there are enough GPUs, else gloo), "gloo"
-    or "nccl". ``timeout`` (seconds) bounds the whole call and every collective inside it;
-    ``None`` (long training runs) leaves the call unbounded, each collective still cut off
-    after DEFAULT_TIMEOUT.
+    or "nccl". ``timeout`` (seconds) bounds the whole call; ``None`` (long training runs) leaves
+    it unbounded. ``collective_timeout`` (seconds) bounds each collective (gloo's timeout,
+    NCCL's watchdog): by default ``timeout``, or DEFAULT_TIMEOUT when the call is unbounded. A
+    dead or raising rank fails the call within seconds whatever it is: the launcher (here) or
+    torchrun's agent watches the processes themselves.
     ``threads_per_rank`` defaults to an even share of the CPU cores (at least 1).
     ``capture_output=False`` lets ranks write straight to the terminal (live progress bars).
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
-    if timeout is not None and timeout <= 0:
-        raise ValueError(f"timeout must be positive, got {timeout}")
+    for name, value in (("timeout", timeout), ("collective_timeout", collective_timeout)):
+        if value is not None and not 0 < value < float("inf"):
+            raise ValueError(f"{name} must be a positive number of seconds, got {value}")
+    collective_timeout = collective_timeout or timeout or DEFAULT_TIMEOUT
     backend = resolve_backend(backend, world_size)
     if threads_per_rank is None:
         threads_per_rank = max(1, (os.cpu_count() or 1) // world_size)
     if under_torchrun():
-        return _run_under_torchrun(fn, world_size, args, kwargs, backend, timeout)
+        return _run_under_torchrun(fn, world_size, args, kwargs, backend, collective_timeout)
     payload = cloudpickle.dumps((fn, args, kwargs))
     attempt = 1
     while True:
@@ -119,8 +127,8 @@ def run(
         # peer"); no rank has run fn then, since none gets past init without all the others.
         with tempfile.TemporaryDirectory(prefix="megatron_edu_") as tmp:
             try:
-                return _launch(payload, world_size, backend, timeout, threads_per_rank,
-                               capture_output, Path(tmp))
+                return _launch(payload, world_size, backend, timeout, collective_timeout,
+                               threads_per_rank, capture_output, Path(tmp))
             except _RendezvousError:
                 if attempt == RENDEZVOUS_ATTEMPTS:
                     raise
@@ -129,7 +137,7 @@ def run(
 
 # --- under torchrun: this process is one rank already ------------------------------------------
 
-def _run_under_torchrun(fn, world_size, args, kwargs, backend, timeout) -> list[Any]:
+def _run_under_torchrun(fn, world_size, args, kwargs, backend, collective_timeout) -> list[Any]:
     env_world = int(os.environ["WORLD_SIZE"])
     if env_world != world_size:
         raise ValueError(f"run(..., world_size={world_size}) under torchrun with "
@@ -137,7 +145,7 @@ def _run_under_torchrun(fn, world_size, args, kwargs, backend, timeout) -> list[
     owner = not dist.is_initialized()  # a group the caller made is the caller's to destroy
     if owner:
         device = _bind_device(backend, int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout or DEFAULT_TIMEOUT),
+        dist.init_process_group(backend, timeout=timedelta(seconds=collective_timeout),
                                 device_id=device)
     result = fn(*args, **kwargs)
     gathered: list[Any] = [None] * world_size
@@ -159,14 +167,15 @@ def _context() -> mp.context.BaseContext:
     return mp.get_context("spawn")  # Windows
 
 
-def _launch(payload, world_size, backend, timeout, threads, capture, tmp: Path) -> list[Any]:
+def _launch(payload, world_size, backend, timeout, collective_timeout, threads, capture,
+            tmp: Path) -> list[Any]:
     ctx = _context()
     queue = ctx.Queue()
     logs = [tmp / f"rank{r}.log" for r in range(world_size)]
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(r, world_size, backend, str(tmp / "store"), timeout, threads,
+            args=(r, world_size, backend, str(tmp / "store"), collective_timeout, threads,
                   str(logs[r]) if capture else None, payload, queue),
             daemon=True,
         )
@@ -282,7 +291,8 @@ def _print_logs(logs) -> None:
 
 # --- inside a child ----------------------------------------------------------------------------
 
-def _rank_main(rank, world_size, backend, store_path, timeout, threads, log, payload, queue):
+def _rank_main(rank, world_size, backend, store_path, collective_timeout, threads, log, payload,
+               queue):
     if log is not None:
         _redirect_output(log)
     try:
@@ -290,7 +300,7 @@ def _rank_main(rank, world_size, backend, store_path, timeout, threads, log, pay
         device = _bind_device(backend, rank)
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=timeout or DEFAULT_TIMEOUT),
+                                timeout=timedelta(seconds=collective_timeout),
                                 device_id=device)
     except Exception:
         outcome = _Outcome(False, traceback.format_exc().encode(), in_rendezvous=True)
