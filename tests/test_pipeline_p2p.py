@@ -139,3 +139,11 @@ def test_recorded_batches_match_one_to_one_and_gradients_equal_serial(p):
                     merged[key] = merged[key] + grad if key in merged else grad
         for key, grad in _serial_grads(p, v).items():
             torch.testing.assert_close(merged[key], grad, atol=1e-5, rtol=0, msg=key)
+
+
+def test_the_plan_is_made_once_per_schedule():
+    """A run asks for its plan every step: equal schedules share one (immutable) plan."""
+    first = exchange_plan(make_schedule("interleaved", 4, 8, 2))
+    assert exchange_plan(make_schedule("interleaved", 4, 8, 2)) is first
+    assert exchange_plan(make_schedule("interleaved", 4, 12, 2)) is not first
+    assert isinstance(first[0][0], tuple)

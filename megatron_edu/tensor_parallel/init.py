@@ -81,8 +81,10 @@ def placeholder(shape: tuple[int, ...], tp_dim: int | None, init: Init) -> nn.Pa
 
 
 def check_initialised(module: nn.Module) -> None:
-    """Raise if ``module``'s parameters are still placeholders (never initialised)."""
-    if any(p.is_meta for p in module.parameters()):
+    """Raise if ``module``'s parameters are still placeholders (never initialised). One is
+    enough to look at: ``init_parameters`` materialises a module's parameters all together, and
+    this runs in every forward."""
+    if (first := next(module.parameters(), None)) is not None and first.is_meta:
         raise RuntimeError(f"{type(module).__name__} is not initialised: its parameters are meta-"
                            f"device placeholders. Call init_parameters(module, seed, group) first")
 
