@@ -9,7 +9,8 @@ Without a GPU it says so in one line and exits 0. With one it
    ``.venv-gpu`` (``pip install torch==2.13.0``, a CUDA build on Linux x86_64, then this package)
    when neither does: a one-off install of a few GB, not counted in the 8 minutes;
 2. runs ``tests/test_device.py --device cuda``: a GPT's forward and backward, PTD-P steps and
-   bf16 autocast on CUDA and NCCL against the CPU; pp = 2 pipelines when there are 2 GPUs;
+   bf16 autocast on CUDA and NCCL against the CPU; on one GPU, dropout masks, the fused kernels,
+   recomputation and fp16 loss scaling; pp = 2 pipelines when there are 2 GPUs;
 3. trains GPT-2 medium (345M) in bf16 for a few steps, one rank per GPU, and reads tokens/s and
    MFU (against the datasheet's dense bf16 peak) from its ``log.jsonl``;
 4. runs the benchmarks that take a GPU, ``python -m bench --device cuda --dtype bf16``;
@@ -48,10 +49,15 @@ RESULTS = ROOT / "bench" / "results.jsonl"
 PROBE = """\
 import json, torch
 from megatron_edu.perf import datasheet_peak_flops
+try:  # is_available() only says no; init() says why (no driver, a driver too old, ...)
+    torch.cuda.init()
+    error = None
+except Exception as err:
+    error = f"{type(err).__name__}: {err}"
 n = torch.cuda.device_count() if torch.cuda.is_available() else 0
 print(json.dumps({"torch": torch.__version__, "cuda": torch.version.cuda,
                   "gpus": [torch.cuda.get_device_name(i) for i in range(n)],
-                  "peak": datasheet_peak_flops("cuda") if n else None}))
+                  "peak": datasheet_peak_flops("cuda") if n else None, "error": error}))
 """
 
 
@@ -115,17 +121,20 @@ def nvidia_smi() -> tuple[list[str], str]:
     return names, "" if names else f"nvidia-smi lists no GPU: {first}"
 
 
-def probe(python: str) -> Machine | None:
-    """What torch under ``python`` sees; None if it sees no GPU or cannot be asked."""
+def probe(python: str) -> tuple[Machine | None, str]:
+    """What torch under ``python`` sees, or None and why not: torch's own error where it has one
+    (a CUDA build that cannot reach the driver), else what is known."""
     if not Path(python).exists():
-        return None
+        return None, f"{python} does not exist"
     status, out = run_step([python, "-c", PROBE], 120)
     answer = [line for line in out.splitlines() if line.startswith("{")]
     if status != 0 or not answer:
-        return None
+        return None, f"torch under {python} could not be asked: {tail(out, 3)}"
     seen = json.loads(answer[-1])
-    return Machine(python, seen["torch"], seen["cuda"], seen["gpus"], seen["peak"]) \
-        if seen["gpus"] else None
+    if not seen["gpus"]:
+        why = seen["error"] or f"torch {seen['torch']} has no CUDA (a CPU-only build?)"
+        return None, why
+    return Machine(python, seen["torch"], seen["cuda"], seen["gpus"], seen["peak"]), ""
 
 
 def make_gpu_venv(torch_spec: str) -> tuple[Machine | None, Row]:
@@ -141,10 +150,10 @@ def make_gpu_venv(torch_spec: str) -> tuple[Machine | None, Row]:
         if status != 0:
             print(tail(out))
             return None, Row("setup", False, f"{shlex.join(cmd[2:])} failed ({venv.name})")
-    machine = probe(python)
+    machine, why = probe(python)
     if machine is None:
-        return None, Row("setup", False, f"torch in {venv.name} sees no GPU (a CPU-only "
-                         f"build? make gpu-check TORCH_SPEC=\"torch==2.13.0 --index-url ...\")")
+        return None, Row("setup", False, f"torch in {venv.name} sees no GPU: {why} (make "
+                         f"gpu-check TORCH_SPEC=\"torch==2.13.0 --index-url ...\")")
     return machine, Row("setup", True, f"{venv.name}: torch {machine.torch}")
 
 
@@ -251,12 +260,13 @@ def find_machine(args: argparse.Namespace) -> tuple[Machine | None, list[Row], s
     gpus, why_not = nvidia_smi()
     pythons = [args.python] if args.python else [str(v / "bin" / "python") for v in VENVS]
     for python in pythons:
-        if machine := probe(python):
+        machine, why = probe(python)
+        if machine is not None:
             return machine, [], ""
     if not gpus:
         return None, [], why_not
     if args.python:
-        return None, [Row("setup", False, f"torch under {args.python} sees no GPU")], ""
+        return None, [Row("setup", False, f"torch under {args.python} sees no GPU: {why}")], ""
     machine, row = make_gpu_venv(args.torch_spec)
     return machine, [row], ""
 

@@ -74,17 +74,20 @@ def under_torchrun() -> bool:
 
 
 def resolve_backend(backend: str, world_size: int) -> str:
-    """'auto' -> NCCL when every rank can have a GPU of its own, else gloo (CPU).
-
-    Under torchrun the ranks that share this machine are LOCAL_WORLD_SIZE, not the world.
+    """'auto' -> NCCL when every rank can have a GPU of its own, else gloo (CPU); 'nccl' without
+    a GPU per rank is refused here, before any rank starts (NCCL itself would fail later, inside
+    a rank, on two ranks sharing a GPU). Under torchrun the ranks that share this machine are
+    LOCAL_WORLD_SIZE, not the world.
     """
-    if backend != "auto":
-        return backend
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if under_torchrun() \
         else world_size
-    if torch.cuda.is_available() and torch.cuda.device_count() >= local:
-        return "nccl"
-    return "gloo"
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if backend == "nccl" and gpus < local:
+        raise ValueError(f"the nccl backend needs a GPU per rank: {local} ranks on this machine, "
+                         f"{gpus} GPUs (use fewer ranks, or gloo)")
+    if backend != "auto":
+        return backend
+    return "nccl" if gpus >= local else "gloo"
 
 
 def run(

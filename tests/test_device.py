@@ -3,8 +3,10 @@
 
 Each checks the device against the serial model on the CPU, the one serial truth (DESIGN
 principle 1): a GPT's forward and backward, bf16 autocast against fp32, PTD-P training steps at
-world size 1 and over a two-stage pipeline (1F1B, interleaved) on two devices. TF32 is off, so a
-GPU's fp32 matmuls are fp32.
+world size 1 and over a two-stage pipeline (1F1B, interleaved) on two devices. Then what only a
+GPU runs differently, on one device: dropout masks drawn there (one microbatch or four, the same
+masks), the compiled fused kernels, selective and full recomputation with dropout on, fp16 loss
+scaling skipping an overflow and recovering. TF32 is off, so a GPU's fp32 matmuls are fp32.
 """
 
 import pytest
@@ -132,3 +134,82 @@ def test_ptdp_steps_on_the_device_equal_the_serial_cpu_steps(device, serial, pp,
         assert losses == pytest.approx(serial_losses, abs=TOL[device])
         merged.update(params)
     torch.testing.assert_close(merged, serial_params, atol=TOL[device], rtol=0)
+
+
+# ---- what only a GPU runs differently: masks, fused kernels, fp16, recomputation ----
+# On the CPU these are covered by tests/test_memory_techniques.py and tests/test_ptdp.py; here
+# they run on the device against the same model on that device (make gpu-check).
+
+def _on_device_only(device: str) -> None:
+    if device == "cpu":
+        pytest.skip("covered on the CPU by tests/test_memory_techniques.py and test_ptdp.py")
+
+
+def _loss_and_grads(model: GPT, ids, labels, keys) -> tuple[torch.Tensor, dict]:
+    """Σ of the summed token losses over the slices ``keys`` names, and the gradients."""
+    model.zero_grad(set_to_none=True)
+    loss = sum(model(ids[list(key.samples)], labels[list(key.samples)], dropout_key=key,
+                     loss_reduction="sum") for key in keys)
+    loss.backward()
+    return loss.detach().cpu(), {n: p.grad.cpu() for n, p in model.named_parameters()}
+
+
+def test_dropout_masks_on_the_device_do_not_depend_on_the_microbatches(device):
+    """The same four samples in one microbatch or in four: the same masks, the same gradients."""
+    from megatron_edu.tensor_parallel import DropoutKey
+
+    config = tiny_config(dropout=0.1)
+    model = GPT(config).to(device).train()
+    ids, labels = (t.to(device) for t in batch(config, b=4))
+    whole = _loss_and_grads(model, ids, labels, [DropoutKey(3, (0, 1, 2, 3))])
+    split = _loss_and_grads(model, ids, labels, [DropoutKey(3, (i,)) for i in range(4)])
+    torch.testing.assert_close(split, whole, atol=TOL[device], rtol=TOL[device])  # sums of 32
+
+
+@pytest.mark.parametrize(("change", "dropout"), [(dict(fused=True), 0.0),
+                                                 (dict(recompute="selective"), 0.1),
+                                                 (dict(recompute="full"), 0.1)],
+                         ids=["fused", "selective", "full"])
+def test_fused_kernels_and_recomputation_on_the_device_equal_the_plain_model(device, change,
+                                                                             dropout):
+    """The compiled kernels (Triton on a GPU) give the plain model's values; the recomputed
+    forward, with dropout on, its masks too. (Fused attention draws its dropout inside the
+    kernel: equal to the plain model without dropout only.)"""
+    _on_device_only(device)
+    import dataclasses
+
+    from megatron_edu.tensor_parallel import DropoutKey
+
+    config = tiny_config(dropout=dropout)
+    ids, labels = (t.to(device) for t in batch(config, b=4))
+    key = [DropoutKey(0, (0, 1, 2, 3))]
+    plain, other = (GPT(c).to(device).train()
+                    for c in (config, dataclasses.replace(config, **change)))
+    torch.testing.assert_close(_loss_and_grads(other, ids, labels, key),
+                               _loss_and_grads(plain, ids, labels, key), atol=1e-4, rtol=1e-4)
+
+
+def _fp16_on_the_device(device: str) -> list[tuple[bool, float]]:
+    grid = ParallelGrid()
+    trainer = PTDP(CONFIG, grid, PTDPOptions(loss_scaling=True, lr=LR))
+    trainer.loss_scale.growth_interval = 2
+    unscale = trainer._sum_tied_embedding_grads
+
+    def overflow_at_step_1():
+        unscale()
+        if trainer.iteration == 1:
+            trainer.chunks[0].blocks["0"].mlp.fc.weight.grad.view(-1)[0] = float("inf")
+
+    trainer._sum_tied_embedding_grads = overflow_at_step_1
+    out = []
+    for ids, labels in _batches() * 2:
+        with torch.autocast(grid.device.type, dtype=torch.float16):
+            result = trainer.train_step(ids, labels, LR)
+        out.append((result.skipped, result.loss_scale))
+    return out
+
+
+def test_fp16_loss_scaling_on_the_device_skips_an_overflow_and_recovers(device):
+    _on_device_only(device)
+    assert run(_fp16_on_the_device, 1, device, backend=BACKEND[device])[0] == [
+        (False, 65536.0), (True, 65536.0), (False, 32768.0), (False, 32768.0)]

@@ -83,3 +83,13 @@ def test_the_table_has_a_line_per_check():
     rows = [gpu_check.Row("GPUs", True, "1 × NVIDIA H200"), gpu_check.Row("bench", False, "x")]
     assert gpu_check.table(rows).splitlines()[2:] == ["GPUs   ok      1 × NVIDIA H200",
                                                       "bench  FAILED  x"]
+
+
+def test_a_torch_that_sees_no_gpu_says_why_in_its_own_words():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine's torch sees a GPU")
+    machine, why = gpu_check.probe(sys.executable)
+    assert machine is None
+    assert "CUDA" in why  # a CPU build: "Torch not compiled with CUDA enabled", torch's words

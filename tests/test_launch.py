@@ -96,6 +96,7 @@ def test_calls_run_back_to_back():
     (1.5, {}, "world_size must be a positive integer"),
     (2, {"timeout": 0}, "timeout must be a positive number of seconds, got 0"),
     (2, {"collective_timeout": float("inf")}, "collective_timeout must be a positive number"),
+    (64, {"backend": "nccl"}, "the nccl backend needs a GPU per rank: 64 ranks on this machine"),
 ])
 def test_bad_arguments_are_rejected_before_launch(world_size, timeouts, message):
     with pytest.raises(ValueError, match=message):
