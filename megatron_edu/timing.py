@@ -12,8 +12,8 @@ the perf_counter time of an origin event synchronised when the clock was made �
 either device, and CPU-side times such as a completion callback's, share one axis.
 
 ``BucketTimer`` uses it beside the data-parallel algorithm: ``DataParallel`` tells it three moments
-per gradient bucket (ready, launched, done — completion is the moment the collective's future
-resolves), the overlap notebook 06 draws; nothing in the bucket algorithm depends on them.
+per gradient bucket (ready, launched, done — on a GPU, an event behind the collective on its
+stream), the overlap notebook 06 draws; nothing in the bucket algorithm depends on them.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ class BucketTimer:
 
     def on_launch(self, index: int, work: dist.Work | None) -> None:
         """Bucket ``index``'s collective started (``work`` None: it ran synchronously)."""
-        self.launched[index] = (self.clock.stamp(), _completion_time(work))
+        self.launched[index] = (self.clock.stamp(), _completion_time(work, self.clock))
 
     def collect(self, sizes: list[int]) -> list[BucketTiming]:
         """Every bucket's timing (call after waiting for all); resets for the next step."""
@@ -91,14 +91,21 @@ class BucketTimer:
             launched, done = self.launched.pop(index)
             ready = self.ready.pop(index, launched)
             timings.append(BucketTiming(index, nbytes, self.clock.seconds(ready),
-                                        self.clock.seconds(launched), done.wait()))
+                                        self.clock.seconds(launched),
+                                        self.clock.seconds(done.wait())))
         return timings
 
 
-def _completion_time(work: dist.Work | None) -> torch.futures.Future:
-    """A future whose value is the time the collective completed (now, if it is done)."""
+def _completion_time(work: dist.Work | None, clock: Clock) -> torch.futures.Future:
+    """A future whose value stamps the collective's completion (now, if it ran synchronously).
+
+    On NCCL the future completes when the work is *queued*, not done, and its callback runs on
+    the current stream made to wait for the communication stream (``torch.futures.Future.then``):
+    a CUDA event recorded there completes when the all-reduce does — a CPU clock would give the
+    launch time. On gloo the callback runs when the work is done, and the CPU clock is right.
+    """
     if work is None:
         done = torch.futures.Future()
-        done.set_result(time.perf_counter())
+        done.set_result(clock.stamp())
         return done
-    return work.get_future().then(lambda _: time.perf_counter())
+    return work.get_future().then(lambda _: clock.stamp())
