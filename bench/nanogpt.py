@@ -2,7 +2,9 @@
 
 The same math as ``megatron_edu.model.GPT`` at tp = pp = 1 (Radford et al. 2019; the layout of
 Karpathy's nanoGPT ``model.py``): learned positions, pre-LN blocks, causal self-attention through
-``F.scaled_dot_product_attention``, a tanh-GeLU MLP of 4h, a final layer norm, an output layer
+``F.scaled_dot_product_attention`` — or, with ``explicit_attention``, the same explicit core as
+megatron-edu's unfused model (scores, causal mask, softmax, dropout, · V), so that each is compared
+like with like —, a tanh-GeLU MLP of 4h, a final layer norm, an output layer
 tied to the word embedding, ``F.cross_entropy``. Nothing parallel, nothing counted, no RNG
 streams: plain ``nn.Linear``, ``nn.LayerNorm``, ``nn.Embedding`` and ``nn.Dropout``.
 
@@ -18,6 +20,8 @@ Two choices let weights move across unchanged:
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -26,9 +30,9 @@ from megatron_edu.model import GPTConfig
 
 
 class Attention(nn.Module):
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, explicit: bool = False) -> None:
         super().__init__()
-        self.head_dim, self.dropout = config.head_dim, config.dropout
+        self.head_dim, self.dropout, self.explicit = config.head_dim, config.dropout, explicit
         self.qkv = nn.Linear(config.hidden, 3 * config.hidden)
         self.proj = nn.Linear(config.hidden, config.hidden)
 
@@ -37,7 +41,13 @@ class Attention(nn.Module):
         qkv = self.qkv(x).view(b, s, -1, 3, self.head_dim)     # [b, s, heads, 3, d]
         q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)         # each [b, heads, s, d]
         p = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        if self.explicit:
+            scores = q @ k.transpose(-2, -1) * (1.0 / math.sqrt(self.head_dim))  # [b, a, s, s]
+            future = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
+            probs = F.dropout(scores.masked_fill(future, float("-inf")).softmax(-1), p)
+            y = probs @ v
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(b, s, -1))  # [b, s, h]
 
 
@@ -52,10 +62,10 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, explicit_attention: bool = False) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(config.hidden, eps=config.layernorm_eps)
-        self.attn = Attention(config)
+        self.attn = Attention(config, explicit_attention)
         self.ln2 = nn.LayerNorm(config.hidden, eps=config.layernorm_eps)
         self.mlp = MLP(config)
         self.dropout = nn.Dropout(config.dropout)
@@ -78,12 +88,14 @@ class Embedding(nn.Module):
 
 
 class GPT(nn.Module):
-    """``GPT(config)(ids, labels)`` is the mean cross entropy; without labels, the logits."""
+    """``GPT(config)(ids, labels)`` is the mean cross entropy; without labels, the logits.
+    ``explicit_attention``: the attention core op by op, as megatron-edu's unfused model has it."""
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, explicit_attention: bool = False) -> None:
         super().__init__()
         self.embedding = Embedding(config)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        self.blocks = nn.ModuleList(Block(config, explicit_attention)
+                                    for _ in range(config.num_layers))
         self.ln_f = nn.LayerNorm(config.hidden, eps=config.layernorm_eps)
 
     def forward(self, ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:

@@ -5,7 +5,10 @@ step; the benchmark alternates their training steps and reports the overhead of 
     overhead = t(megatron-edu) / t(plain) − 1,     target ≤ 3 %.
 At size 1 every parallel layer should *be* the plain layer (DESIGN principle 1), so what is left
 is the price of the abstractions: the no-op f/g calls, the dropout RNG streams, the
-vocabulary-parallel cross entropy at one rank.
+vocabulary-parallel cross entropy at one rank. Like with like: ``--attention explicit`` (the CPU's
+default) holds the unfused model against the plain GPT with the same explicit attention core;
+``--attention sdpa`` (a GPU's default) holds ``fused=True`` against the plain GPT's
+``scaled_dot_product_attention`` — a GPU would otherwise time attention kernels, not overhead.
 
     python -m bench.overhead                              # CPU, fp32: 6 layers, hidden 384
     python -m bench.overhead --device cuda --dtype bf16   # one GPU: a 350M GPT-2 medium shape
@@ -67,9 +70,10 @@ def training_step(model: nn.Module, device: Device, ids: torch.Tensor,
 
 
 def twin_models(config: GPTConfig, device: Device) -> tuple[GPT, nanogpt.GPT]:
-    """megatron-edu's GPT and the plain one, with the same weights, on ``device``."""
+    """megatron-edu's GPT and the plain one, with the same weights and the same kind of
+    attention core (fused: SDPA on both sides; unfused: the explicit core), on ``device``."""
     ours = GPT(config)
-    plain = nanogpt.GPT(config)
+    plain = nanogpt.GPT(config, explicit_attention=not config.fused)
     plain.load_state_dict(ours.full_state_dict())
     return ours.to(device.torch), plain.to(device.torch)
 
@@ -91,15 +95,20 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     device_arguments(parser)
     parser.add_argument("--rounds", type=int, default=24)
+    parser.add_argument("--attention", choices=("explicit", "sdpa"),
+                        help="the attention core on both sides (default: explicit on a CPU, "
+                        "sdpa — megatron-edu's fused=True — on a GPU)")
     args = parser.parse_args(argv)
     device = require_device(args.device, args.dtype, args.threads)
-    config = model_config(device)
+    attention = args.attention or ("explicit" if device.type == "cpu" else "sdpa")
+    config = model_config(device, fused=attention == "sdpa")
     batch = BATCH[device.type]
     ids, labels = random_batch(config, batch, device)
     ours, plain = twin_models(config, device)
     loss = check_same_math(ours, plain, ids, labels, device)
     print(f"(a) overhead at tp=pp=dp=1 on {device.describe()}: {config.num_layers} layers, "
-          f"hidden {config.hidden}, seq {config.seq_len}, batch {batch}; same loss {loss:.4f}")
+          f"hidden {config.hidden}, seq {config.seq_len}, batch {batch}, {attention} attention "
+          f"on both sides; same loss {loss:.4f}")
     times = alternate({"megatron-edu": training_step(ours, device, ids, labels),
                        "plain": training_step(plain, device, ids, labels)},
                       args.rounds, warmup=1, sync=device.synchronize)
@@ -113,7 +122,7 @@ def main(argv: list[str] | None = None) -> dict:
         overhead.median <= TARGET_PERCENT,
         config=dict(device=device.describe(), batch=batch, layers=config.num_layers,
                     hidden=config.hidden, heads=config.num_heads, seq=config.seq_len,
-                    vocab=config.vocab_size, dropout=config.dropout),
+                    vocab=config.vocab_size, dropout=config.dropout, attention=attention),
         extra={"cpu_time_overhead_percent": cpu_overhead.median, "step_s": step_s,
                "tokens_per_s": {name: tokens / s for name, s in step_s.items()}},
     )
