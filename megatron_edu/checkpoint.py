@@ -16,6 +16,12 @@ A checkpoint is a folder ``OUT/checkpoints/step_000100/`` holding
 renames the folder in one step and then points ``OUT/checkpoints/latest`` at it (also by rename).
 A crash at any moment leaves the previous checkpoint and ``latest`` as they were.
 
+**Truthful.** Nothing is written unless every rank's weights and AdamW moments are finite
+(``NonFiniteError``); a write that fails on any rank — a full disk, a quota — raises the same
+``CheckpointError`` on all of them, naming the folder and the cause, and removes the partial
+``.tmp`` folder: no rank waits at a barrier for one that gave up. ``checkpoint_bytes`` estimates
+a checkpoint's size before a run starts.
+
 **Reshardable, read in slices.** A checkpoint stores shards, yet loads into any other
 tp × pp × dp — so a run saved at tp=2, pp=2 resumes at tp=1, pp=4 (2104.04473 trains at one
 layout; a learner tries several) — and no rank ever builds a whole tensor. Think of the whole
@@ -179,8 +185,10 @@ def _write_failure(err: BaseException) -> str:
     """What a failed write says: lack of space (ENOSPC, a full quota, or torch.save's zip writer
     failing as the disk fills: ``unexpected pos``, ``file write failed``) in so many words."""
     text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
-        return f"no space left on the device ({err.strerror})"
+    if isinstance(err, OSError) and err.errno == errno.ENOSPC:
+        return "no space left on the device"
+    if isinstance(err, OSError) and err.errno == errno.EDQUOT:
+        return "the disk quota is exceeded"
     if isinstance(err, RuntimeError) and any(s in str(err) for s in ("unexpected pos",
                                                                      "file write failed")):
         return f"a write failed, most likely the disk is full (torch.save: {text})"
@@ -504,10 +512,11 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, force: bool = False) 
     if out_dir.exists() and not out_dir.is_dir():
         raise FileExistsError(f"{out_dir} is a file: export-hf writes a folder (give a new or "
                               f"an empty one)")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
-        raise FileExistsError(f"{out_dir} is not empty ({len(list(out_dir.iterdir()))} "
-                              f"entries): give a new or an empty folder, or pass --force to "
-                              f"write into it")
+    held = len(list(out_dir.iterdir())) if out_dir.is_dir() else 0
+    if held and not force:
+        entries = "1 entry" if held == 1 else f"{held} entries"
+        raise FileExistsError(f"{out_dir} is not empty ({entries}): give a new or an empty "
+                              f"folder, or pass --force to write into it")
     meta = read_metadata(checkpoint)
     config = config_from_dict(meta["config"])
     if type(config) is not GPTConfig:

@@ -273,7 +273,7 @@ def test_export_hf_refuses_a_file_or_a_non_empty_folder(tmp_path, capsys):
                                        f"a folder (give a new or an empty one)\n")
     assert checkpoint.main(["export-hf", str(tmp_path), str(tmp_path / "full")]) == 2
     assert capsys.readouterr().err == (
-        f"error: {tmp_path / 'full'} is not empty (1 entries): give a new or an empty folder, "
+        f"error: {tmp_path / 'full'} is not empty (1 entry): give a new or an empty folder, "
         f"or pass --force to write into it\n")
     assert checkpoint.main(["export-hf", str(tmp_path / "run"), str(tmp_path / "new")]) == 2
     assert capsys.readouterr().err.startswith(f"error: no checkpoint at {tmp_path / 'run'}")
