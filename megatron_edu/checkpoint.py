@@ -98,7 +98,7 @@ def save_checkpoint(out_dir: str | Path, step: int, trainer: PTDP,
     if not _all_ranks(_finite(trainer), grid):
         raise NonFiniteError(f"checkpoint {final.name} not written: the weights or the "
                              f"optimizer state hold NaN or inf values")
-    phases = _Phases(root, final, grid)
+    phases = _Phases(root, final)
 
     def prepare() -> None:
         shutil.rmtree(staging, ignore_errors=True)  # the leftovers of a crashed save
@@ -154,8 +154,8 @@ class _Phases:
     """A save's phases, each ended by every rank learning whether any rank's part failed (an
     all-gather of the errors, which is also the barrier between phases)."""
 
-    def __init__(self, root: Path, final: Path, grid: ParallelGrid) -> None:
-        self.root, self.final, self.grid = root, final, grid
+    def __init__(self, root: Path, final: Path) -> None:
+        self.root, self.final = root, final
 
     def run(self, action, mine: bool) -> None:
         """``action()`` if ``mine``; then a CheckpointError on every rank if any rank failed."""
@@ -184,7 +184,7 @@ class _Phases:
 def _write_failure(err: BaseException) -> str:
     """What a failed write says: lack of space (ENOSPC, a full quota, or torch.save's zip writer
     failing as the disk fills: ``unexpected pos``, ``file write failed``) in so many words."""
-    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    text = (str(err).strip() or type(err).__name__).splitlines()[0]
     if isinstance(err, OSError) and err.errno == errno.ENOSPC:
         return "no space left on the device"
     if isinstance(err, OSError) and err.errno == errno.EDQUOT:
