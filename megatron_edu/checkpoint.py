@@ -16,6 +16,12 @@ A checkpoint is a folder ``OUT/checkpoints/step_000100/`` holding
 renames the folder in one step and then points ``OUT/checkpoints/latest`` at it (also by rename).
 A crash at any moment leaves the previous checkpoint and ``latest`` as they were.
 
+**Truthful.** Nothing is written unless every rank's weights and AdamW moments are finite
+(``NonFiniteError``); a write that fails on any rank — a full disk, a quota — raises the same
+``CheckpointError`` on all of them, naming the folder and the cause, and removes the partial
+``.tmp`` folder: no rank waits at a barrier for one that gave up. ``checkpoint_bytes`` estimates
+a checkpoint's size before a run starts.
+
 **Reshardable, read in slices.** A checkpoint stores shards, yet loads into any other
 tp × pp × dp — so a run saved at tp=2, pp=2 resumes at tp=1, pp=4 (2104.04473 trains at one
 layout; a learner tries several) — and no rank ever builds a whole tensor. Think of the whole
@@ -34,9 +40,11 @@ same read of the range ``[0, whole)`` of every tensor.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -46,15 +54,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_edu.grid import ParallelGrid
+from megatron_edu import comm
+from megatron_edu.cli import Parser
+from megatron_edu.grid import Layout, ParallelGrid
 from megatron_edu.model import GPTConfig, config_from_dict
 from megatron_edu.model.transformer import WORD_EMBEDDING
+from megatron_edu.perf.memory import parameters_per_rank
 from megatron_edu.ptdp import PTDP
 
 __all__ = ["save_checkpoint", "load_checkpoint", "load_model_chunks", "read_metadata",
            "load_full_model_state",
            "resolve_checkpoint", "check_model", "export_hf", "Read",
-           "CheckpointError"]
+           "CheckpointError", "NonFiniteError", "checkpoint_bytes", "withdraw_checkpoint"]
 
 FORMAT = 1
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -73,20 +84,27 @@ def save_checkpoint(out_dir: str | Path, step: int, trainer: PTDP,
 
     ``state``: anything else a resumed run needs (the data sampler's position, ...), JSON-able.
     ``tokenizer``: a sentencepiece model, copied in so that the checkpoint stands on its own.
+
+    Every rank agrees before anything is written that no weight or AdamW moment is NaN or inf
+    (else a ``NonFiniteError``, nothing written), and after each phase that no rank's write
+    failed: one rank's full disk raises the same ``CheckpointError`` on every rank — naming the
+    folder and the cause — instead of leaving the others waiting at a barrier. Either way the
+    previous checkpoint and ``latest`` stay as they were.
     """
     root = Path(out_dir) / "checkpoints"
     final = root / f"step_{step:06d}"
     staging = root / f"step_{step:06d}.tmp"
     grid = trainer.grid
-    if grid.rank == 0:
+    if not _all_ranks(_finite(trainer), grid):
+        raise NonFiniteError(f"checkpoint {final.name} not written: the weights or the "
+                             f"optimizer state hold NaN or inf values")
+    phases = _Phases(root, final)
+
+    def prepare() -> None:
         shutil.rmtree(staging, ignore_errors=True)  # the leftovers of a crashed save
         staging.mkdir(parents=True)
-    dist.barrier()
-    shards = _local_shards(trainer)                  # collective over tp (and dp for ZeRO-1)
-    if grid.dp_rank == 0:
-        torch.save(shards, staging / f"model_tp{grid.tp_rank}_pp{grid.pp_rank}.pt")
-    dist.barrier()
-    if grid.rank == 0:
+
+    def publish() -> None:
         if tokenizer is not None:
             shutil.copyfile(tokenizer, staging / TOKENIZER)
         meta = {"format": FORMAT, "step": step, "config": vars(trainer.config),
@@ -101,8 +119,103 @@ def save_checkpoint(out_dir: str | Path, step: int, trainer: PTDP,
             shutil.rmtree(final)
         os.replace(staging, final)
         _write_atomically(root / "latest", final.name)
-    dist.barrier()
+
+    try:
+        phases.run(prepare, grid.rank == 0)
+        shards = _local_shards(trainer)              # collective over tp (and dp for ZeRO-1)
+        phases.run(lambda: torch.save(shards, staging / f"model_tp{grid.tp_rank}_pp"
+                                                         f"{grid.pp_rank}.pt"), grid.dp_rank == 0)
+        phases.run(publish, grid.rank == 0)
+    except CheckpointError:
+        if grid.rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)  # give the space back
+        raise
     return final
+
+
+class NonFiniteError(CheckpointError):
+    """A checkpoint was not written: the weights or the optimizer state are not finite."""
+
+
+def _finite(trainer: PTDP) -> bool:
+    """Are this rank's weights and AdamW moments (under ZeRO-1 its shard of them) finite?"""
+    states = trainer.optimizer.state.values()
+    tensors = [*trainer.parameters(), *(s[k] for s in states for k in MOMENTS if k in s)]
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def _all_ranks(ok: bool, grid: ParallelGrid) -> bool:
+    """True on every rank if ``ok`` is true on every rank (one all-reduce)."""
+    bad = torch.tensor(float(not ok), device=grid.device)
+    return comm.all_reduce(bad, comm.world(), "checkpoint check").item() == 0
+
+
+class _Phases:
+    """A save's phases, each ended by every rank learning whether any rank's part failed (an
+    all-gather of the errors, which is also the barrier between phases)."""
+
+    def __init__(self, root: Path, final: Path) -> None:
+        self.root, self.final = root, final
+
+    def run(self, action, mine: bool) -> None:
+        """``action()`` if ``mine``; then a CheckpointError on every rank if any rank failed."""
+        error = None
+        if mine:
+            try:
+                action()
+            except (OSError, RuntimeError) as err:
+                error = _write_failure(err)
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
+        if failed:
+            rank, cause = failed[0]
+            raise CheckpointError(f"cannot write checkpoint {self.final.name} in {self.root}: "
+                                  f"{cause} (rank {rank}); {self._previous()}")
+
+    def _previous(self) -> str:
+        latest = self.root / "latest"
+        if not latest.exists():
+            return "no earlier checkpoint was saved"
+        return f"the previous checkpoint {latest.read_text().strip()} is intact and latest " \
+               f"still names it"
+
+
+def _write_failure(err: BaseException) -> str:
+    """What a failed write says: lack of space (ENOSPC, a full quota, or torch.save's zip writer
+    failing as the disk fills: ``unexpected pos``, ``file write failed``) in so many words."""
+    text = (str(err).strip() or type(err).__name__).splitlines()[0]
+    if isinstance(err, OSError) and err.errno == errno.ENOSPC:
+        return "no space left on the device"
+    if isinstance(err, OSError) and err.errno == errno.EDQUOT:
+        return "the disk quota is exceeded"
+    if isinstance(err, RuntimeError) and any(s in str(err) for s in ("unexpected pos",
+                                                                     "file write failed")):
+        return f"a write failed, most likely the disk is full (torch.save: {text})"
+    return text
+
+
+def checkpoint_bytes(config: GPTConfig, layout: Layout) -> int:
+    """About how many bytes one checkpoint of this model and layout takes: every (tp, pp)
+    position's parameters, fp32, and their two AdamW moments — 12 bytes a parameter, the
+    vocabulary padding and the tied embedding's second copy included."""
+    params = sum(parameters_per_rank(config, layout, stage) for stage in range(layout.pp))
+    return 12 * layout.tp * params
+
+
+def withdraw_checkpoint(out_dir: str | Path, step: int, previous: Path | None) -> None:
+    """Take back the checkpoint of ``step``, whose weights turned out to diverge: rename its
+    folder ``step_N.diverged`` (kept to look at, never loaded) and point ``latest`` at
+    ``previous`` if that is in the same folder, else remove ``latest``. Rank 0 alone."""
+    root = Path(out_dir) / "checkpoints"
+    folder = root / f"step_{step:06d}"
+    kept = folder.with_name(f"{folder.name}.diverged")
+    shutil.rmtree(kept, ignore_errors=True)
+    os.replace(folder, kept)
+    if previous is not None and previous.resolve().parent == root.resolve():
+        _write_atomically(root / "latest", previous.name)
+    else:
+        (root / "latest").unlink(missing_ok=True)
 
 
 def _local_shards(trainer: PTDP) -> dict[str, Any]:
@@ -386,11 +499,24 @@ def check_model(meta: dict[str, Any], config: GPTConfig) -> None:
 
 # --- export --------------------------------------------------------------------------------------
 
-def export_hf(checkpoint: str | Path, out_dir: str | Path) -> Path:
-    """Write a checkpoint (any layout) as a Hugging Face GPT-2 directory, tokenizer included."""
+def export_hf(checkpoint: str | Path, out_dir: str | Path, force: bool = False) -> Path:
+    """Write a checkpoint (any layout) as a Hugging Face GPT-2 directory, tokenizer included.
+
+    ``out_dir`` must be new or an empty folder, or ``force``: then files there of the same
+    names are overwritten. A FileExistsError otherwise, before anything is read or written.
+    """
     from megatron_edu.hf import save_hf_gpt2
     from megatron_edu.model import GPT
 
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise FileExistsError(f"{out_dir} is a file: export-hf writes a folder (give a new or "
+                              f"an empty one)")
+    held = len(list(out_dir.iterdir())) if out_dir.is_dir() else 0
+    if held and not force:
+        entries = "1 entry" if held == 1 else f"{held} entries"
+        raise FileExistsError(f"{out_dir} is not empty ({entries}): give a new or an empty "
+                              f"folder, or pass --force to write into it")
     meta = read_metadata(checkpoint)
     config = config_from_dict(meta["config"])
     if type(config) is not GPTConfig:
@@ -398,7 +524,6 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path) -> Path:
                               f"exports as Hugging Face GPT-2")
     model = GPT(config)
     model.load_full_state_dict(load_full_model_state(checkpoint))
-    out_dir = Path(out_dir)
     save_hf_gpt2(model, out_dir)
     if meta["tokenizer"] is not None:
         shutil.copyfile(meta["tokenizer"], out_dir / TOKENIZER)
@@ -406,19 +531,27 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """python -m megatron_edu.checkpoint export-hf RUN_OR_CHECKPOINT OUT_DIR"""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m megatron_edu.checkpoint")
+    """python -m megatron_edu.checkpoint export-hf RUN_OR_CHECKPOINT OUT_DIR [--force]; the exit
+    status: 0, 2 when refused (no such checkpoint, OUT a file or not empty), 1 when a write
+    fails."""
+    parser = Parser(prog="python -m megatron_edu.checkpoint")
     commands = parser.add_subparsers(dest="command", required=True)
     export = commands.add_parser("export-hf", help="write a Hugging Face GPT-2 directory")
     export.add_argument("checkpoint", help="a run folder (its latest checkpoint) or a checkpoint")
-    export.add_argument("out", help="the directory to write")
-    args = parser.parse_args(argv)
+    export.add_argument("out", help="the directory to write: new or empty")
+    export.add_argument("--force", action="store_true", help="write into a non-empty OUT")
     try:
-        print(f"wrote {export_hf(args.checkpoint, args.out)}")
-    except CheckpointError as err:
-        parser.error(str(err))
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:
+        return int(exit_.code or 0)
+    try:
+        print(f"wrote {export_hf(args.checkpoint, args.out, args.force)}")
+    except (CheckpointError, FileExistsError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:
+        print(f"error: cannot write {args.out}: {_write_failure(err)}", file=sys.stderr)
+        return 1
     return 0
 
 

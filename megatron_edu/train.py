@@ -20,6 +20,17 @@ global norm is clipped; AdamW steps with warm-up and cosine decay (2104.04473 §
 Rank 0 shows a progress bar (loss, tokens/s, MFU), appends one JSON record per step and per
 validation to ``OUT/log.jsonl``, saves checkpoints to ``OUT/checkpoints/`` and finally draws
 ``OUT/loss.png`` and samples some text.
+
+**When it goes wrong** (docs/troubleshooting.md). Before launch: every number is checked as it
+is read (``megatron_edu.cli``), their relations and the data by ``validate``/``check_data``; the
+run takes a lock on ``--out``, which must be writable with room for a checkpoint
+(``run_folder``). During the run a *bad step* — a non-finite loss, or a step skipped for a
+non-finite gradient norm — is reported, in a line and in its record's ``reason``;
+``--max-bad-steps`` of them in a row stop every rank together with one line: since when, the
+likely cause, the last good checkpoint. No checkpoint is written after a bad step or of
+non-finite weights; one written just before the first bad step is withdrawn. A checkpoint
+write that fails (a full disk) stops the run with one line, the previous checkpoint intact.
+Exit status: 0 trained, 2 refused before any rank started, 1 failed or stopped.
 """
 
 from __future__ import annotations
@@ -37,7 +48,24 @@ from typing import Any
 import torch
 
 from megatron_edu import comm
-from megatron_edu.checkpoint import check_model, load_checkpoint, read_metadata, save_checkpoint
+from megatron_edu.checkpoint import (
+    CheckpointError,
+    NonFiniteError,
+    check_model,
+    checkpoint_bytes,
+    load_checkpoint,
+    read_metadata,
+    save_checkpoint,
+    withdraw_checkpoint,
+)
+from megatron_edu.cli import (
+    Parser,
+    nonnegative_float,
+    nonnegative_int,
+    positive_float,
+    positive_int,
+    probability,
+)
 from megatron_edu.data import BatchSampler, TokenDataset, prepare_data, unigram_entropy
 from megatron_edu.data.bert import prepare_bert_data
 from megatron_edu.grid import Layout, ParallelGrid
@@ -50,26 +78,38 @@ from megatron_edu.perf.flops import datasheet_peak_flops, measure_matmul_flops
 from megatron_edu.pipeline.engine import build_chunks
 from megatron_edu.pipeline.schedules import SCHEDULES
 from megatron_edu.ptdp import PTDP, PTDPOptions, StepResult
+from megatron_edu.run_folder import (
+    RunFolderError,
+    acquire_lock,
+    check_space,
+    format_bytes,
+    prepare_folder,
+    refresh_lock,
+    release_lock,
+)
 
-__all__ = ["parse_args", "validate", "main", "train"]
+__all__ = ["parse_args", "validate", "check_data", "main", "train", "BACKENDS"]
+
+BACKENDS = ("auto", "gloo", "nccl")
 
 
 # --- the command line ----------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line: layout, model, optimisation, data and run flags."""
-    p = argparse.ArgumentParser(prog="python -m megatron_edu.train", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="python -m megatron_edu.train", description=__doc__,
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     layout = p.add_argument_group("layout (2104.04473 §3)")
-    layout.add_argument("--nproc", type=int, help="local ranks to start (default tp·pp·dp; "
-                        "ignored under torchrun)")
-    layout.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-    layout.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
-    layout.add_argument("--dp", type=int, help="data-parallel size (default: world / (tp·pp))")
+    layout.add_argument("--nproc", type=positive_int, help="local ranks to start (default "
+                        "tp·pp·dp; ignored under torchrun)")
+    layout.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size")
+    layout.add_argument("--pp", type=positive_int, default=1, help="pipeline-parallel size")
+    layout.add_argument("--dp", type=positive_int, help="data-parallel size (default: world / "
+                        "(tp·pp))")
     layout.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b",
                         help="zb-*: zero-bubble schedules (2401.10241), the backward split into "
                         "input and weight gradients; zb-v places 2 chunks per rank in a V")
-    layout.add_argument("--chunks", type=int, help="model chunks per pipeline rank v "
+    layout.add_argument("--chunks", type=positive_int, help="model chunks per pipeline rank v "
                         "(the interleaved schedule needs it; default: the schedule's own, zb-v 2, "
                         "others 1)")
     layout.add_argument("--zero1", action="store_true", help="shard optimizer state over dp")
@@ -84,8 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "1909.08053 Figure 7")
     model.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     for name in ("layers", "hidden", "heads", "seq-len", "vocab-size"):
-        model.add_argument(f"--{name}", type=int, help="override the preset")
-    model.add_argument("--dropout", type=float, default=0.0)
+        model.add_argument(f"--{name}", type=positive_int, help="override the preset")
+    model.add_argument("--dropout", type=probability, default=0.0)
     model.add_argument("--recompute", nargs="?", const="full", default="none",
                        choices=list(RECOMPUTE),
                        help="activation recomputation: the whole layer (full; the flag alone) or "
@@ -95,15 +135,18 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--fused", action="store_true", help="fused kernels: attention, bias+GeLU, "
                        "bias+dropout+add (2104.04473 §4.2; torch.compile on first use)")
     opt = p.add_argument_group("optimisation")
-    opt.add_argument("--steps", type=int, default=600)
-    opt.add_argument("--micro-batch", type=int, default=4, help="sequences per microbatch (b)")
-    opt.add_argument("--global-batch", type=int, default=16, help="sequences per step (B)")
-    opt.add_argument("--lr", type=float, default=3e-3)
-    opt.add_argument("--min-lr", type=float, default=1e-4)
-    opt.add_argument("--warmup", type=int, default=60)
-    opt.add_argument("--weight-decay", type=float, default=0.1)
-    opt.add_argument("--clip", type=float, default=1.0)
-    opt.add_argument("--seed", type=int, default=1234)
+    opt.add_argument("--steps", type=positive_int, default=600)
+    opt.add_argument("--micro-batch", type=positive_int, default=4,
+                     help="sequences per microbatch (b)")
+    opt.add_argument("--global-batch", type=positive_int, default=16,
+                     help="sequences per step (B)")
+    opt.add_argument("--lr", type=positive_float, default=3e-3)
+    opt.add_argument("--min-lr", type=nonnegative_float, default=1e-4)
+    opt.add_argument("--warmup", type=nonnegative_int, default=60)
+    opt.add_argument("--weight-decay", type=nonnegative_float, default=0.1)
+    opt.add_argument("--clip", type=nonnegative_float, default=1.0,
+                     help="max global gradient norm; 0: no clipping")
+    opt.add_argument("--seed", type=nonnegative_int, default=1234)
     opt.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
                      help="auto: bf16 autocast on GPUs, fp32 on CPUs; fp16: autocast with "
                      "dynamic loss scaling (1909.08053); weights stay fp32")
@@ -113,9 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--cache-dir", type=Path, help="default ~/.cache/megatron_edu")
     run_ = p.add_argument_group("run")
     run_.add_argument("--out", type=Path, default=Path("runs/default"))
-    run_.add_argument("--eval-interval", type=int, default=50)
-    run_.add_argument("--eval-batches", type=int, default=4)
-    run_.add_argument("--save-interval", type=int, default=100)
+    run_.add_argument("--eval-interval", type=positive_int, default=50)
+    run_.add_argument("--eval-batches", type=positive_int, default=4)
+    run_.add_argument("--save-interval", type=positive_int, default=100)
     run_.add_argument("--resume", nargs="?", const="auto", default=None,
                       help="resume from OUT's latest checkpoint, or from the given one (any "
                       "layout; the lr schedule follows this run's --steps)")
@@ -123,9 +166,18 @@ def build_parser() -> argparse.ArgumentParser:
                       "or 'measured' (a matmul timed on every rank); default: the GPU's "
                       "datasheet dense bf16 peak (A100, H100, H200), measured where none applies "
                       "(a CPU)")
-    run_.add_argument("--sample-tokens", type=int, default=60, help="text to generate at the end")
+    run_.add_argument("--sample-tokens", type=nonnegative_int, default=60,
+                      help="text to generate at the end")
     run_.add_argument("--no-progress", action="store_true", help="no progress bar")
-    run_.add_argument("--backend", default="auto")
+    run_.add_argument("--backend", choices=BACKENDS, default="auto",
+                      help="auto: NCCL when every local rank has a GPU, else gloo (CPU)")
+    run_.add_argument("--max-bad-steps", type=positive_int, default=5,
+                      help="stop after this many bad steps in a row (a non-finite loss, or a "
+                      "skipped step: a non-finite gradient norm; under fp16, skips count only "
+                      "once the loss scale is down to 1)")
+    run_.add_argument("--collective-timeout", type=positive_float, default=30.0,
+                      metavar="MINUTES", help="how long a collective may wait for its peers "
+                      "before the rank fails (a stuck or dead peer)")
     return p
 
 
@@ -138,7 +190,7 @@ def model_config(args: argparse.Namespace) -> GPTConfig:
     """The model the flags describe: the preset, with the sizes and switches given."""
     overrides = {field: getattr(args, attr) for field, attr in (
         ("num_layers", "layers"), ("hidden", "hidden"), ("num_heads", "heads"),
-        ("seq_len", "seq_len"), ("vocab_size", "vocab_size")) if getattr(args, attr)}
+        ("seq_len", "seq_len"), ("vocab_size", "vocab_size")) if getattr(args, attr) is not None}
     if "hidden" in overrides:
         overrides["ffn_hidden"] = 0  # back to 4h
     config_class = BertConfig if args.model == "bert" else GPTConfig
@@ -156,28 +208,32 @@ class Plan:
 
 
 def validate(args: argparse.Namespace, world_size: int | None = None) -> Plan:
-    """Every check that can fail, before any rank starts; a ValueError names the numbers."""
+    """Every check that can fail, before any rank starts; a ValueError names the numbers.
+
+    The parser has checked each number on its own (``megatron_edu.cli``); here are the checks
+    that involve several of them, the data files and the checkpoint to resume from. The data's
+    size needs the data: ``check_data``."""
     world = world_size or args.nproc or args.tp * args.pp * (args.dp or 1)
     if args.dp is None:
         if world % (args.tp * args.pp):
             raise ValueError(f"{world} ranks do not divide into tp·pp = {args.tp}·{args.pp}")
         args.dp = world // (args.tp * args.pp)
-    if min(args.dp, args.micro_batch) >= 1 and args.global_batch % (args.dp * args.micro_batch):
+    if args.global_batch % (args.dp * args.micro_batch):
         raise ValueError(f"global batch {args.global_batch} is not divisible by dp·micro-batch "
                          f"= {args.dp}·{args.micro_batch}: each replica runs whole microbatches")
     layout = Layout(args.tp, args.pp, args.dp, args.schedule, args.chunks, args.micro_batch,
-                    args.global_batch // max(args.dp * args.micro_batch, 1), args.zero1)
+                    args.global_batch // (args.dp * args.micro_batch), args.zero1)
     layout.check_world(world)
     config = model_config(args)
     layout.check(config)
     if args.sequence_parallel and args.tp == 1:
         raise ValueError("--sequence-parallel splits the sequence over the tensor-parallel "
                          "ranks: it needs --tp > 1")
-    for name in ("steps", "eval_interval", "eval_batches", "save_interval"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
-    if not 0 <= args.min_lr <= args.lr:
-        raise ValueError(f"need 0 <= --min-lr ({args.min_lr}) <= --lr ({args.lr})")
+    if not args.min_lr <= args.lr:
+        raise ValueError(f"--min-lr {args.min_lr:g} must be at most --lr {args.lr:g}")
+    if args.backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("--backend nccl needs CUDA GPUs, and this machine shows none "
+                         "(torch.cuda.is_available() is False): use --backend gloo or auto")
     for source in args.data:
         if source not in ("default", "wikitext103") and not Path(source).exists():
             raise FileNotFoundError(f"--data {source}: no such file or folder")
@@ -188,10 +244,21 @@ def validate(args: argparse.Namespace, world_size: int | None = None) -> Plan:
     return Plan(layout, config)
 
 
+def check_data(args: argparse.Namespace, train_set: TokenDataset) -> None:
+    """Raise a ValueError unless the training split holds one global batch of sequences."""
+    if args.global_batch > len(train_set):
+        raise ValueError(f"--global-batch {args.global_batch} is larger than the training data: "
+                         f"it holds {len(train_set)} sequences of {train_set.seq_len} tokens "
+                         f"(give a smaller --global-batch or --seq-len, or more --data)")
+
+
 # --- one rank's training loop --------------------------------------------------------------------
 
 def train(args: argparse.Namespace, plan: Plan) -> dict[str, Any]:
-    """Run on every rank; returns a summary (the same on every rank)."""
+    """Run on every rank; returns a summary, the same on every rank. A run that stops early —
+    it diverged (``--max-bad-steps``), or a checkpoint could not be written — returns only
+    ``{"error": one line saying why}``: no text is sampled from broken weights, no curve drawn.
+    """
     grid = ParallelGrid(plan.layout)
     torch.manual_seed(args.seed)
     config = plan.config
@@ -200,25 +267,111 @@ def train(args: argparse.Namespace, plan: Plan) -> dict[str, Any]:
         scatter_gather=not args.no_scatter_gather, lr=args.lr, weight_decay=args.weight_decay,
         clip=args.clip, loss_scaling=args.dtype == "fp16"))
     sampler = BatchSampler(len(train_set), args.global_batch, grid.dp_rank, grid.dp, args.seed)
-    start = _resume(args, trainer, sampler)
+    start, resumed_from = _resume(args, trainer, sampler)
+    saved: list[Path] = []                               # the checkpoints this run wrote
     log = _Log(args.out / "log.jsonl", grid.rank == 0, start)
     meter = _Meter(args, config, grid, log, start)
     autocast = _autocast(args, grid)
+    streak = _Streak(args.dtype == "fp16", grid)
     for step in range(start, args.steps):
         ids, labels = train_set.batch(next(sampler))
         lr = warmup_cosine(step, args.warmup, args.steps, args.lr, args.min_lr)
         with autocast:
             result = trainer.train_step(ids, labels, lr)
-        meter.step(step + 1, result, lr)
+        if grid.rank == 0:
+            refresh_lock(args.out)
+        meter.step(step + 1, result, lr, streak.update(step + 1, result))
+        if streak.count == args.max_bad_steps:
+            break
         if (step + 1) % args.eval_interval == 0 or step + 1 == args.steps:
             with autocast:
                 meter.validation(step + 1, _validate(args, trainer, val_set, grid))
         if (step + 1) % args.save_interval == 0 or step + 1 == args.steps:
-            scale = asdict(trainer.loss_scale) if trainer.loss_scale else None
-            save_checkpoint(args.out, step + 1, trainer, {"sampler": sampler.state_dict(),
-                            "data": args.data, "loss_scale": scale}, tokenizer.path)
+            try:
+                saved += _save(args, step + 1, trainer, sampler, tokenizer, streak, meter)
+            except CheckpointError as err:  # a write failed on some rank: every rank stops
+                meter.close()
+                return {"error": str(err)}
     meter.close()
+    if streak.count:
+        return {"error": _diverged(args, streak, resumed_from, saved, grid.rank == 0)}
     return _finish(args, trainer, tokenizer, log, train_set)
+
+
+def _save(args, step: int, trainer: PTDP, sampler: BatchSampler, tokenizer, streak: _Streak,
+          meter: _Meter) -> list[Path]:
+    """The checkpoint of ``step``, unless the step was bad or the weights are not finite (then
+    it says so, and none): never a checkpoint of broken weights."""
+    if streak.count:
+        meter.say(f"step {step}: checkpoint not saved: the step was bad ({streak.reason})")
+        return []
+    scale = asdict(trainer.loss_scale) if trainer.loss_scale else None
+    try:
+        return [save_checkpoint(args.out, step, trainer, {
+            "sampler": sampler.state_dict(), "data": args.data, "loss_scale": scale},
+            tokenizer.path)]
+    except NonFiniteError as err:
+        meter.say(f"step {step}: {err}")
+        return []
+
+
+def _diverged(args, streak: _Streak, resumed_from: Path | None, saved: list[Path],
+              rank0: bool) -> str:
+    """The one line that ends a diverged run. A checkpoint this run saved right before the
+    first bad step holds the weights that went bad: rank 0 withdraws it, ``latest`` going back
+    to the good one before (``checkpoint.withdraw_checkpoint``)."""
+    note = ""
+    if saved and saved[-1].name == f"step_{streak.first - 1:06d}":
+        bad = saved.pop()
+        if rank0:
+            withdraw_checkpoint(args.out, streak.first - 1, saved[-1] if saved else resumed_from)
+        note = (f" ({bad.name}, saved just before step {streak.first}, holds the weights that "
+                f"diverged: renamed {bad.name}.diverged)")
+    good = saved[-1] if saved else resumed_from
+    where = f"last good checkpoint: {good}" if good else "no good checkpoint was saved"
+    return f"{streak.describe(args)}; {where}{note}"
+
+
+class _Streak:
+    """Bad steps in a row, decided together by every rank.
+
+    A step is bad when its loss is not finite, or when it was skipped (a non-finite gradient
+    norm: no rank updated). Under fp16 a skip with a finite loss is the loss scale settling —
+    reported, not counted — unless the scale is already down to 1 (the unscaled gradients
+    overflow). Every rank holds the same loss and norm (all-reduced); the one all-reduce of
+    the verdict makes the agreement explicit, so that all stop at the same step and none waits
+    for a peer that has stopped.
+    """
+
+    def __init__(self, fp16: bool, grid: ParallelGrid) -> None:
+        self.fp16, self.grid = fp16, grid
+        self.count, self.first, self.loss, self.reason = 0, 0, 0.0, ""
+
+    def update(self, step: int, result: StepResult) -> str | None:
+        """Count ``step``; what was wrong with it (None: nothing)."""
+        reason = ("non-finite loss" if not math.isfinite(result.loss) else
+                  "non-finite gradient norm" if result.skipped else None)
+        counts = reason is not None and (reason == "non-finite loss" or not self.fp16
+                                         or result.loss_scale <= 1)
+        flag = torch.tensor(float(counts), device=self.grid.device)
+        if comm.all_reduce(flag, comm.world(), "bad step").item() > 0:
+            if not self.count:
+                self.first = step
+            self.count, self.loss, self.reason = self.count + 1, result.loss, reason or ""
+        else:
+            self.count = 0
+        return reason
+
+    def describe(self, args: argparse.Namespace) -> str:
+        """What went wrong, since when, and the likely cause."""
+        if math.isfinite(self.loss):
+            what = f"the gradient norm is not finite (the loss {self.loss:.3f})"
+        else:
+            what = f"the loss is {'NaN' if math.isnan(self.loss) else self.loss}"
+        until = "" if self.count == args.max_bad_steps else ", up to the last step"
+        hint = " (or fp16 overflows: try --dtype bf16)" if self.fp16 else ""
+        return (f"{what} since step {self.first} ({self.count} steps in a row{until}); the "
+                f"learning rate --lr {args.lr:g} is likely too high{hint}")
 
 
 def _data(args, config: GPTConfig):
@@ -229,17 +382,18 @@ def _data(args, config: GPTConfig):
     return prepare_data(source, config.vocab_size, config.seq_len, args.cache_dir)
 
 
-def _resume(args, trainer: PTDP, sampler: BatchSampler) -> int:
+def _resume(args, trainer: PTDP, sampler: BatchSampler) -> tuple[int, Path | None]:
+    """The step to start from, and the checkpoint read (None: a fresh start)."""
     if args.resume is None:
-        return 0
+        return 0, None
     path = args.out if args.resume == "auto" else Path(args.resume)
     if args.resume == "auto" and not (path / "checkpoints" / "latest").exists():
-        return 0  # nothing saved yet: start afresh
+        return 0, None  # nothing saved yet: start afresh
     meta = load_checkpoint(path, trainer)
     sampler.load_state_dict(meta["state"]["sampler"])
     if trainer.loss_scale and meta["state"].get("loss_scale"):  # fp16: where the scale was
         trainer.loss_scale = DynamicLossScale(**meta["state"]["loss_scale"])
-    return meta["step"]
+    return meta["step"], Path(meta["path"])
 
 
 def _validate(args, trainer: PTDP, val_set: TokenDataset, grid: ParallelGrid) -> float:
@@ -303,9 +457,10 @@ class _Meter:
                             file=sys.stdout, dynamic_ncols=True)
         self.last = time.perf_counter()
 
-    def step(self, step: int, result: StepResult, lr: float) -> None:
-        """One record per step; a step skipped for a non-finite gradient norm says so, and every
-        record counts the steps skipped so far."""
+    def step(self, step: int, result: StepResult, lr: float, problem: str | None) -> None:
+        """One record per step; a step skipped (a non-finite gradient norm) or with a
+        non-finite loss says so — ``problem`` — in its record and in a line, and every record
+        counts the steps skipped so far."""
         now = time.perf_counter()
         seconds, self.last = now - self.last, now
         mfu = model_flops_utilization(self.model_flops, seconds, self.peak_total)
@@ -315,9 +470,14 @@ class _Meter:
                   "grad_norm": None if result.skipped else result.grad_norm,
                   "skipped": result.skipped, "skipped_steps": self.skipped,
                   "tokens_per_s": self.tokens / seconds, "mfu": mfu, "hfu": hfu}
+        if problem:
+            record["reason"] = problem
         if self.fp16:
             record["loss_scale"] = result.loss_scale
         self.log.write(record)
+        if problem:
+            scale = f" at loss scale {result.loss_scale:g}" if self.fp16 else ""
+            self.say(f"step {step}: {'skipped: ' if result.skipped else ''}{problem}{scale}")
         if self.bar is not None:
             shown = dict(loss=f"{result.loss:.3f}", tok_s=f"{self.tokens / seconds:,.0f}",
                          mfu=f"{mfu:.0%}")
@@ -329,11 +489,18 @@ class _Meter:
             self.bar.update()
 
     def validation(self, step: int, val_loss: float) -> None:
-        self.log.write({"step": step, "val_loss": val_loss, "val_ppl": math.exp(val_loss)})
+        self.log.write({"step": step, "val_loss": val_loss, "val_ppl": _perplexity(val_loss)})
         if self.bar is not None:
             self.bar.write(f"step {step}: validation loss {val_loss:.3f}, "
-                           f"perplexity {math.exp(val_loss):.1f}")
+                           f"perplexity {_perplexity(val_loss):.1f}")
         self.last = time.perf_counter()  # validation time is not training throughput
+
+    def say(self, line: str) -> None:
+        """A line from rank 0, above the bar (or plain, without one)."""
+        if self.bar is not None:
+            self.bar.write(line)
+        elif self.log.active:
+            print(line, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -341,16 +508,14 @@ class _Meter:
 
 
 def _peak_tflops(text: str) -> float | str:
-    """``--peak-tflops``: a positive number, or 'measured'."""
+    """``--peak-tflops``: a finite number of TFLOP/s > 0, or 'measured'."""
     if text == "measured":
         return text
     try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected TFLOP/s > 0 or 'measured', got {text!r}")
-    return value
+        return positive_float(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"must be TFLOP/s > 0 or 'measured', "
+                                         f"got {text}") from None
 
 
 def _peak_flops(args, grid: ParallelGrid) -> float:
@@ -412,6 +577,11 @@ def _sample(args, trainer: PTDP, prompt: list[int]) -> list[int]:
                     seed=args.seed)
 
 
+def _perplexity(loss: float) -> float:
+    """exp(loss), inf where that overflows (a diverging run)."""
+    return math.inf if loss > 700 else math.exp(loss)
+
+
 def _median(values: list[float]) -> float | None:
     return sorted(values)[len(values) // 2] if values else None
 
@@ -419,30 +589,73 @@ def _median(values: list[float]) -> float | None:
 # --- entry point ---------------------------------------------------------------------------------
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m megatron_edu.train``: validate, launch the ranks, report; the exit status."""
-    args = parse_args(argv)
+    """``python -m megatron_edu.train``: check, launch the ranks, report; the exit status:
+    0 trained; 2 refused before any rank started (a bad argument, too little data, the output
+    folder locked by another run, not writable or too small for a checkpoint); 1 the run failed
+    or stopped (a rank's error, divergence, a checkpoint that could not be written)."""
     try:
-        plan = validate(args, int(os.environ["WORLD_SIZE"]) if under_torchrun() else None)
-        if not under_torchrun():
-            _data(args, plan.config)  # build the corpus/tokenizer/token caches once, here
-    except (ValueError, FileNotFoundError, RuntimeError) as err:
+        args = parse_args(argv)
+    except SystemExit as exit_:                  # a bad argument (one line printed), --help
+        return int(exit_.code or 0)
+    torchrun = under_torchrun()
+    owner = not torchrun or int(os.environ["RANK"]) == 0   # takes the lock, checks the folder
+    try:
+        plan = validate(args, int(os.environ["WORLD_SIZE"]) if torchrun else None)
+        if owner:
+            prepare_folder(args.out)
+            acquire_lock(args.out)
+    except (ValueError, OSError, RunFolderError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     try:
+        try:
+            _, train_set, _ = _data(args, plan.config)  # build the caches once, here
+            check_data(args, train_set)
+            if owner:
+                _check_space(args, plan)
+        except (ValueError, OSError, RuntimeError) as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        return _launch(args, plan, torchrun)
+    finally:
+        if owner:
+            release_lock(args.out)
+
+
+def _check_space(args: argparse.Namespace, plan: Plan) -> None:
+    """Refuse if one checkpoint cannot fit in ``--out``; warn if all of them cannot."""
+    one = checkpoint_bytes(plan.config, plan.layout)
+    free = check_space(args.out, one, "one checkpoint (weights and AdamW state)")
+    saves = len({*range(args.save_interval, args.steps + 1, args.save_interval), args.steps})
+    if saves * one > free:
+        print(f"warning: the {saves} checkpoints of this run take about "
+              f"{format_bytes(saves * one)}, {format_bytes(free)} are free in {args.out}: the "
+              f"disk fills before the end (delete old checkpoints, or raise --save-interval)",
+              file=sys.stderr)
+
+
+def _launch(args: argparse.Namespace, plan: Plan, torchrun: bool) -> int:
+    """Run ``train`` on the ranks; report; the exit status."""
+    try:
         summaries = run(train, plan.layout.world_size, args, plan, backend=args.backend,
-                        timeout=None,
+                        timeout=None, collective_timeout=60 * args.collective_timeout,
                         capture_output=False)
     except RankError as err:  # the failing rank's traceback, without the launcher's own
         print(f"error: training failed on {err}", file=sys.stderr)
         return 1
-    if not under_torchrun() or int(os.environ["RANK"]) == 0:
+    shown = not torchrun or int(os.environ["RANK"]) == 0
+    if "error" in summaries[0]:                  # diverged, or a checkpoint write failed
+        if shown:
+            print(f"error: {summaries[0]['error']}", file=sys.stderr)
+        return 1
+    if shown:
         _report(summaries[0])
     return 0
 
 
 def _report(s: dict[str, Any]) -> None:
     print(f"\nfinal training loss {s['final_loss']:.3f}, validation loss "
-          f"{s['final_val_loss']:.3f} (perplexity {math.exp(s['final_val_loss']):.1f}); "
+          f"{s['final_val_loss']:.3f} (perplexity {_perplexity(s['final_val_loss']):.1f}); "
           f"unigram entropy of the corpus {s['unigram_entropy']:.3f}")
     recomputed = s["hfu"] is not None and s["hfu"] > s["mfu"]
     hfu = f", HFU {s['hfu']:.0%} (with the recomputed forward)" if recomputed else ""

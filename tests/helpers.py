@@ -1,8 +1,14 @@
-"""Shared test helpers: a tiny model, a batch, and comparisons of whole (gathered) tensors."""
+"""Shared test helpers: a tiny model, a batch, comparisons of whole (gathered) tensors, and a
+world of one process for unit tests of collective code."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
 import torch
+import torch.distributed as dist
 
 from megatron_edu.model import GPTConfig, build_model
 
@@ -43,3 +49,14 @@ def assert_two_stages_chain_into_serial(config: GPTConfig, ids: torch.Tensor,
     grads["embedding.word.weight"] = sum(s.embedding.word.weight.grad
                                          for s in stages)[:config.vocab_size]
     assert max_diff(grads, serial.full_state_dict(grads=True)) < TOL
+
+
+@contextmanager
+def world_of_one(store: Path) -> Iterator[None]:
+    """torch.distributed initialised in this very process as a world of one rank (gloo): a
+    unit test of collective code — a ParallelGrid, a PTDP, a save — without launching ranks."""
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -1,13 +1,18 @@
 """Checkpoint loading that scales: each rank reads only the slices its new layout holds, and gets
-the values of the whole-tensor path (every shard joined, trimmed, cut again)."""
+the values of the whole-tensor path (every shard joined, trimmed, cut again). Saving that tells
+the truth: a failed write names the folder and its cause, and leaves the previous checkpoint;
+non-finite weights are never written."""
 
+import errno
 import json
 import shutil
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import world_of_one
 
 from megatron_edu import checkpoint
 from megatron_edu.checkpoint import MOMENTS, load_full_model_state
@@ -211,3 +216,65 @@ def test_a_checkpoint_without_the_index_still_loads(layouts, tmp_path):
     del meta["index"], meta["adam_step"]                  # as format 1 wrote it at first
     (old / "meta.json").write_text(json.dumps(meta))
     assert [result["wrong"] for result in run(_load, 4, old, 1, 4, 1, False)] == [[]] * 4
+
+
+# --- saving tells the truth ----------------------------------------------------------------------
+
+def _tiny_trainer():
+    return PTDP(GPTConfig(vocab_size=64, seq_len=8, num_layers=2, hidden=32, num_heads=4),
+                ParallelGrid(), PTDPOptions())
+
+
+@pytest.mark.parametrize(("failure", "cause"), [
+    (OSError(errno.ENOSPC, "No space left on device"), "no space left on the device"),
+    (RuntimeError("[enforce fail at inline_container.cc:626] . unexpected pos 4160 vs 4054"),
+     "a write failed, most likely the disk is full"),
+], ids=["ENOSPC", "zip-writer"])
+def test_a_failed_write_names_the_folder_and_leaves_the_previous_checkpoint(
+        tmp_path, monkeypatch, failure, cause):
+    def write_half_then_fail(obj, path, *args, **kwargs):
+        Path(path).write_bytes(b"half a shard")
+        raise failure
+
+    with world_of_one(tmp_path / "store"):
+        trainer = _tiny_trainer()
+        checkpoint.save_checkpoint(tmp_path, 1, trainer)
+        monkeypatch.setattr(torch, "save", write_half_then_fail)
+        with pytest.raises(checkpoint.CheckpointError) as raised:
+            checkpoint.save_checkpoint(tmp_path, 2, trainer)
+    assert str(raised.value).startswith(
+        f"cannot write checkpoint step_000002 in {tmp_path / 'checkpoints'}: {cause}")
+    assert str(raised.value).endswith(
+        "(rank 0); the previous checkpoint step_000001 is intact and latest still names it")
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "latest", "step_000001"]                              # the half-written one removed
+    assert checkpoint.read_metadata(tmp_path)["step"] == 1
+
+
+def test_non_finite_weights_are_never_saved(tmp_path):
+    with world_of_one(tmp_path / "store"):
+        trainer = _tiny_trainer()
+        checkpoint.save_checkpoint(tmp_path, 1, trainer)
+        with torch.no_grad():
+            trainer.parameters()[0].view(-1)[0] = float("nan")
+        with pytest.raises(checkpoint.NonFiniteError, match="checkpoint step_000002 not written: "
+                           "the weights or the optimizer state hold NaN or inf"):
+            checkpoint.save_checkpoint(tmp_path, 2, trainer)
+    assert not (tmp_path / "checkpoints" / "step_000002.tmp").exists()
+    assert checkpoint.read_metadata(tmp_path)["step"] == 1
+
+
+def test_export_hf_refuses_a_file_or_a_non_empty_folder(tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "config.json").write_text("{}")
+    assert checkpoint.main(["export-hf", str(tmp_path), str(tmp_path / "file")]) == 2
+    assert capsys.readouterr().err == (f"error: {tmp_path / 'file'} is a file: export-hf writes "
+                                       f"a folder (give a new or an empty one)\n")
+    assert checkpoint.main(["export-hf", str(tmp_path), str(tmp_path / "full")]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {tmp_path / 'full'} is not empty (1 entry): give a new or an empty folder, "
+        f"or pass --force to write into it\n")
+    assert checkpoint.main(["export-hf", str(tmp_path / "run"), str(tmp_path / "new")]) == 2
+    assert capsys.readouterr().err.startswith(f"error: no checkpoint at {tmp_path / 'run'}")
+    assert not (tmp_path / "new").exists()

@@ -1,15 +1,21 @@
-"""The training script end to end: learning, exact resume, resharding, safe checkpoints."""
+"""The training script end to end: learning, exact resume, resharding, safe checkpoints; what
+it refuses before any rank starts, and a diverging run's clean stop."""
 
 import json
+import math
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import world_of_one
 
 from megatron_edu import checkpoint
-from megatron_edu.checkpoint import CheckpointError, read_metadata
+from megatron_edu import train as train_module
+from megatron_edu.checkpoint import CheckpointError, checkpoint_bytes, read_metadata
 from megatron_edu.launch import RankError, run
 from megatron_edu.perf import training_flops
+from megatron_edu.ptdp import StepResult
 from megatron_edu.train import _data, main, parse_args, train, validate
 
 TINY = ["--layers", "4", "--hidden", "64", "--heads", "4", "--seq-len", "32",
@@ -25,6 +31,7 @@ def cache(tmp_path_factory):
 def _train(out, cache, *extra):
     argv = [*TINY, "--out", str(out), "--cache-dir", str(cache), *extra]
     assert main(argv) == 0
+    assert not (out / ".lock").exists()                  # released at the end
     return [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
 
 
@@ -43,6 +50,9 @@ def test_loss_decreases_and_everything_is_written(tmp_path, cache):
     assert all(0 < r["mfu"] == r["hfu"] for r in steps)  # no recomputation: the same FLOPs
     assert (tmp_path / "loss.png").exists()
     assert read_metadata(tmp_path)["step"] == 12
+    written = sum(f.stat().st_size for f in (tmp_path / "checkpoints" / "step_000012").iterdir())
+    plan = validate(parse_args([*TINY, "--nproc", "2", "--tp", "2"]))
+    assert checkpoint_bytes(plan.config, plan.layout) == pytest.approx(written, rel=0.1)
 
 
 def test_with_recompute_hfu_counts_the_recomputed_forward(tmp_path, cache):
@@ -58,13 +68,6 @@ def test_with_recompute_hfu_counts_the_recomputed_forward(tmp_path, cache):
 def test_peak_tflops_is_a_number_or_measured(value, peak):
     assert parse_args(["--peak-tflops", value]).peak_tflops == peak
     assert parse_args([]).peak_tflops is None  # the datasheet's on a known GPU, else measured
-
-
-@pytest.mark.parametrize("value", ["0", "-5", "fast"])
-def test_a_bad_peak_tflops_is_refused(value, capsys):
-    with pytest.raises(SystemExit):
-        parse_args(["--peak-tflops", value])
-    assert "expected TFLOP/s > 0 or 'measured'" in capsys.readouterr().err
 
 
 def _train_with_an_overflow_at_step_2(args, plan):
@@ -83,8 +86,8 @@ def test_a_non_finite_step_is_skipped_and_counted_in_the_log(tmp_path, cache):
     run(_train_with_an_overflow_at_step_2, 2, args, plan)
     steps = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()
              if '"loss"' in line]
-    assert [(r["skipped"], r["skipped_steps"]) for r in steps] == [
-        (False, 0), (True, 1), (False, 1), (False, 1)]
+    assert [(r["skipped"], r["skipped_steps"], r.get("reason")) for r in steps] == [
+        (False, 0, None), (True, 1, "non-finite gradient norm"), (False, 1, None), (False, 1, None)]
     assert steps[1]["grad_norm"] is None and steps[2]["grad_norm"] > 0
 
 
@@ -112,35 +115,6 @@ def test_a_checkpoint_reshards_to_other_layouts(tmp_path, cache):
         assert resumed[4] == pytest.approx(whole[4], abs=1e-5)
 
 
-def _save_twice_crashing_the_second_time(out):
-    """In a rank: a complete checkpoint at step 1, then a save at step 2 that dies mid-write."""
-    from megatron_edu.grid import ParallelGrid
-    from megatron_edu.model import GPTConfig
-    from megatron_edu.ptdp import PTDP, PTDPOptions
-
-    config = GPTConfig(vocab_size=64, seq_len=8, num_layers=2, hidden=32, num_heads=4)
-    trainer = PTDP(config, ParallelGrid(), PTDPOptions())
-    checkpoint.save_checkpoint(out, 1, trainer)
-    real_save = torch.save
-
-    def save_then_die(obj, path, *args, **kwargs):
-        real_save(obj, path, *args, **kwargs)
-        raise OSError("disk full (simulated)")
-
-    checkpoint.torch.save = save_then_die
-    try:
-        checkpoint.save_checkpoint(out, 2, trainer)
-    finally:
-        checkpoint.torch.save = real_save
-
-
-def test_a_crash_while_saving_leaves_the_previous_checkpoint(tmp_path):
-    with pytest.raises(RankError, match="disk full"):
-        run(_save_twice_crashing_the_second_time, 1, tmp_path)
-    assert read_metadata(tmp_path)["step"] == 1      # latest still names the complete one
-    assert (tmp_path / "checkpoints" / "step_000002.tmp").exists()  # half-written, ignored
-
-
 def test_a_corrupt_checkpoint_is_named(tmp_path, cache, capsys):
     _train(tmp_path, cache, "--nproc", "1", "--steps", "1")
     shard = tmp_path / "checkpoints" / "step_000001" / "model_tp0_pp0.pt"
@@ -155,28 +129,143 @@ def test_a_corrupt_checkpoint_is_named(tmp_path, cache, capsys):
     assert "corrupt checkpoint file" in capsys.readouterr().err
 
 
+def _no_launch(*args, **kwargs):
+    raise AssertionError("a rank was launched")
+
+
+def _a_rank_fails(*args, **kwargs):
+    raise RankError("rank 0 raised: boom")
+
+
 @pytest.mark.parametrize(("argv", "message"), [
-    (["--nproc", "4", "--tp", "3"], r"4 ranks do not divide into tp·pp = 3·1"),
-    (["--nproc", "4", "--tp", "2", "--pp", "2", "--dp", "2"], r"2·2·2 = 8 ranks, but the world"),
-    (["--tp", "3"], r"num_heads = 4 is not divisible by the tensor-parallel size tp = 3"),
-    (["--pp", "3", "--nproc", "3"], r"num_layers = 4 is not divisible by pp·chunks"),
-    (["--nproc", "2", "--global-batch", "6"], r"global batch 6 is not divisible by dp·micro"),
-    (["--chunks", "2"], r"the 1f1b schedule has one model chunk per rank; got v=2"),
-    (["--schedule", "zb-v", "--chunks", "3"], r"the zb-v schedule has two model chunks per rank; "
-                                              r"got v=3"),
-    (["--schedule", "interleaved"], r"the interleaved schedule needs its number of chunks"),
-    (["--schedule", "interleaved", "--chunks", "2"], r"2 model chunks per rank need a pipeline "
-                                                     r"\(pp ≥ 2\)"),
+    # each number on its own, as it is read (megatron_edu.cli)
+    (["--micro-batch", "0"], "--micro-batch must be a positive integer, got 0"),
+    (["--global-batch", "0"], "--global-batch must be a positive integer, got 0"),
+    (["--nproc", "0"], "--nproc must be a positive integer, got 0"),
+    (["--tp", "0"], "--tp must be a positive integer, got 0"),
+    (["--layers", "0"], "--layers must be a positive integer, got 0"),
+    (["--steps", "2.5"], "--steps must be a positive integer, got 2.5"),
+    (["--warmup", "-1"], "--warmup must be a non-negative integer, got -1"),
+    (["--lr", "inf"], "--lr must be a finite number > 0, got inf"),
+    (["--clip", "nan"], "--clip must be a finite number ≥ 0, got nan"),
+    (["--dropout", "1"], "--dropout must be a number in [0, 1), got 1"),
+    (["--collective-timeout", "0"], "--collective-timeout must be a finite number > 0, got 0"),
+    (["--peak-tflops", "fast"], "--peak-tflops must be TFLOP/s > 0 or 'measured', got fast"),
+    (["--backend", "bogus"], "--backend must be one of auto, gloo, nccl, got 'bogus'"),
+    (["--lr"], "--lr: expected one argument"),
+    # numbers together, the data, the checkpoint (train.validate, grid.Layout)
+    (["--min-lr", "1", "--lr", "0.1"], "--min-lr 1 must be at most --lr 0.1"),
+    (["--nproc", "4", "--tp", "3"], "4 ranks do not divide into tp·pp = 3·1"),
+    (["--nproc", "4", "--tp", "2", "--pp", "2", "--dp", "2"], "2·2·2 = 8 ranks, but the world"),
+    (["--tp", "3"], "num_heads = 4 is not divisible by the tensor-parallel size tp = 3"),
+    (["--pp", "3", "--nproc", "3"], "num_layers = 4 is not divisible by pp·chunks"),
+    (["--nproc", "2", "--global-batch", "6"], "global batch 6 is not divisible by dp·micro"),
+    (["--chunks", "2"], "the 1f1b schedule has one model chunk per rank; got v=2"),
+    (["--schedule", "zb-v", "--chunks", "3"], "the zb-v schedule has two model chunks per rank; "
+                                              "got v=3"),
+    (["--schedule", "interleaved"], "the interleaved schedule needs its number of chunks"),
+    (["--schedule", "interleaved", "--chunks", "2"], "2 model chunks per rank need a pipeline "
+                                                     "(pp ≥ 2)"),
     (["--nproc", "2", "--pp", "2", "--schedule", "interleaved", "--chunks", "2",
-      "--global-batch", "6"], r"multiple of num_stages; got num_microbatches=3, num_stages=2"),
-    (["--data", "/no/such/file.txt"], r"--data /no/such/file.txt: no such file"),
-    (["--resume", "/no/such/run"], r"no checkpoint at /no/such/run"),
-    (["--steps", "0"], r"--steps must be at least 1"),
+      "--global-batch", "6"], "multiple of num_stages; got num_microbatches=3, num_stages=2"),
+    (["--data", "/no/such/file.txt"], "--data /no/such/file.txt: no such file"),
+    (["--resume", "/no/such/run"], "no checkpoint at /no/such/run"),
+    (["--global-batch", "100000", "--micro-batch", "1"], "--global-batch 100000 is larger than "
+                                                         "the training data: it holds "),
 ])
-def test_bad_arguments_fail_before_any_rank_starts(argv, message):
-    args = parse_args([*TINY, *argv])
-    with pytest.raises((ValueError, FileNotFoundError), match=message):
-        validate(args)
+def test_a_bad_argument_is_one_line_before_any_rank_starts(argv, message, tmp_path, cache,
+                                                           capsys, monkeypatch):
+    monkeypatch.setattr(train_module, "run", _no_launch)
+    assert main([*TINY, "--out", str(tmp_path / "run"), "--cache-dir", str(cache), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
+
+
+def test_an_output_folder_that_cannot_be_written_is_refused(tmp_path, cache, capsys,
+                                                            monkeypatch):
+    monkeypatch.setattr(train_module, "run", _no_launch)
+    (tmp_path / "file").write_text("x")
+    base = [*TINY, "--cache-dir", str(cache), "--out"]
+    assert main([*base, str(tmp_path / "file")]) == 2
+    assert capsys.readouterr().err == f"error: --out {tmp_path / 'file'} is a file, not a folder\n"
+    assert main([*base, str(tmp_path / "file" / "run")]) == 2
+    assert capsys.readouterr().err == (f"error: cannot create the output folder "
+                                       f"{tmp_path / 'file' / 'run'}: {tmp_path / 'file'} is a "
+                                       f"file (Not a directory)\n")
+
+
+def test_a_folder_in_use_or_too_small_is_refused_and_the_lock_always_released(
+        tmp_path, cache, capsys, monkeypatch):
+    from megatron_edu.run_folder import LOCK, acquire_lock, release_lock
+
+    argv = [*TINY, "--out", str(tmp_path), "--cache-dir", str(cache), "--nproc", "1"]
+    monkeypatch.setattr(train_module, "run", _no_launch)
+    acquire_lock(tmp_path)                                   # another run holds the folder
+    assert main(argv) == 2
+    assert f"error: {tmp_path} is in use by another run: pid " in capsys.readouterr().err
+    release_lock(tmp_path)
+
+    plan = validate(parse_args(argv))
+    need = checkpoint_bytes(plan.config, plan.layout)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(free=1000))
+    assert main(argv) == 2
+    assert capsys.readouterr().err == (
+        f"error: not enough disk space in {tmp_path}: one checkpoint (weights and AdamW state) "
+        f"takes about {need / 1e6:.1f} MB, 1.0 kB are free\n")
+    assert not (tmp_path / LOCK).exists()                 # released after a refusal
+
+    monkeypatch.undo()
+    monkeypatch.setattr(train_module, "run", _a_rank_fails)
+    assert main(argv) == 1
+    assert capsys.readouterr().err == "error: training failed on rank 0 raised: boom\n"
+    assert not (tmp_path / LOCK).exists()                 # released after a failure
+
+
+def test_bad_steps_in_a_row_are_counted_and_fp16_settling_is_not(tmp_path):
+    from megatron_edu.grid import ParallelGrid
+    from megatron_edu.train import _Streak
+
+    nan, inf = math.nan, math.inf
+    with world_of_one(tmp_path / "store"):
+        grid = ParallelGrid()
+        streak = _Streak(False, grid)
+        assert [(streak.update(i + 1, r), streak.count) for i, r in enumerate([
+            StepResult(2.0, 1.0), StepResult(nan, inf, True), StepResult(3.0, inf, True),
+            StepResult(2.0, 1.0)])] == [
+            (None, 0), ("non-finite loss", 1), ("non-finite gradient norm", 2), (None, 0)]
+        streak = _Streak(True, grid)                  # fp16: the scale halves on each skip
+        assert [(streak.update(i + 1, r), streak.count) for i, r in enumerate([
+            StepResult(2.0, inf, True, 65536.0), StepResult(2.0, 1.0, False, 32768.0),
+            StepResult(2.0, inf, True, 1.0), StepResult(nan, inf, True, 0.5)])] == [
+            ("non-finite gradient norm", 0), (None, 0), ("non-finite gradient norm", 1),
+            ("non-finite loss", 2)]
+
+
+def test_a_diverging_run_stops_on_every_rank_and_keeps_the_last_good_checkpoint(
+        tmp_path, cache, capsys):
+    _train(tmp_path, cache, "--nproc", "1", "--steps", "2")      # a good checkpoint at step 2
+    capsys.readouterr()
+    # resumed at pp = 2 with an absurd learning rate: step 3 (good weights) still has a finite
+    # loss, and is saved; its update breaks the weights: from step 4 the loss is NaN
+    argv = [*TINY, "--out", str(tmp_path), "--cache-dir", str(cache), "--nproc", "2", "--pp", "2",
+            "--lr", "1e6", "--steps", "10", "--save-interval", "1", "--max-bad-steps", "2",
+            "--resume"]
+    assert main(argv) == 1
+    out, err = capsys.readouterr()
+    root = tmp_path / "checkpoints"
+    assert err == (f"error: the loss is NaN since step 4 (2 steps in a row); the learning rate "
+                   f"--lr 1e+06 is likely too high; last good checkpoint: {root / 'step_000002'} "
+                   f"(step_000003, saved just before step 4, holds the weights that diverged: "
+                   f"renamed step_000003.diverged)\n")
+    assert out == ""                                      # no sample, no report
+    assert (root / "latest").read_text() == "step_000002"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000002",
+                                                       "step_000003.diverged"]
+    assert all(t.isfinite().all() for t in checkpoint.load_full_model_state(tmp_path).values())
+    records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert [(r["step"], r.get("reason")) for r in records if "loss" in r] == [
+        (1, None), (2, None), (3, None), (4, "non-finite loss"), (5, "non-finite loss")]
+    assert not (tmp_path / ".lock").exists()
 
 
 def test_a_checkpoint_exports_to_hugging_face(tmp_path, cache):
@@ -185,7 +274,9 @@ def test_a_checkpoint_exports_to_hugging_face(tmp_path, cache):
     from megatron_edu.model import GPT, GPTConfig
 
     _train(tmp_path, cache, "--nproc", "2", "--tp", "2", "--steps", "2")
-    checkpoint.main(["export-hf", str(tmp_path), str(tmp_path / "hf")])
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")     # a non-empty folder: --force
+    assert checkpoint.main(["export-hf", str(tmp_path), str(tmp_path / "hf"), "--force"]) == 0
     ours = GPT(GPTConfig(**read_metadata(tmp_path)["config"]))
     ours.load_full_state_dict(load_full_model_state(tmp_path))
     theirs = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
