@@ -36,16 +36,43 @@ WIKI = (" \n = Python = \n \n Python is a high @-@ level , general @-@ purpose l
 
 # --- the windows ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("n, length, stride", [(50, 16, 4), (50, 16, 16), (17, 16, 5),
-                                               (10, 16, 3), (100, 8, 1)])
-def test_sliding_windows_score_every_token_once_with_the_context_the_window_allows(
-        n, length, stride):
+def megatron_samples(tokens, seq_len: int, overlap: int, pad: int = 0):
+    """Megatron-LM's ``_LMDataset`` (tasks/zeroshot_gpt/datasets.py), step by step: sample i
+    holds tokens[i·overlap : i·overlap + seq_len + 1], padded to seq_len + 1, and a mask of
+    the targets it scores — all in sample 0, only the last ``overlap`` later. As (input ids,
+    labels with −100 where the mask is 0), one pair per sample."""
+    total_targets = len(tokens) - 1
+    count = max(math.ceil(max(total_targets - overlap, 0) / overlap) + 1, 1)
+    samples = []
+    for i in range(count):
+        text = list(tokens[i * overlap : i * overlap + seq_len + 1])
+        mask = [1] * len(text) + [0] * (seq_len + 1 - len(text))
+        text += [pad] * (seq_len + 1 - len(text))
+        mask = np.array(mask[1:])
+        if overlap != seq_len and i != 0:
+            mask[:-overlap] = 0
+        samples.append((np.array(text[:-1]), np.where(mask == 1, text[1:], -100)))
+    return samples
+
+
+@pytest.mark.parametrize("n, length, stride", [(50, 16, 5), (50, 16, 16), (17, 16, 5),
+                                               (10, 16, 3), (100, 8, 1), (38, 8, 3)])
+def test_sliding_windows_are_megatron_lms(n, length, stride):
+    tokens = np.arange(1, n + 1)                      # distinct: a label names its target
     windows = sliding_windows(n, length, stride)
-    scored = [t for w in windows for t in range(w.scored_after + 1, w.end + 1)]
-    assert scored == list(range(1, n))                    # targets 1 … n−1, once each, in order
-    assert all(w.end - w.start <= length for w in windows)
-    for w in windows[1:]:
-        assert w.scored_after - w.start >= length - stride   # context of its first target − 1
+    ids, labels = window_batch(tokens, windows, length)
+    theirs = megatron_samples(tokens, length, stride)
+    scoring = [(i, l) for i, l in theirs if (l != -100).any()]
+    assert all((l == -100).all() for _, l in theirs[len(scoring):])  # only unscored ones after
+    assert np.array_equal(labels, np.stack([l for _, l in scoring]))
+    for row, (their_ids, their_labels) in enumerate(scoring):   # the inputs up to the last
+        seen = np.nonzero(their_labels != -100)[0][-1] + 1      # target (Megatron-LM also
+        assert np.array_equal(ids[row, :seen], their_ids[:seen])  # feeds the text's last token)
+    assert sorted(labels[labels != -100].tolist()) == tokens[1:].tolist()   # each target once
+    assert [w.start for w in windows] == [k * stride for k in range(len(windows))]
+    last = windows[-1]
+    assert last.end == n - 1 and (last.end - last.start < length) == ((n - 1 - length) % stride
+                                                                      != 0 or n - 1 < length)
 
 
 def _model_and_tokens(n=12, seed=0):
@@ -146,22 +173,24 @@ def _cli(capsys, *argv):
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
-def test_wikitext_perplexity_per_word_and_per_token_by_hand(tmp_path, pretrained, capsys):
-    text = " \n = Python = \n \n Python is a high @-@ level language , easy to read . \n"
-    (tmp_path / "wiki.test.tokens").write_text(text)
+def test_wikitext_perplexities_are_megatron_lms_in_windows_whose_last_is_padded(
+        tmp_path, pretrained, capsys):
+    (tmp_path / "wiki.test.tokens").write_text(WIKI)
     model, tokenizer = pretrained
-    tokens = tokenizer.encode(wikitext_detokenize(text))
-    ids = torch.tensor(tokens)[None]
-    assert len(tokens) <= 64                       # one window of the model's 64 holds it
+    tokens = tokenizer.encode(wikitext_detokenize(WIKI))
+    assert (len(tokens) - 1 - 32) % 10                    # the last window is short: padded
+    loss = 0.0
     with torch.no_grad():
-        loss = F.cross_entropy(model(ids[:, :-1])[0, :, :500], ids[0, 1:], reduction="sum")
-    words = len(text.strip().split(" "))
-    result = _cli(capsys, "--task", "wikitext103", "--data", str(tmp_path),
-                  "--checkpoint", str(PRETRAINED_CHECKPOINT))
-    assert (result["tokens"], result["words"]) == (len(tokens), words)
-    assert result["word_perplexity"] == pytest.approx(math.exp(loss / (words - 1)), rel=1e-4)
-    assert result["token_perplexity"] == pytest.approx(math.exp(loss / (len(tokens) - 1)),
-                                                       rel=1e-4)
+        for ids, labels in megatron_samples(tokens, 32, 10):
+            loss += F.cross_entropy(model(torch.from_numpy(ids)[None])[0, :, :500],
+                                    torch.from_numpy(labels), reduction="sum").item()
+    n, w = len(tokens), len(WIKI.strip().split(" "))
+    result = _cli(capsys, "--task", "wikitext103", "--data", str(tmp_path), "--seq-len", "32",
+                  "--stride", "10", "--checkpoint", str(PRETRAINED_CHECKPOINT))
+    assert (result["tokens"], result["words"]) == (n, w)
+    assert result["loss_sum"] == pytest.approx(loss, rel=1e-5)
+    assert result["word_perplexity"] == pytest.approx(math.exp(loss / (w - 1)), rel=1e-5)
+    assert result["token_perplexity"] == pytest.approx(math.exp(loss / (n - 1)), rel=1e-5)
 
 
 def _greedy_passages(model, tokenizer):
@@ -248,10 +277,3 @@ def test_a_bert_is_refused_for_left_to_right_tasks():
     with pytest.raises(ValueError, match="left-to-right language model; this .* BertConfig"):
         evaluate.check_left_to_right(BertConfig(vocab_size=100, seq_len=16, num_layers=2,
                                                 hidden=32, num_heads=4), "lambada")
-
-
-def test_windows_mark_only_their_new_targets():
-    tokens = np.arange(10)
-    ids, labels = window_batch(tokens, sliding_windows(10, 4, 2), 4)
-    assert ids.tolist()[:2] == [[0, 1, 2, 3], [2, 3, 4, 5]]
-    assert labels.tolist()[:2] == [[1, 2, 3, 4], [-100, -100, 5, 6]]

@@ -4,13 +4,14 @@ cut up for scoring. The scoring itself is ``megatron_edu/evaluate.py``.
 **WikiText-103** (Merity et al. 2016): the test file ``wiki.test.tokens`` is word-level
 tokenized text (" @-@ " for a hyphen, spaces around punctuation). The paper, like GPT-2,
 *detokenizes* it (``wikitext_detokenize``) before its own BPE encodes it, and scores the result
-with **overlapping sliding windows** (``sliding_windows``): each window holds s tokens; the
-first scores all its targets, each later one starts ``stride`` tokens further on and scores only
-its last ``stride`` targets — so every token is scored exactly once, with at least s − stride
-tokens of context (Megatron-LM's ``--overlapping-eval``, 32 by default). The summed loss is then
-divided by the number of *original word-level tokens* (``count_words``: the test file's
-space-separated tokens, as Megatron-LM counts them), not by the number of BPE tokens: the paper's
-10.8 is a per-word perplexity, comparable across tokenizers; the per-subword one is reported beside.
+with **overlapping sliding windows** (``sliding_windows``, Megatron-LM's ``_LMDataset``): each
+window holds s tokens and starts ``stride`` tokens after the previous one (the last one, if the
+text ends inside it, padded); the first scores all its targets, each later one only its last
+``stride`` — so every token is scored exactly once, with at least s − stride tokens of context
+(Megatron-LM's ``--overlapping-eval``, 32 by default). The summed loss is then divided by the
+number of *original word-level tokens* (``count_words``: the test file's space-separated tokens,
+as Megatron-LM counts them), not by the number of BPE tokens: the paper's 10.8 is
+a per-word perplexity, comparable across tokenizers; the per-subword one is reported beside.
 
 **LAMBADA** (Paperno et al. 2016): passages whose last word a human can guess only from the whole
 passage. Either standard form: OpenAI's detokenized ``lambada_test.jsonl`` (one
@@ -125,19 +126,24 @@ class Window:
 
 
 def sliding_windows(num_tokens: int, length: int, stride: int) -> list[Window]:
-    """Windows of ``length`` tokens, each ending ``stride`` targets after the last, that score
-    targets 1 … num_tokens − 1 exactly once each, every one with all the context its window
-    holds (at least length − stride tokens, except in the first window)."""
+    """Megatron-LM's windows (``tasks/zeroshot_gpt/datasets.py``, ``_LMDataset``): window k
+    starts at k · ``stride`` and holds ``length`` inputs — the last one fewer, padded by
+    ``window_batch``; the first scores all its targets, each later one only its last ``stride``
+    (those after start + length − stride), so targets 1 … num_tokens − 1 are scored exactly once,
+    each with at least length − stride tokens of context outside the first window.
+
+    As many windows as reach the last target: 1 + ⌈(T − length) / stride⌉ for T = num_tokens − 1
+    targets (at least 1). Megatron-LM builds max(1, 1 + ⌈(T − stride) / stride⌉), the same windows
+    followed, when length > stride, by windows that score nothing (every target masked): the
+    summed loss is the same, their forward passes are left out here."""
     if not 1 <= stride <= length:
         raise ValueError(f"the stride must be in 1 … the window length {length}, got {stride}")
     if num_tokens < 2:
         raise ValueError(f"{num_tokens} tokens: nothing to predict")
-    windows, scored = [], 0                          # targets 1 … scored are done
-    while scored < num_tokens - 1:
-        end = min(scored + (length if not windows else stride), num_tokens - 1)
-        windows.append(Window(max(0, end - length), end, scored))
-        scored = end
-    return windows
+    targets = num_tokens - 1
+    count = 1 + max(0, -(-(targets - length) // stride))              # 1 + ceil(…)
+    return [Window(k * stride, min(k * stride + length, targets),
+                   0 if k == 0 else k * stride + length - stride) for k in range(count)]
 
 
 def window_batch(tokens: np.ndarray, windows: Sequence[Window], length: int,
