@@ -4,19 +4,22 @@ stop-word filter — on tiny files in the standard formats, the numbers computed
 
 import json
 import math
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from helpers import tiny_config
+from helpers import poisoned_checkpoint, tiny_config
 
 from megatron_edu import evaluate
 from megatron_edu.checkpoint import export_hf, load_full_model_state, read_metadata
 from megatron_edu.data import PRETRAINED_CHECKPOINT, Tokenizer
 from megatron_edu.data.zeroshot import (
     LAMBADA,
+    STOP_WORDS,
     count_words,
     find_data_file,
     lambada_example,
@@ -123,19 +126,21 @@ def test_words_are_the_test_files_space_separated_tokens():
 def test_a_multi_token_word_is_right_only_when_all_its_tokens_are():
     labels = torch.tensor([[-100, -100, 7, 8], [-100, -100, 7, 8], [-100, -100, -100, 9]])
     predicted = torch.tensor([[1, 2, 7, 8], [1, 2, 7, 5], [1, 2, 3, 9]])
-    no_stop = torch.zeros(10, dtype=torch.bool)
-    right, _ = lambada_correct(predicted, predicted, labels, no_stop)
+    right, _ = lambada_correct(predicted, predicted, labels)
     assert right.tolist() == [True, False, True]
 
 
-def test_the_stop_word_filter_gives_a_stop_word_first_choice_its_second_chance():
-    labels = torch.tensor([[-100, 7, 8], [-100, 7, 8], [-100, 7, 8], [-100, 7, 8]])
-    predicted = torch.tensor([[0, 3, 8], [0, 4, 8], [0, 3, 5], [0, 7, 8]])   # 3 is " the"
-    filtered = torch.tensor([[0, 7, 8], [0, 7, 8], [0, 7, 5], [0, 7, 8]])    # next non-stop
-    is_stop = torch.zeros(10, dtype=torch.bool)
-    is_stop[3] = True
-    right, right_filtered = lambada_correct(predicted, filtered, labels, is_stop)
-    assert right.tolist() == [False, False, False, True]
+def test_the_stop_word_filter_takes_the_best_non_stop_word_at_the_first_token_always():
+    """GPT-2's filter: stop words are not candidates for the word's first token — a stop-word
+    first choice gives way to the best other token, and a stop-word target is never right."""
+    labels = torch.tensor([[-100, 7, 8], [-100, 3, -100], [-100, 7, 8], [-100, 7, 8]])
+    predicted = torch.tensor([[0, 3, 8],       # " the" (3, a stop word), then the next choice 7
+                              [0, 3, 0],       # the target is " the" itself, predicted
+                              [0, 3, 5],       # the filter helps the first token, not the second
+                              [0, 7, 8]])      # no stop word: the filter changes nothing
+    filtered = torch.tensor([[0, 7, 8], [0, 6, 0], [0, 7, 5], [0, 7, 8]])   # best non-stop
+    right, right_filtered = lambada_correct(predicted, filtered, labels)
+    assert right.tolist() == [False, True, False, True]
     assert right_filtered.tolist() == [True, False, False, True]
 
 
@@ -190,6 +195,7 @@ def test_wikitext_perplexities_are_megatron_lms_in_windows_whose_last_is_padded(
     assert (result["tokens"], result["words"]) == (n, w)
     assert result["loss_sum"] == pytest.approx(loss, rel=1e-5)
     assert result["word_perplexity"] == pytest.approx(math.exp(loss / (w - 1)), rel=1e-5)
+    assert result["word_perplexity_paper"] == pytest.approx(math.exp(loss / w), rel=1e-5)
     assert result["token_perplexity"] == pytest.approx(math.exp(loss / (n - 1)), rel=1e-5)
 
 
@@ -215,6 +221,20 @@ def _greedy_passages(model, tokenizer):
     return right, wrong
 
 
+def _right_with_the_filter(model, tokenizer, passage) -> bool:
+    """GPT-2's stop-word filter by hand: the word's first token the best that is not a stop
+    word on its own, the others the argmax."""
+    context, word = lambada_example(passage, tokenizer.encode)
+    with torch.no_grad():
+        logits = model(torch.tensor([context + word[:-1]]))[0, len(context) - 1:, :500]
+    stop = [i for i in range(tokenizer.vocab_size) if tokenizer.decode([i])[:1].isspace()
+            and tokenizer.decode([i]).strip().lower() in STOP_WORDS]
+    choices = logits.argmax(-1)
+    choices[0] = logits[0].index_fill(0, torch.tensor(stop, dtype=torch.long),
+                                      -math.inf).argmax()
+    return choices.tolist() == word
+
+
 def test_lambada_accuracy_by_hand_and_the_same_on_every_layout(tmp_path, pretrained, capsys):
     right, wrong = _greedy_passages(*pretrained)
     assert len(right) >= 3
@@ -225,10 +245,11 @@ def test_lambada_accuracy_by_hand_and_the_same_on_every_layout(tmp_path, pretrai
             "--checkpoint", str(PRETRAINED_CHECKPOINT), "--batch", "4", "--micro-batch", "1"]
     results = [_cli(capsys, *base), _cli(capsys, *base, "--nproc", "4", "--tp", "2",
                                          "--pp", "2")]
+    filtered = sum(_right_with_the_filter(*pretrained, p) for p in passages)
     for result in results:
         assert result["n"] == len(passages)
         assert result["accuracy_without_filter"] == pytest.approx(len(right) / len(passages))
-        assert result["accuracy_with_filter"] >= result["accuracy_without_filter"]
+        assert result["accuracy_with_filter"] == pytest.approx(filtered / len(passages))
 
 
 def test_wikitext_through_the_hugging_face_directory_equals_the_checkpoint(tmp_path, capsys):
@@ -277,3 +298,70 @@ def test_a_bert_is_refused_for_left_to_right_tasks():
     with pytest.raises(ValueError, match="left-to-right language model; this .* BertConfig"):
         evaluate.check_left_to_right(BertConfig(vocab_size=100, seq_len=16, num_layers=2,
                                                 hidden=32, num_heads=4), "lambada")
+
+
+# --- refused: a broken model, bad arguments, files that are not the task's ----------------------
+
+@pytest.mark.parametrize("task, name, text, where", [
+    ("wikitext103", "wiki.test.tokens", WIKI, r"position 0 of window 1 \(token 0 of the text\)"),
+    ("lambada", "lambada_test.jsonl", '{"text": "Return a list of all the headers."}\n',
+     "position 7 of passage 1")])           # the first scored: the context's 8 tokens − 1
+def test_non_finite_logits_are_refused_with_where_they_are(tmp_path, capsys, task, name, text,
+                                                           where):
+    poisoned = poisoned_checkpoint(PRETRAINED_CHECKPOINT, tmp_path / "poisoned")
+    (tmp_path / name).write_text(text)
+    assert evaluate.main(["--task", task, "--data", str(tmp_path / name), "--checkpoint",
+                          str(poisoned)]) == 1
+    err = capsys.readouterr().err
+    assert re.fullmatch(rf"error: the model's logits are not finite \(NaN\) at {where}: the "
+                        r"checkpoint holds non-finite weights\?\n", err), err
+
+
+WORDS = {"wiki.test.tokens": WIKI, "one.tokens": " Python \n", "none.tokens": " \n \n",
+         "lambada_test.jsonl": '{"text": "He opened the door"}\n',
+         "empty.jsonl": "", "blank.jsonl": '{"text": "He opened the door"}\n{"text": " "}\n',
+         "word.txt": "He opened the door\nalone\n"}
+TASK = {".tokens": "wikitext103", ".jsonl": "lambada", ".txt": "lambada"}
+
+
+@pytest.mark.parametrize("data, flags, message", [
+    ("lambada_test.jsonl", ["--micro-batch", "0"], "--micro-batch must be a positive integer, "
+                                                   "got 0"),
+    ("lambada_test.jsonl", ["--batch", "-8"], "--batch must be a positive integer, got -8"),
+    ("lambada_test.jsonl", ["--nproc", "two"], "--nproc must be an integer, got 'two'"),
+    ("lambada_test.jsonl", ["--tp", "0"], "--tp must be a positive integer, got 0"),
+    ("wiki.test.tokens", ["--stride", "0"], "--stride must be a positive integer, got 0"),
+    ("wiki.test.tokens", ["--seq-len", "1"], "--seq-len must be an integer ≥ 2, got 1"),
+    ("wiki.test.tokens", ["--seq-len", "65"], r"--seq-len must be in 2 … 64 \(the model's "
+                                              r"seq_len\), got 65"),
+    ("wiki.test.tokens", ["--seq-len", "16", "--stride", "32"], r"--stride must be in 1 … the "
+                                                                r"window length 16"),
+    ("lambada_test.jsonl", ["--stride", "8"], "--stride applies to --task wikitext103"),
+    ("wiki.test.tokens", ["--stop-word-filter"], "--stop-word-filter applies to --task lambada"),
+    ("lambada_test.jsonl", ["--batches", "3"], "--batches applies to the validation loss"),
+    ("lambada_test.jsonl", ["--batch", "8", "--micro-batch", "3"],
+     "--batch 8 must be divisible by dp·micro-batch = 1·3"),
+    ("lambada_test.jsonl", ["--nproc", "3", "--tp", "2"], "--nproc 3 ranks do not divide into "
+                                                          "tp·pp = 2·1"),
+    ("lambada_test.jsonl", ["--nproc", "3", "--tp", "3"], "--tp 3 --pp 1: num_heads = 4 is not "
+                                                          "divisible"),
+    ("lambada_test.jsonl", ["--task", "squad"], r"--task: invalid choice: 'squad'"),
+    ("none.tokens", [], r"none.tokens holds 0 word-level tokens and \d+ BPE tokens: a "
+                        r"perplexity needs at least 2"),
+    ("one.tokens", [], r"one.tokens holds 1 word-level tokens"),
+    ("empty.jsonl", [], r"--data .*empty.jsonl holds no LAMBADA passages"),
+    ("blank.jsonl", [], r"--data .*blank.jsonl, line 2: the passage ' ' is not a context and a "
+                        r"last word"),
+    ("word.txt", [], r"--data .*word.txt, line 2: the passage 'alone' is not a context"),
+])
+def test_the_command_refuses_in_one_line_before_any_rank_starts(tmp_path, capsys, monkeypatch,
+                                                                 data, flags, message):
+    monkeypatch.setattr(evaluate, "run", lambda *a, **k: pytest.fail("ranks were launched"))
+    (tmp_path / data).write_text(WORDS[data])
+    argv = ["--task", TASK[Path(data).suffix], "--data", str(tmp_path / data), "--checkpoint",
+            str(PRETRAINED_CHECKPOINT), *flags]
+    with pytest.raises(SystemExit) as exit_:
+        evaluate.main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and err.startswith("error: "), err
+    assert re.search(message, err), err
