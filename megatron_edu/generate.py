@@ -108,10 +108,12 @@ class Sampling:
 
 
 def sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> int:
-    """The next token from the logits [V] of the last position (refused if one is not finite:
-    ``NonFiniteLogits``)."""
-    if (kind := non_finite(logits)) is not None:
-        raise NonFiniteLogits(kind, "the position sampled from")
+    """The next token from the logits [V] of the last position. −inf rules a token out; a NaN,
+    a +inf, or nothing but −inf is refused (``NonFiniteLogits``)."""
+    if bool(torch.isnan(logits).any()):
+        raise NonFiniteLogits("NaN", "the position sampled from")
+    if bool(torch.isposinf(logits).any()) or not bool(torch.isfinite(logits).any()):
+        raise NonFiniteLogits("inf", "the position sampled from")
     if sampling.greedy:
         return int(logits.argmax())
     logits = logits.float() / sampling.temperature

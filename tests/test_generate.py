@@ -1,6 +1,7 @@
 """Generation: the KV cache changes nothing but the cost; the text is the same at every layout;
 sampling is reproducible from its seed; bad requests are refused before any work."""
 
+import math
 import re
 
 import pytest
@@ -332,3 +333,10 @@ def test_sampling_refuses_logits_that_are_not_finite():
     logits = torch.tensor([0.0, float("inf"), 1.0])
     with pytest.raises(NonFiniteLogits, match=r"not finite \(inf\)"):
         sample(logits, Sampling(greedy=True), torch.Generator())
+
+
+def test_minus_infinity_rules_a_token_out_unless_it_rules_out_all():
+    gen = torch.Generator().manual_seed(0)
+    assert sample(torch.tensor([-math.inf, 0.0, -math.inf]), Sampling(), gen) == 1
+    with pytest.raises(NonFiniteLogits):
+        sample(torch.full((3,), -math.inf), Sampling(), gen)
