@@ -197,10 +197,11 @@ def _source(args: argparse.Namespace) -> tuple[Source, Any]:
     if args.checkpoint is None:
         raise ValueError("name the model: --checkpoint RUN or --hf DIR")
     meta = read_metadata(args.checkpoint)
+    config = config_from_dict(meta["config"])
+    check_left_to_right(config, args.task)                 # the model's kind first
     if meta["tokenizer"] is None:
         raise ValueError(f"checkpoint {meta['path']} holds no tokenizer")
-    return Source(config_from_dict(meta["config"]), checkpoint=meta), \
-        Tokenizer.load(meta["tokenizer"])
+    return Source(config, checkpoint=meta), Tokenizer.load(meta["tokenizer"])
 
 
 def _check_layout(args: argparse.Namespace, config: GPTConfig) -> None:
@@ -508,7 +509,7 @@ def check_left_to_right(config: GPTConfig, task: str) -> None:
     """Raise unless ``config`` is a left-to-right (causal) language model, as ``task`` needs."""
     if isinstance(config, BertConfig) or not config.causal:
         raise ValueError(f"--task {task} scores a left-to-right language model; this "
-                         f"checkpoint holds a {type(config).__name__}")
+                         f"checkpoint holds a {type(config).__name__} (bidirectional attention)")
 
 
 def _prepare_validation(args: argparse.Namespace) -> dict[str, Any]:

@@ -5,6 +5,7 @@ stop-word filter — on tiny files in the standard formats, the numbers computed
 import json
 import math
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -292,14 +293,6 @@ def test_a_folder_without_the_test_file_is_named():
         find_data_file(PRETRAINED_CHECKPOINT, LAMBADA)
 
 
-def test_a_bert_is_refused_for_left_to_right_tasks():
-    from megatron_edu.model import BertConfig
-
-    with pytest.raises(ValueError, match="left-to-right language model; this .* BertConfig"):
-        evaluate.check_left_to_right(BertConfig(vocab_size=100, seq_len=16, num_layers=2,
-                                                hidden=32, num_heads=4), "lambada")
-
-
 # --- refused: a broken model, bad arguments, files that are not the task's ----------------------
 
 @pytest.mark.parametrize("task, name, text, where", [
@@ -353,13 +346,21 @@ TASK = {".tokens": "wikitext103", ".jsonl": "lambada", ".txt": "lambada"}
     ("blank.jsonl", [], r"--data .*blank.jsonl, line 2: the passage ' ' is not a context and a "
                         r"last word"),
     ("word.txt", [], r"--data .*word.txt, line 2: the passage 'alone' is not a context"),
+    ("lambada_test.jsonl", ["BERT"], r"--task lambada scores a left-to-right language model; "
+                                     r"this checkpoint holds a BertConfig"),
 ])
 def test_the_command_refuses_in_one_line_before_any_rank_starts(tmp_path, capsys, monkeypatch,
                                                                  data, flags, message):
     monkeypatch.setattr(evaluate, "run", lambda *a, **k: pytest.fail("ranks were launched"))
     (tmp_path / data).write_text(WORDS[data])
+    checkpoint = PRETRAINED_CHECKPOINT
+    if flags == ["BERT"]:                        # a checkpoint whose meta.json says BERT
+        flags, checkpoint = [], shutil.copytree(checkpoint, tmp_path / "bert")
+        meta = json.loads((checkpoint / "meta.json").read_text())
+        meta["config"]["model"] = "bert"
+        (checkpoint / "meta.json").write_text(json.dumps(meta))
     argv = ["--task", TASK[Path(data).suffix], "--data", str(tmp_path / data), "--checkpoint",
-            str(PRETRAINED_CHECKPOINT), *flags]
+            str(checkpoint), *flags]
     with pytest.raises(SystemExit) as exit_:
         evaluate.main(argv)
     err = capsys.readouterr().err
