@@ -1,14 +1,15 @@
 """What the command lines share: argument types that say what they allow, and a parser whose
-every error is one line.
+every error is one line (train, evaluate, generate, checkpoint).
 
     p = Parser(prog="python -m megatron_edu.train")
     p.add_argument("--micro-batch", type=positive_int, default=4)
     p.parse_args(["--micro-batch", "0"])
     # stderr: error: --micro-batch must be a positive integer, got 0      (exit status 2)
 
-Each type checks its range and finiteness while the command line is read, so a bad number never
-reaches a rank (DESIGN principle 7). Relations between arguments (a batch that dp·micro-batch
-divides, ...) are the training script's ``validate``.
+Each ``type=`` function turns the text into a number and refuses what is not a number, out of
+range or not finite while the command line is read, so a bad number never reaches a rank (DESIGN
+principle 7). Relations between arguments (a batch that dp·micro-batch divides, …) are each
+script's own pre-launch validation.
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ import argparse
 import math
 import re
 import sys
+from collections.abc import Callable
 from typing import NoReturn
 
-__all__ = ["Parser", "positive_int", "nonnegative_int", "positive_float", "nonnegative_float",
-           "probability"]
+__all__ = ["Parser", "positive_int", "nonnegative_int", "at_least", "random_seed",
+           "positive_float", "nonnegative_float", "rate", "probability"]
 
 
 class Parser(argparse.ArgumentParser):
@@ -37,44 +39,49 @@ def _one_line(message: str) -> str:
     """argparse's ``argument --x: …`` as ``--x must be …``; an invalid choice listed."""
     found = re.fullmatch(r"argument ([^:]+): (.*)", message, re.DOTALL)
     if not found:
-        return message
+        return " ".join(message.split())
     name, text = found.groups()
     choice = re.fullmatch(r"invalid choice: (.*) \(choose from (.*)\)", text)
     if choice:
         return f"{name} must be one of {choice[2].replace(chr(39), '')}, got {choice[1]}"
+    text = " ".join(text.split())
     return f"{name} {text}" if text.startswith("must be") else f"{name}: {text}"
 
 
-def _number(text: str, kind: type, allowed: str, ok) -> int | float:
+def _parsed(text: str, kind: type) -> int | float:
     try:
-        value = kind(text)
+        return kind(text)
     except ValueError:
-        value = None
-    if value is None or not ok(value):
-        raise argparse.ArgumentTypeError(f"must be {allowed}, got {text}")
-    return value
+        noun = "an integer" if kind is int else "a number"
+        raise argparse.ArgumentTypeError(f"must be {noun}, got {text!r}") from None
 
 
-def positive_int(text: str) -> int:
-    """An integer ≥ 1 (sizes, steps, intervals)."""
-    return _number(text, int, "a positive integer", lambda n: n >= 1)
+def _checked(kind: type, allowed: str, ok: Callable[[float], bool]) -> Callable[[str], float]:
+    """A ``type=`` function: ``text`` as ``kind``, refused unless ``ok`` (``allowed`` says why)."""
+    def check(text: str) -> int | float:
+        value = _parsed(text, kind)
+        if not (math.isfinite(value) and ok(value)):
+            raise argparse.ArgumentTypeError(f"must be {allowed}, got {text}")
+        return value
+    return check
 
 
-def nonnegative_int(text: str) -> int:
-    """An integer ≥ 0 (warm-up steps, tokens to sample, a seed)."""
-    return _number(text, int, "a non-negative integer", lambda n: n >= 0)
+positive_int = _checked(int, "a positive integer", lambda n: n >= 1)
+positive_int.__doc__ = "An integer ≥ 1 (sizes, steps, intervals)."
+nonnegative_int = _checked(int, "a non-negative integer", lambda n: n >= 0)
+nonnegative_int.__doc__ = "An integer ≥ 0 (warm-up steps, tokens to sample, a step)."
+random_seed = _checked(int, "an integer in 0 … 2**64 − 1", lambda n: 0 <= n < 2**64)
+random_seed.__doc__ = "A seed ``torch.Generator.manual_seed`` takes: 0 … 2**64 − 1."
+positive_float = _checked(float, "a finite number > 0", lambda x: x > 0)
+positive_float.__doc__ = "A finite number > 0 (a learning rate, a temperature, a timeout)."
+nonnegative_float = _checked(float, "a finite number ≥ 0", lambda x: x >= 0)
+nonnegative_float.__doc__ = "A finite number ≥ 0 (a minimum learning rate, weight decay, clip)."
+rate = _checked(float, "a number in [0, 1)", lambda x: 0 <= x < 1)
+rate.__doc__ = "A rate in [0, 1) (dropout)."
+probability = _checked(float, "a number in (0, 1]", lambda x: 0 < x <= 1)
+probability.__doc__ = "A probability mass in (0, 1] (top-p)."
 
 
-def positive_float(text: str) -> float:
-    """A finite number > 0 (a learning rate, a timeout): not 0, inf or nan."""
-    return _number(text, float, "a finite number > 0", lambda x: math.isfinite(x) and x > 0)
-
-
-def nonnegative_float(text: str) -> float:
-    """A finite number ≥ 0 (a minimum learning rate, weight decay, a clipping norm)."""
-    return _number(text, float, "a finite number ≥ 0", lambda x: math.isfinite(x) and x >= 0)
-
-
-def probability(text: str) -> float:
-    """A number in [0, 1) (dropout)."""
-    return _number(text, float, "a number in [0, 1)", lambda x: 0 <= x < 1)
+def at_least(low: int) -> Callable[[str], int]:
+    """A ``type=`` function: an integer ≥ ``low``."""
+    return _checked(int, f"an integer ≥ {low}", lambda n: n >= low)

@@ -21,6 +21,13 @@ rounding). Data-parallel replicas, if any, each generate the same text on their 
 Sampling: the temperature divides the logits; top-k keeps the k most likely tokens (Fan et al.
 2018, arXiv 1805.04833); top-p keeps the smallest set of most likely tokens whose probability
 reaches p (nucleus sampling, Holtzman et al. 2019, arXiv 1904.09751); greedy takes the argmax.
+Logits that are not finite (a NaN or an infinity: broken weights) are never sampled from: the
+sampler broadcasts a sentinel instead of a token and every rank raises ``NonFiniteLogits``,
+which names the position.
+
+The command line refuses, before launching any rank, in one line naming the argument (exit
+status 2): a number out of its range (``megatron_edu.cli``), a layout the model does not
+split into, a prompt and new tokens longer than the model's context, a BERT's checkpoint.
 
     python -m megatron_edu.generate --checkpoint runs/tiny --prompt "The " --max-new-tokens 40 \\
         --top-p 0.9 --nproc 4 --tp 2 --pp 2
@@ -29,6 +36,8 @@ reaches p (nucleus sampling, Holtzman et al. 2019, arXiv 1904.09751); greedy tak
 from __future__ import annotations
 
 import argparse
+import math
+import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -38,16 +47,43 @@ import torch
 
 from megatron_edu import comm
 from megatron_edu.checkpoint import load_model_chunks, read_metadata, resolve_checkpoint
+from megatron_edu.cli import (
+    Parser,
+    nonnegative_int,
+    positive_float,
+    positive_int,
+    probability,
+    random_seed,
+)
 from megatron_edu.data.tokenizer import Tokenizer
 from megatron_edu.grid import ParallelGrid
-from megatron_edu.launch import run
-from megatron_edu.model import GPT, GPTConfig
+from megatron_edu.launch import RankError, run
+from megatron_edu.model import GPT, BertConfig, GPTConfig, config_from_dict
 from megatron_edu.model.gpt import KVCache
 from megatron_edu.pipeline.engine import build_chunks
 from megatron_edu.pipeline.schedules import Action, messages_of
 from megatron_edu.pipeline.stages import Message, StageMap
 
-__all__ = ["Sampling", "sample", "check_length", "generate", "main"]
+__all__ = ["Sampling", "sample", "check_length", "generate", "main", "NonFiniteLogits",
+           "non_finite"]
+
+
+# --- logits a broken checkpoint gives ------------------------------------------------------------
+
+class NonFiniteLogits(ValueError):
+    """The model's logits hold a NaN or an infinity: its weights do (a diverged or damaged
+    checkpoint). Generation and evaluation stop on it rather than print what it would give."""
+
+    def __init__(self, kind: str, where: str) -> None:
+        super().__init__(f"the model's logits are not finite ({kind}) at {where}: the checkpoint "
+                         f"holds non-finite weights?")
+
+
+def non_finite(logits: torch.Tensor) -> str | None:
+    """"NaN" or "inf" if some of ``logits`` are (NaN first), else None."""
+    if bool(torch.isnan(logits).any()):
+        return "NaN"
+    return None if bool(torch.isfinite(logits).all()) else "inf"
 
 
 # --- choosing the next token ---------------------------------------------------------------------
@@ -62,8 +98,8 @@ class Sampling:
     greedy: bool = False
 
     def __post_init__(self) -> None:
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature} "
+        if not (self.temperature > 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be a finite number > 0, got {self.temperature} "
                              f"(use greedy for the argmax)")
         if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
             raise ValueError(f"top_k must be an integer ≥ 1, got {self.top_k!r}")
@@ -72,7 +108,12 @@ class Sampling:
 
 
 def sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> int:
-    """The next token from the logits [V] of the last position."""
+    """The next token from the logits [V] of the last position. −inf rules a token out; a NaN,
+    a +inf, or nothing but −inf is refused (``NonFiniteLogits``)."""
+    if bool(torch.isnan(logits).any()):
+        raise NonFiniteLogits("NaN", "the position sampled from")
+    if bool(torch.isposinf(logits).any()) or not bool(torch.isfinite(logits).any()):
+        raise NonFiniteLogits("inf", "the position sampled from")
     if sampling.greedy:
         return int(logits.argmax())
     logits = logits.float() / sampling.temperature
@@ -142,16 +183,25 @@ def _stages(grid: ParallelGrid, chunks: Sequence[GPT]) -> StageMap:
 
 
 def _next_token(logits: torch.Tensor | None, grid: ParallelGrid | None, sampling: Sampling,
-                generator: torch.Generator, device: torch.device, last_stage_rank: int) -> int:
+                generator: torch.Generator, device: torch.device, last_stage_rank: int,
+                position: int) -> int:
     """Sample on tp rank 0 of the last stage (pipeline rank ``last_stage_rank``), then
-    broadcast to every model-parallel rank."""
+    broadcast to every model-parallel rank. Logits that are not finite (at ``position``) are
+    broadcast as a negative token, so that every rank raises the same ``NonFiniteLogits``."""
     token = torch.zeros(1, dtype=torch.long, device=device)
     if grid is None or (grid.pp_rank == last_stage_rank and grid.tp_rank == 0):
-        token[0] = sample(logits.cpu(), sampling, generator)   # on the CPU: same on any device
+        kind = non_finite(logits)
+        token[0] = _BROKEN.index(kind) - len(_BROKEN) if kind else sample(
+            logits.cpu(), sampling, generator)                 # on the CPU: same on any device
     if grid is not None:
         sampler = grid.layout.rank_of(0, last_stage_rank, grid.dp_rank)
         comm.broadcast(token, sampler, grid.mp_group, "next token")
+    if int(token) < 0:
+        raise NonFiniteLogits(_BROKEN[int(token)], f"position {position}")
     return int(token)
+
+
+_BROKEN = ("NaN", "inf")          # token −2, −1: the logits held a NaN, an infinity
 
 
 @contextmanager
@@ -210,7 +260,8 @@ def generate(model: GPT | Sequence[GPT], grid: ParallelGrid | None,
     """The tokens that follow ``prompt_ids``: ``max_new_tokens`` of them, or fewer ending with
     ``eos_id``. ``model``: a whole GPT (grid None) or this rank's chunks, built on the grid's
     stage map (``build_chunks(config, grid, grid.layout.stages)``). Under a grid, a
-    collective: every rank calls it alike and gets the same list."""
+    collective: every rank calls it alike and gets the same list — or raises the same
+    ``NonFiniteLogits`` where the logits hold a NaN or an infinity."""
     chunks = _as_chunks(model, grid)
     sampling = Sampling(temperature, top_k, top_p, greedy)
     device = grid.device if grid is not None else next(chunks[0].parameters()).device
@@ -222,8 +273,9 @@ def generate(model: GPT | Sequence[GPT], grid: ParallelGrid | None,
     with _eval_mode(chunks):
         for _ in range(max_new_tokens):
             logits = _forward_step(chunks, grid, ids, caches)
+            position = len(prompt_ids) + len(tokens) - 1          # whose logits these are
             tokens.append(_next_token(logits, grid, sampling, generator, device,
-                                      last_stage_rank))
+                                      last_stage_rank, position))
             if tokens[-1] == eos_id:
                 break
             ids = torch.tensor([[tokens[-1]]], device=device)            # [1, 1]: the cache
@@ -232,23 +284,24 @@ def generate(model: GPT | Sequence[GPT], grid: ParallelGrid | None,
 
 # --- the command line -----------------------------------------------------------------------------
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m megatron_edu.generate",
-                                     description="Continue a prompt with a trained checkpoint.")
+def _parser() -> Parser:
+    parser = Parser(prog="python -m megatron_edu.generate",
+                    description="Continue a prompt with a trained GPT checkpoint.")
     parser.add_argument("--checkpoint", required=True,
                         help="a checkpoint folder, or a run folder (its latest checkpoint)")
-    parser.add_argument("--step", type=int, help="the checkpoint of this step of the run")
+    parser.add_argument("--step", type=nonnegative_int,
+                        help="the checkpoint of this step of the run")
     parser.add_argument("--tokenizer", help="a sentencepiece .model (default: the checkpoint's)")
     parser.add_argument("--prompt", required=True)
-    parser.add_argument("--max-new-tokens", type=int, default=50)
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int)
-    parser.add_argument("--top-p", type=float)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=50)
+    parser.add_argument("--temperature", type=positive_float, default=1.0)
+    parser.add_argument("--top-k", type=positive_int)
+    parser.add_argument("--top-p", type=probability)
     parser.add_argument("--greedy", action="store_true")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--nproc", type=int, default=1, help="ranks to launch: tp·pp")
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--seed", type=random_seed, default=0)
+    parser.add_argument("--nproc", type=positive_int, default=1, help="ranks to launch: tp·pp")
+    parser.add_argument("--tp", type=positive_int, default=1)
+    parser.add_argument("--pp", type=positive_int, default=1)
     return parser
 
 
@@ -266,40 +319,62 @@ def _prepare(args: argparse.Namespace) -> tuple[Path, GPTConfig, Tokenizer, list
                          f"{args.tp * args.pp}")
     path = resolve_checkpoint(args.checkpoint, args.step)
     meta = read_metadata(path)
-    config = GPTConfig(**meta["config"])
+    config = config_from_dict(meta["config"])
+    if isinstance(config, BertConfig) or not config.causal:
+        raise ValueError(f"--checkpoint {args.checkpoint} holds a {type(config).__name__} with "
+                         f"bidirectional attention: generate continues text with a left-to-right"
+                         f" GPT")
     config.validate(args.tp, args.pp)
     tokenizer = Tokenizer.load(_tokenizer_path(args, meta))
     if tokenizer.vocab_size > config.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens, the model "
                          f"{config.vocab_size}: not the model's tokenizer")
     prompt = tokenizer.encode(args.prompt)
-    check_length(config, len(prompt), args.max_new_tokens)
+    if not prompt:
+        raise ValueError(f"--prompt {args.prompt!r} encodes to no tokens: give at least one")
+    try:
+        check_length(config, len(prompt), args.max_new_tokens)
+    except ValueError as err:
+        raise ValueError(f"--max-new-tokens {args.max_new_tokens}: {err}") from None
     return path, config, tokenizer, prompt, sampling
 
 
 def _generate_on_rank(path: Path, config: GPTConfig, tp: int, pp: int, prompt: list[int],
                       max_new_tokens: int, sampling: Sampling, seed: int,
-                      eos_id: int) -> list[int]:
+                      eos_id: int) -> list[int] | str:
+    """The new tokens, or the message of non-finite logits (every rank meets them alike)."""
     grid = ParallelGrid(tp=tp, pp=pp)
     chunks = build_chunks(config, grid, grid.layout.stages)
     load_model_chunks(path, chunks, grid)
-    return generate(chunks, grid, prompt, max_new_tokens, seed=seed, eos_id=eos_id,
-                    **asdict(sampling))
+    try:
+        return generate(chunks, grid, prompt, max_new_tokens, seed=seed, eos_id=eos_id,
+                        **asdict(sampling))
+    except NonFiniteLogits as err:
+        return str(err)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m megatron_edu.generate``: the prompt and its continuation, printed."""
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m megatron_edu.generate``: the prompt and its continuation, printed; the exit
+    status (2: refused before launching, 1: failed on the ranks)."""
     parser = _parser()
     args = parser.parse_args(argv)
     try:
         path, config, tokenizer, prompt, sampling = _prepare(args)
     except (ValueError, OSError) as err:          # CheckpointError is a ValueError too
         parser.error(str(err))
-    tokens = run(_generate_on_rank, args.nproc, path, config, args.tp, args.pp, prompt,
-                 args.max_new_tokens, sampling, args.seed, tokenizer.eos_id,
-                 capture_output=True)[0]
+    try:
+        tokens = run(_generate_on_rank, args.nproc, path, config, args.tp, args.pp, prompt,
+                     args.max_new_tokens, sampling, args.seed, tokenizer.eos_id,
+                     capture_output=True)[0]
+    except RankError as err:
+        print(f"error: generation failed on {err}", file=sys.stderr)
+        return 1
+    if isinstance(tokens, str):
+        print(f"error: {tokens}", file=sys.stderr)
+        return 1
     print(args.prompt + tokenizer.decode(tokens))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

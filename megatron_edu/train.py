@@ -64,7 +64,7 @@ from megatron_edu.cli import (
     nonnegative_int,
     positive_float,
     positive_int,
-    probability,
+    rate,
 )
 from megatron_edu.data import BatchSampler, TokenDataset, prepare_data, unigram_entropy
 from megatron_edu.data.bert import prepare_bert_data
@@ -125,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     for name in ("layers", "hidden", "heads", "seq-len", "vocab-size"):
         model.add_argument(f"--{name}", type=positive_int, help="override the preset")
-    model.add_argument("--dropout", type=probability, default=0.0)
+    model.add_argument("--dropout", type=rate, default=0.0)
     model.add_argument("--recompute", nargs="?", const="full", default="none",
                        choices=list(RECOMPUTE),
                        help="activation recomputation: the whole layer (full; the flag alone) or "

@@ -60,3 +60,20 @@ def world_of_one(store: Path) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+def poisoned_checkpoint(source, out, value: float = float("nan"), position: int = 12):
+    """A copy of the single-file checkpoint ``source`` in ``out`` whose position embedding of
+    ``position`` is ``value`` (NaN): the logits at that position and after it are not finite."""
+    import json
+    import shutil
+
+    shutil.copytree(source, out)
+    shard = out / "model_tp0_pp0.pt"
+    state = torch.load(shard, weights_only=True)
+    state["params"]["embedding.position.weight"][position] = value
+    torch.save(state, shard)
+    meta = json.loads((out / "meta.json").read_text())
+    meta["files"][shard.name] = shard.stat().st_size
+    (out / "meta.json").write_text(json.dumps(meta))
+    return out

@@ -4,19 +4,23 @@ stop-word filter — on tiny files in the standard formats, the numbers computed
 
 import json
 import math
+import re
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from helpers import tiny_config
+from helpers import poisoned_checkpoint, tiny_config
 
 from megatron_edu import evaluate
 from megatron_edu.checkpoint import export_hf, load_full_model_state, read_metadata
 from megatron_edu.data import PRETRAINED_CHECKPOINT, Tokenizer
 from megatron_edu.data.zeroshot import (
     LAMBADA,
+    STOP_WORDS,
     count_words,
     find_data_file,
     lambada_example,
@@ -36,16 +40,43 @@ WIKI = (" \n = Python = \n \n Python is a high @-@ level , general @-@ purpose l
 
 # --- the windows ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("n, length, stride", [(50, 16, 4), (50, 16, 16), (17, 16, 5),
-                                               (10, 16, 3), (100, 8, 1)])
-def test_sliding_windows_score_every_token_once_with_the_context_the_window_allows(
-        n, length, stride):
+def megatron_samples(tokens, seq_len: int, overlap: int, pad: int = 0):
+    """Megatron-LM's ``_LMDataset`` (tasks/zeroshot_gpt/datasets.py), step by step: sample i
+    holds tokens[i·overlap : i·overlap + seq_len + 1], padded to seq_len + 1, and a mask of
+    the targets it scores — all in sample 0, only the last ``overlap`` later. As (input ids,
+    labels with −100 where the mask is 0), one pair per sample."""
+    total_targets = len(tokens) - 1
+    count = max(math.ceil(max(total_targets - overlap, 0) / overlap) + 1, 1)
+    samples = []
+    for i in range(count):
+        text = list(tokens[i * overlap : i * overlap + seq_len + 1])
+        mask = [1] * len(text) + [0] * (seq_len + 1 - len(text))
+        text += [pad] * (seq_len + 1 - len(text))
+        mask = np.array(mask[1:])
+        if overlap != seq_len and i != 0:
+            mask[:-overlap] = 0
+        samples.append((np.array(text[:-1]), np.where(mask == 1, text[1:], -100)))
+    return samples
+
+
+@pytest.mark.parametrize("n, length, stride", [(50, 16, 5), (50, 16, 16), (17, 16, 5),
+                                               (10, 16, 3), (100, 8, 1), (38, 8, 3)])
+def test_sliding_windows_are_megatron_lms(n, length, stride):
+    tokens = np.arange(1, n + 1)                      # distinct: a label names its target
     windows = sliding_windows(n, length, stride)
-    scored = [t for w in windows for t in range(w.scored_after + 1, w.end + 1)]
-    assert scored == list(range(1, n))                    # targets 1 … n−1, once each, in order
-    assert all(w.end - w.start <= length for w in windows)
-    for w in windows[1:]:
-        assert w.scored_after - w.start >= length - stride   # context of its first target − 1
+    ids, labels = window_batch(tokens, windows, length)
+    theirs = megatron_samples(tokens, length, stride)
+    scoring = [(i, l) for i, l in theirs if (l != -100).any()]
+    assert all((l == -100).all() for _, l in theirs[len(scoring):])  # only unscored ones after
+    assert np.array_equal(labels, np.stack([l for _, l in scoring]))
+    for row, (their_ids, their_labels) in enumerate(scoring):   # the inputs up to the last
+        seen = np.nonzero(their_labels != -100)[0][-1] + 1      # target (Megatron-LM also
+        assert np.array_equal(ids[row, :seen], their_ids[:seen])  # feeds the text's last token)
+    assert sorted(labels[labels != -100].tolist()) == tokens[1:].tolist()   # each target once
+    assert [w.start for w in windows] == [k * stride for k in range(len(windows))]
+    last = windows[-1]
+    assert last.end == n - 1 and (last.end - last.start < length) == ((n - 1 - length) % stride
+                                                                      != 0 or n - 1 < length)
 
 
 def _model_and_tokens(n=12, seed=0):
@@ -96,19 +127,21 @@ def test_words_are_the_test_files_space_separated_tokens():
 def test_a_multi_token_word_is_right_only_when_all_its_tokens_are():
     labels = torch.tensor([[-100, -100, 7, 8], [-100, -100, 7, 8], [-100, -100, -100, 9]])
     predicted = torch.tensor([[1, 2, 7, 8], [1, 2, 7, 5], [1, 2, 3, 9]])
-    no_stop = torch.zeros(10, dtype=torch.bool)
-    right, _ = lambada_correct(predicted, predicted, labels, no_stop)
+    right, _ = lambada_correct(predicted, predicted, labels)
     assert right.tolist() == [True, False, True]
 
 
-def test_the_stop_word_filter_gives_a_stop_word_first_choice_its_second_chance():
-    labels = torch.tensor([[-100, 7, 8], [-100, 7, 8], [-100, 7, 8], [-100, 7, 8]])
-    predicted = torch.tensor([[0, 3, 8], [0, 4, 8], [0, 3, 5], [0, 7, 8]])   # 3 is " the"
-    filtered = torch.tensor([[0, 7, 8], [0, 7, 8], [0, 7, 5], [0, 7, 8]])    # next non-stop
-    is_stop = torch.zeros(10, dtype=torch.bool)
-    is_stop[3] = True
-    right, right_filtered = lambada_correct(predicted, filtered, labels, is_stop)
-    assert right.tolist() == [False, False, False, True]
+def test_the_stop_word_filter_takes_the_best_non_stop_word_at_the_first_token_always():
+    """GPT-2's filter: stop words are not candidates for the word's first token — a stop-word
+    first choice gives way to the best other token, and a stop-word target is never right."""
+    labels = torch.tensor([[-100, 7, 8], [-100, 3, -100], [-100, 7, 8], [-100, 7, 8]])
+    predicted = torch.tensor([[0, 3, 8],       # " the" (3, a stop word), then the next choice 7
+                              [0, 3, 0],       # the target is " the" itself, predicted
+                              [0, 3, 5],       # the filter helps the first token, not the second
+                              [0, 7, 8]])      # no stop word: the filter changes nothing
+    filtered = torch.tensor([[0, 7, 8], [0, 6, 0], [0, 7, 5], [0, 7, 8]])   # best non-stop
+    right, right_filtered = lambada_correct(predicted, filtered, labels)
+    assert right.tolist() == [False, True, False, True]
     assert right_filtered.tolist() == [True, False, False, True]
 
 
@@ -146,22 +179,25 @@ def _cli(capsys, *argv):
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
-def test_wikitext_perplexity_per_word_and_per_token_by_hand(tmp_path, pretrained, capsys):
-    text = " \n = Python = \n \n Python is a high @-@ level language , easy to read . \n"
-    (tmp_path / "wiki.test.tokens").write_text(text)
+def test_wikitext_perplexities_are_megatron_lms_in_windows_whose_last_is_padded(
+        tmp_path, pretrained, capsys):
+    (tmp_path / "wiki.test.tokens").write_text(WIKI)
     model, tokenizer = pretrained
-    tokens = tokenizer.encode(wikitext_detokenize(text))
-    ids = torch.tensor(tokens)[None]
-    assert len(tokens) <= 64                       # one window of the model's 64 holds it
+    tokens = tokenizer.encode(wikitext_detokenize(WIKI))
+    assert (len(tokens) - 1 - 32) % 10                    # the last window is short: padded
+    loss = 0.0
     with torch.no_grad():
-        loss = F.cross_entropy(model(ids[:, :-1])[0, :, :500], ids[0, 1:], reduction="sum")
-    words = len(text.strip().split(" "))
-    result = _cli(capsys, "--task", "wikitext103", "--data", str(tmp_path),
-                  "--checkpoint", str(PRETRAINED_CHECKPOINT))
-    assert (result["tokens"], result["words"]) == (len(tokens), words)
-    assert result["word_perplexity"] == pytest.approx(math.exp(loss / (words - 1)), rel=1e-4)
-    assert result["token_perplexity"] == pytest.approx(math.exp(loss / (len(tokens) - 1)),
-                                                       rel=1e-4)
+        for ids, labels in megatron_samples(tokens, 32, 10):
+            loss += F.cross_entropy(model(torch.from_numpy(ids)[None])[0, :, :500],
+                                    torch.from_numpy(labels), reduction="sum").item()
+    n, w = len(tokens), len(WIKI.strip().split(" "))
+    result = _cli(capsys, "--task", "wikitext103", "--data", str(tmp_path), "--seq-len", "32",
+                  "--stride", "10", "--checkpoint", str(PRETRAINED_CHECKPOINT))
+    assert (result["tokens"], result["words"]) == (n, w)
+    assert result["loss_sum"] == pytest.approx(loss, rel=1e-5)
+    assert result["word_perplexity"] == pytest.approx(math.exp(loss / (w - 1)), rel=1e-5)
+    assert result["word_perplexity_paper"] == pytest.approx(math.exp(loss / w), rel=1e-5)
+    assert result["token_perplexity"] == pytest.approx(math.exp(loss / (n - 1)), rel=1e-5)
 
 
 def _greedy_passages(model, tokenizer):
@@ -186,6 +222,20 @@ def _greedy_passages(model, tokenizer):
     return right, wrong
 
 
+def _right_with_the_filter(model, tokenizer, passage) -> bool:
+    """GPT-2's stop-word filter by hand: the word's first token the best that is not a stop
+    word on its own, the others the argmax."""
+    context, word = lambada_example(passage, tokenizer.encode)
+    with torch.no_grad():
+        logits = model(torch.tensor([context + word[:-1]]))[0, len(context) - 1:, :500]
+    stop = [i for i in range(tokenizer.vocab_size) if tokenizer.decode([i])[:1].isspace()
+            and tokenizer.decode([i]).strip().lower() in STOP_WORDS]
+    choices = logits.argmax(-1)
+    choices[0] = logits[0].index_fill(0, torch.tensor(stop, dtype=torch.long),
+                                      -math.inf).argmax()
+    return choices.tolist() == word
+
+
 def test_lambada_accuracy_by_hand_and_the_same_on_every_layout(tmp_path, pretrained, capsys):
     right, wrong = _greedy_passages(*pretrained)
     assert len(right) >= 3
@@ -196,10 +246,11 @@ def test_lambada_accuracy_by_hand_and_the_same_on_every_layout(tmp_path, pretrai
             "--checkpoint", str(PRETRAINED_CHECKPOINT), "--batch", "4", "--micro-batch", "1"]
     results = [_cli(capsys, *base), _cli(capsys, *base, "--nproc", "4", "--tp", "2",
                                          "--pp", "2")]
+    filtered = sum(_right_with_the_filter(*pretrained, p) for p in passages)
     for result in results:
         assert result["n"] == len(passages)
         assert result["accuracy_without_filter"] == pytest.approx(len(right) / len(passages))
-        assert result["accuracy_with_filter"] >= result["accuracy_without_filter"]
+        assert result["accuracy_with_filter"] == pytest.approx(filtered / len(passages))
 
 
 def test_wikitext_through_the_hugging_face_directory_equals_the_checkpoint(tmp_path, capsys):
@@ -242,16 +293,77 @@ def test_a_folder_without_the_test_file_is_named():
         find_data_file(PRETRAINED_CHECKPOINT, LAMBADA)
 
 
-def test_a_bert_is_refused_for_left_to_right_tasks():
-    from megatron_edu.model import BertConfig
+# --- refused: a broken model, bad arguments, files that are not the task's ----------------------
 
-    with pytest.raises(ValueError, match="left-to-right language model; this .* BertConfig"):
-        evaluate.check_left_to_right(BertConfig(vocab_size=100, seq_len=16, num_layers=2,
-                                                hidden=32, num_heads=4), "lambada")
+@pytest.mark.parametrize("task, name, text, where", [
+    ("wikitext103", "wiki.test.tokens", WIKI, r"position 0 of window 1 \(token 0 of the text\)"),
+    ("lambada", "lambada_test.jsonl", '{"text": "Return a list of all the headers."}\n',
+     "position 7 of passage 1")])           # the first scored: the context's 8 tokens − 1
+def test_non_finite_logits_are_refused_with_where_they_are(tmp_path, capsys, task, name, text,
+                                                           where):
+    poisoned = poisoned_checkpoint(PRETRAINED_CHECKPOINT, tmp_path / "poisoned")
+    (tmp_path / name).write_text(text)
+    assert evaluate.main(["--task", task, "--data", str(tmp_path / name), "--checkpoint",
+                          str(poisoned)]) == 1
+    err = capsys.readouterr().err
+    assert re.fullmatch(rf"error: the model's logits are not finite \(NaN\) at {where}: the "
+                        r"checkpoint holds non-finite weights\?\n", err), err
 
 
-def test_windows_mark_only_their_new_targets():
-    tokens = np.arange(10)
-    ids, labels = window_batch(tokens, sliding_windows(10, 4, 2), 4)
-    assert ids.tolist()[:2] == [[0, 1, 2, 3], [2, 3, 4, 5]]
-    assert labels.tolist()[:2] == [[1, 2, 3, 4], [-100, -100, 5, 6]]
+WORDS = {"wiki.test.tokens": WIKI, "one.tokens": " Python \n", "none.tokens": " \n \n",
+         "lambada_test.jsonl": '{"text": "He opened the door"}\n',
+         "empty.jsonl": "", "blank.jsonl": '{"text": "He opened the door"}\n{"text": " "}\n',
+         "word.txt": "He opened the door\nalone\n"}
+TASK = {".tokens": "wikitext103", ".jsonl": "lambada", ".txt": "lambada"}
+
+
+@pytest.mark.parametrize("data, flags, message", [
+    ("lambada_test.jsonl", ["--micro-batch", "0"], "--micro-batch must be a positive integer, "
+                                                   "got 0"),
+    ("lambada_test.jsonl", ["--batch", "-8"], "--batch must be a positive integer, got -8"),
+    ("lambada_test.jsonl", ["--nproc", "two"], "--nproc must be an integer, got 'two'"),
+    ("lambada_test.jsonl", ["--tp", "0"], "--tp must be a positive integer, got 0"),
+    ("wiki.test.tokens", ["--stride", "0"], "--stride must be a positive integer, got 0"),
+    ("wiki.test.tokens", ["--seq-len", "1"], "--seq-len must be an integer ≥ 2, got 1"),
+    ("wiki.test.tokens", ["--seq-len", "65"], r"--seq-len must be in 2 … 64 \(the model's "
+                                              r"seq_len\), got 65"),
+    ("wiki.test.tokens", ["--seq-len", "16", "--stride", "32"], r"--stride must be in 1 … the "
+                                                                r"window length 16"),
+    ("lambada_test.jsonl", ["--stride", "8"], "--stride applies to --task wikitext103"),
+    ("wiki.test.tokens", ["--stop-word-filter"], "--stop-word-filter applies to --task lambada"),
+    ("lambada_test.jsonl", ["--batches", "3"], "--batches applies to the validation loss"),
+    ("lambada_test.jsonl", ["--batch", "8", "--micro-batch", "3"],
+     "--batch 8 must be divisible by dp·micro-batch = 1·3"),
+    ("lambada_test.jsonl", ["--nproc", "3", "--tp", "2"], "--nproc 3 ranks do not divide into "
+                                                          "tp·pp = 2·1"),
+    ("lambada_test.jsonl", ["--nproc", "3", "--tp", "3"], "--tp 3 --pp 1: num_heads = 4 is not "
+                                                          "divisible"),
+    ("lambada_test.jsonl", ["--task", "squad"],
+     r"--task must be one of wikitext103, lambada, got 'squad'"),
+    ("none.tokens", [], r"none.tokens holds 0 word-level tokens and \d+ BPE tokens: a "
+                        r"perplexity needs at least 2"),
+    ("one.tokens", [], r"one.tokens holds 1 word-level tokens"),
+    ("empty.jsonl", [], r"--data .*empty.jsonl holds no LAMBADA passages"),
+    ("blank.jsonl", [], r"--data .*blank.jsonl, line 2: the passage ' ' is not a context and a "
+                        r"last word"),
+    ("word.txt", [], r"--data .*word.txt, line 2: the passage 'alone' is not a context"),
+    ("lambada_test.jsonl", ["BERT"], r"--task lambada scores a left-to-right language model; "
+                                     r"this checkpoint holds a BertConfig"),
+])
+def test_the_command_refuses_in_one_line_before_any_rank_starts(tmp_path, capsys, monkeypatch,
+                                                                 data, flags, message):
+    monkeypatch.setattr(evaluate, "run", lambda *a, **k: pytest.fail("ranks were launched"))
+    (tmp_path / data).write_text(WORDS[data])
+    checkpoint = PRETRAINED_CHECKPOINT
+    if flags == ["BERT"]:                        # a checkpoint whose meta.json says BERT
+        flags, checkpoint = [], shutil.copytree(checkpoint, tmp_path / "bert")
+        meta = json.loads((checkpoint / "meta.json").read_text())
+        meta["config"]["model"] = "bert"
+        (checkpoint / "meta.json").write_text(json.dumps(meta))
+    argv = ["--task", TASK[Path(data).suffix], "--data", str(tmp_path / data), "--checkpoint",
+            str(checkpoint), *flags]
+    with pytest.raises(SystemExit) as exit_:
+        evaluate.main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and err.startswith("error: "), err
+    assert re.search(message, err), err

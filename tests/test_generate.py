@@ -1,20 +1,22 @@
 """Generation: the KV cache changes nothing but the cost; the text is the same at every layout;
 sampling is reproducible from its seed; bad requests are refused before any work."""
 
+import math
 import re
 
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import TOL, tiny_config
+from helpers import TOL, poisoned_checkpoint, tiny_config
 
 from megatron_edu import comm
+from megatron_edu import generate as generate_module
 from megatron_edu.checkpoint import load_full_model_state, save_checkpoint
-from megatron_edu.data import train_tokenizer
-from megatron_edu.generate import Sampling, generate, main, sample
+from megatron_edu.data import PRETRAINED_CHECKPOINT, train_tokenizer
+from megatron_edu.generate import NonFiniteLogits, Sampling, generate, main, sample
 from megatron_edu.grid import Layout, ParallelGrid
 from megatron_edu.launch import run
-from megatron_edu.model import GPT
+from megatron_edu.model import GPT, BertConfig
 from megatron_edu.model.transformer import KVCache
 from megatron_edu.pipeline.engine import build_chunks
 from megatron_edu.ptdp import PTDP, PTDPOptions
@@ -140,7 +142,8 @@ def test_top_p_samples_the_smallest_set_reaching_p():
 # --- refused before any work ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(temperature=0.0), "temperature must be > 0"),
+    (dict(temperature=0.0), "temperature must be a finite number > 0"),
+    (dict(temperature=float("inf")), "temperature must be a finite number > 0"),
     (dict(top_k=0), "top_k must be an integer ≥ 1"),
     (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
     (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
@@ -202,7 +205,15 @@ def _generate_at_every_layout():
         chunks = build_chunks(gen_config(), grid, grid.layout.stages)
         out[tp, pp, dp, schedule] = (generate(chunks, grid, PROMPT, NEW, greedy=True),
                                      generate(chunks, grid, PROMPT, NEW, **SAMPLED))
-    return out
+    with torch.no_grad():                     # position 7's embedding NaN, on the first stage
+        for chunk in chunks:
+            if chunk.first:
+                chunk.embedding.position.weight[7] = float("nan")
+    try:
+        generate(chunks, grid, PROMPT, NEW, greedy=True)
+    except NonFiniteLogits as err:
+        return out, str(err)
+    return out, None
 
 
 @pytest.fixture(scope="module")
@@ -212,12 +223,19 @@ def layouts():
 
 def test_greedy_text_is_the_serial_text_at_every_layout_on_every_rank(layouts, model):
     serial = generate(model, None, PROMPT, NEW, greedy=True)
-    assert all(greedy == serial for rank in layouts for greedy, _ in rank.values())
+    assert all(greedy == serial for rank, _ in layouts for greedy, _ in rank.values())
 
 
 def test_sampled_text_is_the_serial_text_at_every_layout_on_every_rank(layouts, model):
     serial = generate(model, None, PROMPT, NEW, **SAMPLED)
-    assert all(sampled == serial for rank in layouts for _, sampled in rank.values())
+    assert all(sampled == serial for rank, _ in layouts for _, sampled in rank.values())
+
+
+def test_non_finite_logits_stop_every_rank_with_the_same_message(layouts):
+    """tp = 2 × pp = 2 under ZB-V: the sampler finds the NaN, every rank raises."""
+    assert [poisoned for _, poisoned in layouts] == [
+        "the model's logits are not finite (NaN) at position 7: the checkpoint holds "
+        "non-finite weights?"] * 4
 
 
 # --- the command line -----------------------------------------------------------------------------
@@ -259,16 +277,66 @@ def test_the_command_prints_the_prompt_and_its_continuation_at_tp2_pp2(checkpoin
     assert capsys.readouterr().out == "the quick" + tokenizer.decode(tokens) + "\n"
 
 
+@pytest.fixture(scope="module")
+def bert_checkpoint(tmp_path_factory):
+    """A BERT's checkpoint: something generate cannot continue text with."""
+    out = tmp_path_factory.mktemp("bert") / "run"
+    run(_save_moved_weights, 1, out, BertConfig(vocab_size=100, seq_len=16, num_layers=2,
+                                                hidden=32, num_heads=4))
+    return out
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--nproc", "3", "--tp", "2"], r"--nproc 3 ≠ tp·pp = 2·1 = 2"),
-    (["--temperature", "0"], "temperature must be > 0"),
-    (["--top-p", "2"], r"top_p must be in \(0, 1\]"),
+    (["--nproc", "0"], "--nproc must be a positive integer, got 0"),
+    (["--tp", "-1"], "--tp must be a positive integer, got -1"),
+    (["--pp", "1.5"], "--pp must be an integer, got '1.5'"),
+    (["--temperature", "0"], r"--temperature must be a finite number > 0, got 0"),
+    (["--temperature", "nan"], r"--temperature must be a finite number > 0, got nan"),
+    (["--temperature", "inf"], r"--temperature must be a finite number > 0, got inf"),
+    (["--top-k", "0"], "--top-k must be a positive integer, got 0"),
+    (["--top-p", "2"], r"--top-p must be a number in \(0, 1\], got 2"),
+    (["--top-p", "0"], r"--top-p must be a number in \(0, 1\], got 0"),
+    (["--seed", "-1"], r"--seed must be an integer in 0 … 2\*\*64 − 1, got -1"),
+    (["--step", "-2"], "--step must be a non-negative integer, got -2"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be a positive integer, got 0"),
+    (["--max-new-tokens", "40"], r"--max-new-tokens 40: .*\+ 40 new tokens = .* is longer than "
+                                 r"seq_len = 32"),
+    (["--prompt", ""], "--prompt '' encodes to no tokens"),
     (["--nproc", "3", "--tp", "3"], "num_heads = 4 is not divisible .* tp = 3"),
     (["--nproc", "8", "--pp", "8"], "num_layers = 4 is not divisible by pp·chunks = 8·1"),
-    (["--max-new-tokens", "40"], r"\+ 40 new tokens = .* is longer than seq_len = 32"),
     (["--step", "5"], "no checkpoint of step 5"),
+    (["bert"], r"--checkpoint .* holds a BertConfig with bidirectional attention: generate "
+               r"continues text with a left-to-right GPT"),
 ])
-def test_the_command_refuses_bad_arguments_before_launching(checkpoint, capsys, flags, message):
-    with pytest.raises(SystemExit):
+def test_the_command_refuses_bad_arguments_in_one_line_before_launching(
+        checkpoint, bert_checkpoint, capsys, monkeypatch, flags, message):
+    monkeypatch.setattr(generate_module, "run", lambda *a, **k: pytest.fail("ranks launched"))
+    if flags == ["bert"]:
+        flags = ["--checkpoint", str(bert_checkpoint)]
+    with pytest.raises(SystemExit) as exit_:
         cli(checkpoint, *flags)
-    assert re.search(message, capsys.readouterr().err)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and err.startswith("error: "), err
+    assert re.search(message, err), err
+
+
+def test_the_command_refuses_a_checkpoint_whose_logits_are_not_finite(tmp_path, capsys):
+    poisoned = poisoned_checkpoint(PRETRAINED_CHECKPOINT, tmp_path / "poisoned", position=12)
+    assert main(["--checkpoint", str(poisoned), "--prompt", "Return", "--max-new-tokens",
+                 "20"]) == 1
+    assert capsys.readouterr().err == ("error: the model's logits are not finite (NaN) at "
+                                       "position 12: the checkpoint holds non-finite weights?\n")
+
+
+def test_sampling_refuses_logits_that_are_not_finite():
+    logits = torch.tensor([0.0, float("inf"), 1.0])
+    with pytest.raises(NonFiniteLogits, match=r"not finite \(inf\)"):
+        sample(logits, Sampling(greedy=True), torch.Generator())
+
+
+def test_minus_infinity_rules_a_token_out_unless_it_rules_out_all():
+    gen = torch.Generator().manual_seed(0)
+    assert sample(torch.tensor([-math.inf, 0.0, -math.inf]), Sampling(), gen) == 1
+    with pytest.raises(NonFiniteLogits):
+        sample(torch.full((3,), -math.inf), Sampling(), gen)

@@ -144,7 +144,7 @@ def _a_rank_fails(*args, **kwargs):
     (["--nproc", "0"], "--nproc must be a positive integer, got 0"),
     (["--tp", "0"], "--tp must be a positive integer, got 0"),
     (["--layers", "0"], "--layers must be a positive integer, got 0"),
-    (["--steps", "2.5"], "--steps must be a positive integer, got 2.5"),
+    (["--steps", "2.5"], "--steps must be an integer, got '2.5'"),
     (["--warmup", "-1"], "--warmup must be a non-negative integer, got -1"),
     (["--lr", "inf"], "--lr must be a finite number > 0, got inf"),
     (["--clip", "nan"], "--clip must be a finite number ≥ 0, got nan"),
