@@ -21,8 +21,12 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
+import torch
+
 __all__ = ["Parser", "positive_int", "nonnegative_int", "at_least", "random_seed",
-           "positive_float", "nonnegative_float", "rate", "probability"]
+           "positive_float", "nonnegative_float", "rate", "probability", "DTYPES", "autocast"]
+
+DTYPES = ("auto", "fp32", "bf16", "fp16")  # --dtype of train and evaluate
 
 
 class Parser(argparse.ArgumentParser):
@@ -85,3 +89,13 @@ probability.__doc__ = "A probability mass in (0, 1] (top-p)."
 def at_least(low: int) -> Callable[[str], int]:
     """A ``type=`` function: an integer ≥ ``low``."""
     return _checked(int, f"an integer ≥ {low}", lambda n: n >= low)
+
+
+def autocast(dtype: str, device: torch.device) -> torch.autocast:
+    """``--dtype`` as an autocast context: "auto" is bf16 on a GPU and fp32 on a CPU; "bf16" and
+    "fp16" autocast the matmuls (the weights stay fp32); "fp32" none. Training and evaluation use
+    the same, so a model is scored in the precision it trained in."""
+    if dtype == "auto":
+        dtype = "bf16" if device.type == "cuda" else "fp32"
+    return torch.autocast(device.type, dtype=torch.float16 if dtype == "fp16" else torch.bfloat16,
+                          enabled=dtype in ("bf16", "fp16"))

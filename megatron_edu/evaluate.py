@@ -72,7 +72,7 @@ from torch import nn
 
 from megatron_edu import comm
 from megatron_edu.checkpoint import load_model_chunks, read_metadata
-from megatron_edu.cli import Parser, at_least, positive_int
+from megatron_edu.cli import DTYPES, Parser, at_least, autocast, positive_int
 from megatron_edu.comm import CommGroup
 from megatron_edu.data import Tokenizer, prepare_data, zeroshot
 from megatron_edu.generate import NonFiniteLogits
@@ -117,6 +117,8 @@ def build_parser() -> Parser:
     p.add_argument("--nproc", type=positive_int, default=1)
     p.add_argument("--tp", type=positive_int, default=1)
     p.add_argument("--pp", type=positive_int, default=1)
+    p.add_argument("--dtype", choices=DTYPES, default="auto", help="as train's: auto is bf16 "
+                   "autocast on GPUs, fp32 on CPUs")
     return p
 
 
@@ -235,7 +237,7 @@ def _run_batches(chunks, grid: ParallelGrid, ids: np.ndarray, labels: np.ndarray
         rows = slice(mine, mine + local)
         batch_ids, batch_labels = _padded(ids[rows], local), _padded(labels[rows], local,
                                                                      IGNORE_INDEX)
-        with torch.no_grad():
+        with torch.no_grad(), autocast(args.dtype, grid.device):
             result = run_schedule(schedule, chunks, grid, batch_ids.to(grid.device),
                                   batch_labels.to(grid.device), hidden, first_sample=mine,
                                   num_tokens=1)   # the last stage's sums, undivided
@@ -458,7 +460,7 @@ def validation_loss(args: argparse.Namespace, meta: dict[str, Any]) -> dict[str,
     m = args.batch // (grid.dp * args.micro_batch)
     schedule = forward_only(one_f_one_b(grid.pp, m))
     losses = []
-    with torch.no_grad():
+    with torch.no_grad(), autocast(args.dtype, grid.device):
         for i in range(args.batches):
             ids, labels = val.fixed_batch(i, args.batch, grid.dp_rank, grid.dp)
             result = run_schedule(schedule, chunks, grid, ids.to(grid.device),

@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from megatron_edu import comm
+from megatron_edu import cli, comm
 from megatron_edu.checkpoint import (
     CheckpointError,
     NonFiniteError,
@@ -59,6 +59,7 @@ from megatron_edu.checkpoint import (
     withdraw_checkpoint,
 )
 from megatron_edu.cli import (
+    DTYPES,
     Parser,
     nonnegative_float,
     nonnegative_int,
@@ -147,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     opt.add_argument("--clip", type=nonnegative_float, default=1.0,
                      help="max global gradient norm; 0: no clipping")
     opt.add_argument("--seed", type=nonnegative_int, default=1234)
-    opt.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
+    opt.add_argument("--dtype", choices=DTYPES, default="auto",
                      help="auto: bf16 autocast on GPUs, fp32 on CPUs; fp16: autocast with "
                      "dynamic loss scaling (1909.08053); weights stay fp32")
     data = p.add_argument_group("data")
@@ -271,7 +272,7 @@ def train(args: argparse.Namespace, plan: Plan) -> dict[str, Any]:
     saved: list[Path] = []                               # the checkpoints this run wrote
     log = _Log(args.out / "log.jsonl", grid.rank == 0, start)
     meter = _Meter(args, config, grid, log, start)
-    autocast = _autocast(args, grid)
+    autocast = cli.autocast(args.dtype, grid.device)
     streak = _Streak(args.dtype == "fp16", grid)
     for step in range(start, args.steps):
         ids, labels = train_set.batch(next(sampler))
@@ -401,13 +402,6 @@ def _validate(args, trainer: PTDP, val_set: TokenDataset, grid: ParallelGrid) ->
     losses = [trainer.evaluate(*val_set.fixed_batch(i, args.global_batch, grid.dp_rank, grid.dp))
               for i in range(args.eval_batches)]
     return sum(losses) / len(losses)
-
-
-def _autocast(args, grid: ParallelGrid):
-    device = grid.device.type
-    dtype = "bf16" if args.dtype == "auto" and device == "cuda" else args.dtype
-    return torch.autocast(device, dtype=torch.float16 if dtype == "fp16" else torch.bfloat16,
-                          enabled=dtype in ("bf16", "fp16"))
 
 
 # --- what rank 0 shows and writes ----------------------------------------------------------------

@@ -198,6 +198,10 @@ def test_wikitext_perplexities_are_megatron_lms_in_windows_whose_last_is_padded(
     assert result["word_perplexity"] == pytest.approx(math.exp(loss / (w - 1)), rel=1e-5)
     assert result["word_perplexity_paper"] == pytest.approx(math.exp(loss / w), rel=1e-5)
     assert result["token_perplexity"] == pytest.approx(math.exp(loss / (n - 1)), rel=1e-5)
+    bf16 = _cli(capsys, "--task", "wikitext103", "--data", str(tmp_path), "--seq-len", "32",
+                "--stride", "10", "--checkpoint", str(PRETRAINED_CHECKPOINT), "--dtype", "bf16")
+    assert bf16["loss_sum"] != result["loss_sum"]             # autocast did run, in bf16,
+    assert bf16["loss_sum"] == pytest.approx(loss, rel=2e-2)  # to bf16's precision
 
 
 def _greedy_passages(model, tokenizer):
