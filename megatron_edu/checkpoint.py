@@ -4,7 +4,11 @@ A checkpoint is a folder ``OUT/checkpoints/step_000100/`` holding
 
 * ``model_tp{t}_pp{p}.pt`` — written by data-parallel rank 0 of each (tp, pp) position: that
   rank's parameter shards and their AdamW moments, by parameter name, with the dimension each is
-  split along (``tp_dim``). Under ZeRO-1 the moments are first assembled over dp.
+  split along (``tp_dim``). Under ZeRO-1 the moments are not in it: each dp rank writes
+  ``optim_tp{t}_pp{p}_dp{d}.pt``, the pieces of the moments it owns (each piece: a parameter
+  name, its offset in the flattened shard, the two moments' values) — no rank ever gathers
+  the whole state, and ZeRO-1's saving holds at every save. Everything is copied to the CPU one
+  tensor at a time: the device never holds a second copy of the weights or the state.
 * ``tokenizer.model`` — the sentencepiece model the run trained with, so that the folder
   stands on its own (generation, export).
 * ``meta.json`` — written last: step, model config, layout, training state (data sampler
@@ -109,7 +113,7 @@ def save_checkpoint(out_dir: str | Path, step: int, trainer: PTDP,
             shutil.copyfile(tokenizer, staging / TOKENIZER)
         meta = {"format": FORMAT, "step": step, "config": vars(trainer.config),
                 "layout": {"tp": grid.tp, "pp": grid.pp, "dp": grid.dp,
-                           "num_chunks": trainer.layout.chunks},
+                           "num_chunks": trainer.layout.chunks, "zero1": trainer.layout.zero1},
                 "state": state or {},
                 "tokenizer": TOKENIZER if tokenizer is not None else None,
                 **_describe(staging, grid.pp),
@@ -122,9 +126,13 @@ def save_checkpoint(out_dir: str | Path, step: int, trainer: PTDP,
 
     try:
         phases.run(prepare, grid.rank == 0)
-        shards = _local_shards(trainer)              # collective over tp (and dp for ZeRO-1)
-        phases.run(lambda: torch.save(shards, staging / f"model_tp{grid.tp_rank}_pp"
-                                                         f"{grid.pp_rank}.pt"), grid.dp_rank == 0)
+        place = f"tp{grid.tp_rank}_pp{grid.pp_rank}"
+        shards = _local_shards(trainer)
+        phases.run(lambda: torch.save(shards, staging / f"model_{place}.pt"), grid.dp_rank == 0)
+        if trainer.layout.zero1:
+            pieces = _optimizer_pieces(trainer)
+            phases.run(lambda: torch.save(pieces, staging / f"optim_{place}_dp{grid.dp_rank}.pt"),
+                       True)
         phases.run(publish, grid.rank == 0)
     except CheckpointError:
         if grid.rank == 0:
@@ -219,22 +227,48 @@ def withdraw_checkpoint(out_dir: str | Path, step: int, previous: Path | None) -
 
 
 def _local_shards(trainer: PTDP) -> dict[str, Any]:
-    """This rank's parameter shards and moments by name (vocabulary padding included)."""
-    if trainer.layout.zero1:
-        by_param = trainer.optimizer.param_states()
-    else:
-        by_param = {p: trainer.optimizer.state.get(p, {}) for p in trainer.parameters()}
-    params, moments, tp_dims, steps = {}, {}, {}, []
+    """This rank's parameter shards by name (vocabulary padding included), and — unless ZeRO-1
+    shards them over dp (``_optimizer_pieces``) — their AdamW moments, each copied to the CPU
+    on its own."""
+    states = {} if trainer.layout.zero1 else trainer.optimizer.state
+    params, moments, tp_dims = {}, {}, {}
     for chunk in trainer.chunks:
         for name, p in chunk.named_parameters():
-            params[name] = p.detach().clone()
-            tp_dims[name] = p.tp_dim
-            state = by_param.get(p, {})
-            if state:
-                moments[name] = {k: state[k].detach().clone() for k in MOMENTS}
-                steps.append(float(state["step"]))
+            params[name], tp_dims[name] = _on_cpu(p), p.tp_dim
+            if p in states:
+                moments[name] = {k: _on_cpu(states[p][k]) for k in MOMENTS}
     return {"params": params, "moments": moments, "tp_dim": tp_dims,
-            "adam_step": max(steps, default=0.0)}
+            "adam_step": _adam_step(trainer)}
+
+
+def _optimizer_pieces(trainer: PTDP) -> dict[str, Any]:
+    """ZeRO-1: the pieces of the moments this dp rank owns, by parameter name: [(offset in the
+    flattened parameter shard, {moment: values}), ...]."""
+    names = {p: name for chunk in trainer.chunks for name, p in chunk.named_parameters()}
+    pieces: dict[str, list] = {}
+    for piece in trainer.optimizer.pieces:
+        state = trainer.optimizer.state.get(piece.tensor)
+        if state:
+            pieces.setdefault(names[piece.param], []).append(
+                (piece.offset, {k: _on_cpu(state[k]) for k in MOMENTS}))
+    return {"pieces": pieces}
+
+
+def _adam_step(trainer: PTDP) -> float:
+    """AdamW's step count (0 before the first step). Under ZeRO-1 a dp rank may own no piece,
+    hence no state: the count comes from the ranks that have one (a collective over dp)."""
+    steps = [float(s["step"]) for s in trainer.optimizer.state.values() if "step" in s]
+    if not trainer.layout.zero1:
+        return max(steps, default=0.0)
+    mine = torch.tensor([float(bool(steps)), max(steps, default=0.0)], dtype=torch.float64,
+                        device=trainer.grid.device)
+    have, total = comm.all_reduce(mine, trainer.grid.dp_group, "dp adam step").tolist()
+    return total / have if have else 0.0
+
+
+def _on_cpu(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU copy of ``tensor`` (on a GPU, a device-to-host copy: no second copy on the GPU)."""
+    return tensor.detach().to("cpu", copy=True)
 
 
 def _write_atomically(path: Path, text: str) -> None:
@@ -347,6 +381,7 @@ class _Shards:
     def __init__(self, meta: dict[str, Any], grid: ParallelGrid | None = None) -> None:
         self.path, self.vocab = Path(meta["path"]), meta["config"]["vocab_size"]
         self.tp, pp = meta["layout"]["tp"], meta["layout"]["pp"]
+        self.dp, self.zero1 = meta["layout"]["dp"], meta["layout"].get("zero1", False)
         described = meta if "index" in meta else _describe(self.path, pp)
         self.index, self.adam_step = described["index"], described["adam_step"]
         self.near_tp = 0 if grid is None else grid.tp_rank * self.tp // grid.tp
@@ -409,14 +444,29 @@ class _Shards:
                             saved.numel()))
 
     def _saved(self, file: str, name: str, kind: str) -> torch.Tensor:
-        if file not in self._files:
-            self._files[file] = _load(self.path / file)
-        saved = self._files[file]
+        if kind != "param" and self.zero1:
+            return self._assembled(file, name, kind)
         try:
+            saved = self._file(file)
             return saved["params"][name] if kind == "param" else saved["moments"][name][kind]
         except KeyError:
             raise CheckpointError(f"corrupt checkpoint file {self.path / file}: it holds no "
                                   f"{kind} of {name}") from None
+
+    def _assembled(self, file: str, name: str, kind: str) -> torch.Tensor:
+        """A ZeRO-1 checkpoint's moment of the saved shard ``file`` holds, put together from
+        the pieces every dp rank saved of it (one saved shard, never a whole tensor)."""
+        place = file.removeprefix("model_").removesuffix(".pt")
+        out = torch.zeros(self._entry(name)["shard"]).view(-1)
+        for d in range(self.dp):
+            for offset, moments in self._file(f"optim_{place}_dp{d}.pt")["pieces"].get(name, []):
+                out[offset:offset + moments[kind].numel()] = moments[kind].view(-1)
+        return out.view(self._entry(name)["shard"])
+
+    def _file(self, file: str) -> dict[str, Any]:
+        if file not in self._files:
+            self._files[file] = _load(self.path / file)
+        return self._files[file]
 
 
 def load_full_model_state(path: str | Path) -> dict[str, torch.Tensor]:

@@ -46,10 +46,20 @@ def _whole_path(path):
     """The loader this one replaced, as the oracle: every shard file read whole, the tp shards
     joined along tp_dim, the vocabulary trimmed; by kind, then name."""
     meta = json.loads((path / "meta.json").read_text())
+    layout = meta["layout"]
     whole = {kind: {} for kind in KINDS}
-    for stage in range(meta["layout"]["pp"]):
-        files = [torch.load(path / f"model_tp{t}_pp{stage}.pt")
-                 for t in range(meta["layout"]["tp"])]
+    for stage in range(layout["pp"]):
+        files = [torch.load(path / f"model_tp{t}_pp{stage}.pt") for t in range(layout["tp"])]
+        if layout["zero1"]:    # the moments: every dp rank's pieces of each shard, in place
+            for t, f in enumerate(files):
+                f["moments"] = {name: {k: torch.zeros_like(p) for k in MOMENTS}
+                                for name, p in f["params"].items()}
+                for d in range(layout["dp"]):
+                    pieces = torch.load(path / f"optim_tp{t}_pp{stage}_dp{d}.pt")["pieces"]
+                    for name, held in pieces.items():
+                        for offset, moments in held:
+                            for k, v in moments.items():
+                                f["moments"][name][k].view(-1)[offset:offset + v.numel()] = v
         for name, d in files[0]["tp_dim"].items():
             for kind in KINDS:
                 shards = [f["params"][name] if kind == "param" else f["moments"][name][kind]
@@ -183,6 +193,21 @@ def test_loaded_values_equal_the_whole_tensor_path(layouts, source, target):
     _, loaded = layouts
     results = loaded(source, target)
     assert [result["wrong"] for result in results] == [[]] * len(results)
+
+
+def test_under_zero1_each_dp_rank_saves_its_own_shard_of_the_moments(layouts):
+    """Nothing gathers the whole optimizer state: the model file holds no moments, and the dp
+    ranks' files hold each moment element once, half each at dp = 2."""
+    saved, _ = layouts
+    path = saved((2, 1, 2, True))
+    for t in range(2):
+        model = torch.load(path / f"model_tp{t}_pp0.pt")
+        assert model["moments"] == {} and model["adam_step"] == 1.0
+        held = [sum(v["exp_avg"].numel() for pieces in torch.load(
+            path / f"optim_tp{t}_pp0_dp{d}.pt")["pieces"].values() for _, v in pieces)
+            for d in range(2)]
+        assert sum(held) == sum(p.numel() for p in model["params"].values())
+        assert abs(held[0] - held[1]) <= 0.1 * sum(held)
 
 
 def _save_untrained_then_load(out):
