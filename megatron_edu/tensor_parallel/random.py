@@ -37,9 +37,9 @@ depends on every input bit. The b keys travel to the device as one [b, 2] tensor
 fixed chain of integer kernels over the whole [b, …] batch, whatever b: no loop over samples, no
 generator. Integer arithmetic only, in int64 holding 32-bit values, where no product overflows:
 the same bits on a CPU and a GPU by construction. The mask is a boolean tensor, 1 byte per
-element, the mask 2205.05198 counts (the int64 hashes are temporaries, never saved for
-backward). Under sequence parallelism a rank holds 1/t of each sequence: it hashes only its part
-of the element indices — exactly its slice of the whole sequence's mask.
+element, the mask 2205.05198 counts (the int64 hashes, 16 bytes per element while they are
+computed, are never saved for backward). Under sequence parallelism a rank holds 1/t of each
+sequence: it hashes only its part of the element indices — its slice of the whole sequence's.
 """
 
 from __future__ import annotations
