@@ -3,6 +3,8 @@
 Each launch at tp ∈ {1, 2, 4} runs every layer once; the tests below read one claim each from it.
 """
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -292,6 +294,7 @@ def test_a_sequence_parallel_rank_computes_exactly_its_slice_of_the_whole_mask(p
 N = 1 << 20                   # elements per mask: a standard deviation of ~0.05 % at p = 0.3
 
 
+@functools.cache
 def _big(p=0.3, key=KEY, layer=3, site="mlp output", tp_rank=None, rows=2):
     return Dropout(p, seed=5, layer=layer, site=site, tp_rank=tp_rank).keep(
         key, torch.empty(rows, N, dtype=torch.bool)).float()
