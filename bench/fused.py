@@ -1,12 +1,13 @@
 """(g) Operator fusion (2104.04473 §4.2): megatron-edu's GPT with ``fused=True`` against the same
 model unfused, the same weights and batch, training steps alternated.
 
-Fused: the attention core as ``F.scaled_dot_product_attention`` (scale + mask + softmax +
-dropout + the product with V in one kernel), bias + GeLU and bias + dropout + residual add each
-compiled into one kernel by ``torch.compile`` (compiled in the warm-up, not timed). Reported:
+Fused: the attention core as ``F.scaled_dot_product_attention`` (scale + mask + softmax + the
+product with V in one kernel), bias + GeLU and bias + dropout + residual add each compiled into
+one kernel by ``torch.compile`` (compiled in the warm-up, not timed). Reported:
     speed-up = t(unfused) / t(fused),     no target: measured, on this machine.
-(Dropout 0 so that both compute the same numbers: the fused attention kernel draws its own
-dropout mask, so with dropout on the two agree in distribution, not number for number.)
+(Dropout 0: with dropout on, the fused model's attention core runs op by op, as the unfused one
+— the kernel cannot take the package's masks, ``Attention._fused_core`` — which the figure would
+not show.)
 
     python -m bench.fused                               # CPU, fp32: 6 layers, hidden 384
     python -m bench.fused --device cuda --dtype bf16    # one GPU: GPT-2 medium's shape

@@ -4,9 +4,10 @@
 Each checks the device against the serial model on the CPU, the one serial truth (DESIGN
 principle 1): a GPT's forward and backward, bf16 autocast against fp32, PTD-P training steps at
 world size 1 and over a two-stage pipeline (1F1B, interleaved) on two devices. Then what only a
-GPU runs differently, on one device: dropout masks drawn there (one microbatch or four, the same
-masks), the compiled fused kernels, selective and full recomputation with dropout on, fp16 loss
-scaling skipping an overflow and recovering. TF32 is off, so a GPU's fp32 matmuls are fp32.
+GPU runs differently, on one device: dropout masks computed there (the CPU's, bit for bit; one
+microbatch or four, the same masks), the compiled fused kernels, fused attention and selective
+and full recomputation with dropout on, fp16 loss scaling skipping an overflow and recovering.
+TF32 is off, so a GPU's fp32 matmuls are fp32.
 """
 
 import pytest
@@ -166,15 +167,26 @@ def test_dropout_masks_on_the_device_do_not_depend_on_the_microbatches(device):
     torch.testing.assert_close(split, whole, atol=TOL[device], rtol=TOL[device])  # sums of 32
 
 
+def test_dropout_masks_on_the_device_are_the_cpus_bit_for_bit(device):
+    """Integer hashes, no generator: the same masks on any device (a sequence part too)."""
+    _on_device_only(device)
+    from megatron_edu.tensor_parallel import Dropout, DropoutKey
+
+    key, x = DropoutKey(3, (5, 9, 2)), torch.ones(3, 64, 4, 33)
+    for dropout in (Dropout(0.1, 7, 2, "attention probs", tp_rank=1),
+                    Dropout(0.5, 7, 2, "mlp output", sequence_part=(1, 2))):
+        assert torch.equal(dropout.keep(key, x.to(device)).cpu(), dropout.keep(key, x))
+
+
 @pytest.mark.parametrize(("change", "dropout"), [(dict(fused=True), 0.0),
+                                                 (dict(fused=True), 0.1),
                                                  (dict(recompute="selective"), 0.1),
                                                  (dict(recompute="full"), 0.1)],
-                         ids=["fused", "selective", "full"])
+                         ids=["fused", "fused-dropout", "selective", "full"])
 def test_fused_kernels_and_recomputation_on_the_device_equal_the_plain_model(device, change,
                                                                              dropout):
-    """The compiled kernels (Triton on a GPU) give the plain model's values; the recomputed
-    forward, with dropout on, its masks too. (Fused attention draws its dropout inside the
-    kernel: equal to the plain model without dropout only.)"""
+    """The compiled kernels (Triton on a GPU) give the plain model's values; with dropout on,
+    the fused path and the recomputed forward its masks too."""
     _on_device_only(device)
     import dataclasses
 

@@ -188,12 +188,16 @@ def test_an_fp16_overflow_on_one_rank_skips_the_step_everywhere_and_halves_the_s
 
 # --- fused operations -----------------------------------------------------------------------------
 
-def test_fused_operations_equal_the_unfused_ones():
-    config = tiny_config(dropout=0.0)
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+def test_fused_operations_equal_the_unfused_ones(dropout):
+    """With dropout on too: the fused path draws the unfused path's masks (its attention core
+    runs op by op then, on the whole batch; bias+dropout+add takes ``Dropout.keep``'s mask)."""
+    config = tiny_config(dropout=dropout)
     reference = GPT(config)
     fused = GPT(dataclasses.replace(config, fused=True))
     ids, labels = _batch()
-    losses = [model(ids, labels) for model in (reference, fused)]
+    losses = [model(ids, labels, dropout_key=DropoutKey(3, (4, 5, 6, 7)))
+              for model in (reference, fused)]
     for loss in losses:
         loss.backward()
     torch.testing.assert_close(losses[1], losses[0], atol=1e-6, rtol=0)

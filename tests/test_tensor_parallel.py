@@ -3,11 +3,14 @@
 Each launch at tp ∈ {1, 2, 4} runs every layer once; the tests below read one claim each from it.
 """
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from helpers import TOL
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_edu import comm
 from megatron_edu.grid import ParallelGrid
@@ -23,6 +26,7 @@ from megatron_edu.tensor_parallel import (
     shard,
     vocab_parallel_cross_entropy,
 )
+from megatron_edu.tensor_parallel.random import mask_seed
 
 B, S, H, FFN, VOCAB, PADDED = 2, 5, 8, 16, 100, 128
 CE_VOCAB = 60  # < 128/2: at tp = 2 and 4 some ranks hold nothing but padding
@@ -214,9 +218,9 @@ def test_vocab_parallel_cross_entropy_exchanges_three_numbers_per_token_forward_
 KEY = DropoutKey(step=4, samples=(7, 8))
 
 
-def _mask(key=KEY, layer=3, tp_rank=None, rows=2):
+def _mask(key=KEY, layer=3, tp_rank=None, rows=2, shape=(64,)):
     return Dropout(0.5, seed=5, layer=layer, site="mlp output", tp_rank=tp_rank).train()(
-        torch.ones(rows, 64), key) != 0
+        torch.ones(rows, *shape), key) != 0
 
 
 def _check_dropout():
@@ -255,10 +259,90 @@ def test_a_samples_mask_does_not_depend_on_the_batch_it_came_in():
     assert torch.equal(_mask(), _mask())     # reproducible from the key
 
 
+# --- the masks are a hash: the formula, its statistics, one kernel chain per batch --------------
+
+M32 = 2**32 - 1
+
+
+def _fmix32(x):  # MurmurHash3's finaliser, on Python's unbounded integers
+    x ^= x >> 16
+    x = x * 0x85EBCA6B & M32
+    x ^= x >> 13
+    x = x * 0xC2B2AE35 & M32
+    return x ^ x >> 16
+
+
+def test_a_mask_is_the_formula_computed_element_by_element():
+    p, shape, key = 0.3, (2, 6, 40), DropoutKey(step=4, samples=(7, 8))
+    mask = Dropout(p, seed=5, layer=3, site="mlp output").keep(key, torch.ones(shape))
+    elements = [(row, j) for row in range(2) for j in (0, 1, 2, 17, 100, 239)]
+    for row, j in elements:
+        k = mask_seed(5, 4, key.samples[row], 3, "mlp output")
+        expected = _fmix32(_fmix32(j ^ k & M32) ^ k >> 32) >= round(p * 2**32)
+        assert bool(mask[row].flatten()[j]) == expected, (row, j)
+
+
+@pytest.mark.parametrize("parts", [2, 4])
+def test_a_sequence_parallel_rank_computes_exactly_its_slice_of_the_whole_mask(parts):
+    whole = _mask(rows=2, shape=(8, 12))
+    for part in range(parts):
+        mine = Dropout(0.5, seed=5, layer=3, site="mlp output", sequence_part=(part, parts))
+        assert torch.equal(mine.keep(KEY, torch.ones(2, 8 // parts, 12)),
+                           whole.chunk(parts, dim=1)[part])
+
+
+N = 1 << 20                   # elements per mask: a standard deviation of ~0.05 % at p = 0.3
+
+
+@functools.cache
+def _big(p=0.3, key=KEY, layer=3, site="mlp output", tp_rank=None, rows=2):
+    return Dropout(p, seed=5, layer=layer, site=site, tp_rank=tp_rank).keep(
+        key, torch.empty(rows, N, dtype=torch.bool)).float()
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_a_mask_keeps_one_minus_p_of_the_elements(p):
+    kept = _big(p, key=DropoutKey.first(4), rows=4).mean().item()
+    assert abs(kept - (1 - p)) < 4 * (p * (1 - p) / (4 * N)) ** 0.5
+
+
 @pytest.mark.parametrize("other", [dict(key=DropoutKey(5, (7, 8))), dict(layer=4),
-                                   dict(tp_rank=0)], ids=["step", "layer", "region"])
-def test_masks_change_with_the_step_the_layer_and_the_region(other):
-    assert not torch.equal(_mask(**other), _mask())
+                                   dict(site="attention output"), dict(tp_rank=0),
+                                   dict(key=DropoutKey(4, (9, 10)))],
+                         ids=["step", "layer", "site", "region", "sample"])
+def test_masks_of_another_step_layer_site_region_or_sample_are_independent(other):
+    p = 0.3                    # independent masks agree on p² + (1 − p)² of the elements
+    agree = (_big(p, **other) == _big(p)).float().mean().item()
+    expected = p * p + (1 - p) ** 2
+    assert abs(agree - expected) < 4 * (expected * (1 - expected) / (2 * N)) ** 0.5
+
+
+@pytest.mark.parametrize("lag", [1, 2, 64, 4096])
+def test_neighbouring_elements_of_a_mask_are_uncorrelated(lag):
+    m = _big()
+    a, b = m[:, :-lag] - m.mean(), m[:, lag:] - m.mean()
+    assert abs((a * b).mean().item() / m.var().item()) < 4 / (2 * N) ** 0.5
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_batch_mask_is_one_chain_of_kernels_whatever_the_batch():
+    dropout = Dropout(0.1, seed=5, layer=3, site="mlp output")
+    counts = {}
+    for b in (1, 8):
+        x, key = torch.ones(b, 16, 32), DropoutKey.first(b)
+        with _Ops() as log:
+            dropout.keep(key, x)
+        counts[b] = log.ops
+    assert counts[1] == counts[8] and len(counts[8]) < 30   # 24 kernels, 4 views
 
 
 def test_dropout_in_training_needs_a_key_for_its_rows():

@@ -38,9 +38,10 @@ class GPTConfig:
     its dropout and the product with V, the 5·a·s²·b part that grows with s²; "none" keeps
     everything. ``sequence_parallel`` splits the activations along the sequence over the tp ranks
     wherever they would be replicated (layer norms, dropouts, residual adds). ``fused``: the
-    attention core as one kernel (``scaled_dot_product_attention``), bias+GeLU and
-    bias+dropout+add compiled into one each (``torch.compile``); off, every operation runs on its
-    own, as the papers count them. (``True``/``False`` for ``recompute`` mean "full"/"none".)
+    attention core as one kernel (``scaled_dot_product_attention``; op by op with dropout on),
+    bias+GeLU and bias+dropout+add compiled into one each (``torch.compile``); off, every
+    operation runs on its own, as the papers count them. (``True``/``False`` for ``recompute``
+    mean "full"/"none".)
 
     The blocks, shared with BERT: ``causal`` attention (each position sees only those before
     it; False: every position sees all, BERT) and ``ln_placement`` (1909.08053 §5.3, Figure 7):

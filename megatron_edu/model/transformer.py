@@ -60,7 +60,7 @@ from megatron_edu.tensor_parallel.layers import (
     sequence_gather_linear,
     serial_group,
 )
-from megatron_edu.tensor_parallel.random import Dropout, DropoutKey, checkpoint, per_sample
+from megatron_edu.tensor_parallel.random import Dropout, DropoutKey, checkpoint
 
 __all__ = ["WORD_EMBEDDING", "IGNORE_INDEX", "reduce_loss", "LayerKV", "KVCache",
            "layer_norm", "Embedding", "Attention", "MLP", "Block", "TransformerStage"]
@@ -160,12 +160,12 @@ class Attention(nn.Module):
     otherwise to every position (BERT). ``mask``, a keep-mask of the keys [b, t] (False: padding),
     keeps padded positions out of every query's softmax, causal or not.
 
-    ``layer``: the block's global index, which (with this tp rank) seeds the dropout masks of
+    ``layer``: the block's global index, which (with this tp rank) keys the dropout masks of
     the attention probabilities — a different mask on each tp rank (Appendix B.2).
     The attention core — softmax(q·kᵀ/√d, causal)·v with dropout on the probabilities — runs
     op by op (what 2205.05198 counts: 5·a·s²·b saved per layer), or fused into one kernel
-    (``config.fused``); ``config.recompute == "selective"`` keeps none of it for backward and
-    runs it again there (2205.05198 §5).
+    (``config.fused``, without dropout); ``config.recompute == "selective"`` keeps none of it
+    for backward and runs it again there (2205.05198 §5).
     """
 
     def __init__(self, config: GPTConfig, group: CommGroup, layer: int = 0) -> None:
@@ -207,9 +207,8 @@ class Attention(nn.Module):
         Causal: the s queries are the last of the t keys' positions, query i sees keys
         0 … t−s+i. ``mask`` [b, t]: keys where it is False are seen by no query."""
         s, t = q.shape[2], k.shape[2]
-        drop = self.training and self.dropout.p > 0
-        if self.fused:
-            return self._fused_core(q, k, v, dropout_key, mask, drop)
+        if self.fused and not (self.training and self.dropout.p > 0):
+            return self._fused_core(q, k, v, mask)
         scores = q @ k.transpose(-2, -1) * (1.0 / math.sqrt(self.head_dim))  # [b, a/t, s, t]
         if self.causal:
             future = torch.ones(s, t, dtype=torch.bool, device=q.device).triu(t - s + 1)
@@ -219,9 +218,17 @@ class Attention(nn.Module):
         probs = scores.softmax(-1)
         return self.dropout(probs, dropout_key) @ v
 
-    def _fused_core(self, q, k, v, dropout_key, mask, drop) -> torch.Tensor:
+    def _fused_core(self, q, k, v, mask) -> torch.Tensor:
         """The same in one kernel (``scaled_dot_product_attention``), which takes the masks as
-        one boolean ``attn_mask`` (True: attend) — or none at all for plain causal attention."""
+        one boolean ``attn_mask`` (True: attend) — or none at all for plain causal attention.
+
+        Without dropout only. The kernel's dropout draws its own mask from the device's
+        generator: no way to pass it ours, so its masks would depend on the batch a sample came
+        in, unless it ran once per sample. Nor can ``attn_mask`` or flex_attention's ``score_mod``
+        carry one: they act before the softmax, the mask after it (the softmax renormalises over
+        what is left). With dropout in training ``core`` therefore runs op by op, on the whole
+        batch — the unfused path's own code, so its masks too (on a CPU about as fast as one
+        kernel call per sample, and half the code)."""
         s, t = q.shape[2], k.shape[2]
         allowed = None                                           # [s, t] or [b, 1, 1|s, t]
         if self.causal and (t != s or mask is not None):         # else: is_causal, no tensor
@@ -229,19 +236,8 @@ class Attention(nn.Module):
         if mask is not None:
             keys = mask[:, None, None, :]                        # [b, 1, 1, t]
             allowed = keys if allowed is None else keys & allowed
-        is_causal = self.causal and allowed is None
-        p = self.dropout.p if drop else 0.0
-
-        def attend(q, k, v, allowed=allowed):
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed,
-                                                  is_causal=is_causal, dropout_p=p)
-        if not drop:
-            return attend(q, k, v)
-        # the kernel draws its own mask: from each sample's seed (seeded per sample)
-        seeds = self.dropout.seeds(dropout_key)
-        if allowed is not None and allowed.dim() == 4:           # a mask per sample too
-            return per_sample(attend, seeds, q, k, v, allowed)
-        return per_sample(attend, seeds, q, k, v)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed,
+                                              is_causal=self.causal and allowed is None)
 
 
 class MLP(nn.Module):
