@@ -4,10 +4,9 @@ A transformer layer's matmuls are compute-bound; the elementwise operations betw
 memory-bound — each reads and writes the whole activation. Megatron-LM fuses the chains into
 single kernels: bias + GeLU after the MLP's first matmul, bias + dropout + residual add after each
 block's output projection, and scale + mask + softmax in attention (here the attention core is
-``F.scaled_dot_product_attention``, one kernel with its dropout). The chains are written below
-as plain PyTorch and compiled by ``torch.compile`` on first use (``GPTConfig(fused=True)``);
-unfused, the model runs the same operations one by one — tests check the two agree. The bias (an
-fp32 master weight under autocast) is added in the activation's dtype, as autocast's linear does.
+``F.scaled_dot_product_attention``, one kernel with its dropout). The chains are plain PyTorch,
+compiled by ``torch.compile`` on first use (``GPTConfig(fused=True)``); unfused, the model runs
+them op by op — tests check the two agree. A bias is added in the activation's dtype (autocast).
 """
 
 from __future__ import annotations
