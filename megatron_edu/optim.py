@@ -53,7 +53,7 @@ def global_grad_norm(grads: Iterable[torch.Tensor], grid: ParallelGrid | None = 
     over ``grid.mp_group``, and ``grid.dp_group``; see the module docstring)."""
     device, grads = grid.device if grid is not None else torch.device("cpu"), list(grads)
     squares = (torch.stack(torch._foreach_norm(grads, dtype=torch.float32)).square().sum()
-               if grads else torch.zeros((), device=device))  # foreach: not 4 kernels per tensor
+               if grads else torch.zeros((), device=device))  # one foreach, not 4 kernels a tensor
     if grid is None:
         return squares.sqrt().item()
     squares = comm.all_reduce(squares, grid.mp_group, "grad norm")

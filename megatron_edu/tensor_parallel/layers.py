@@ -66,7 +66,7 @@ class ColumnParallelLinear(nn.Module):
     ``gather_output=True`` all-gathers the slices into the full Y (backward: keep own slice).
     ``sequence_parallel``: X arrives split along the sequence and is all-gathered first.
     ``async_tp`` (an attribute): backward overlaps dX's communication with dW (``_ColumnLinear``).
-    Off by default: ``f``, ``F.linear`` is Figure 3, whose dX and dW ``pipeline.backward`` splits.
+    Off by default: ``f`` then ``F.linear``, Figure 3 as written; zero bubble splits their dX, dW.
     """
 
     def __init__(self, in_features: int, out_features: int, group: CommGroup, *,
@@ -127,13 +127,13 @@ def sequence_gather_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
 
 
 class _ColumnLinear(torch.autograd.Function):
-    """F.linear(f(x), weight, bias), its backward written out as Megatron-LM's
-    ``LinearWithGradAccumulationAndAsyncCommunication``; sequence parallel: of x all-gathered, the
-    split x kept and gathered again in backward. ``overlap`` waits for each collective only where
-    its result is needed: the re-gather runs during dX = dY·A, dX's all-reduce (reduce-scatter)
-    during dW = dYᵀ·X — the same operations on the same tensors, bit for bit. Safe on NCCL: all
-    ranks start the collectives in autograd's order, which no timing changes; no GEMM between
-    touches their tensors; each is awaited before its result is used. Under forward's autocast."""
+    """F.linear(f(x), weight, bias) with the backward written out, as Megatron-LM's
+    ``LinearWithGradAccumulationAndAsyncCommunication`` (sequence parallel: of x all-gathered, only
+    the split x kept, gathered again in backward; backward under forward's autocast). ``overlap``
+    waits for each collective only where its result is needed: the re-gather runs during dX = dY·A,
+    dX's all-reduce (reduce-scatter) during dW = dYᵀ·X — the same operations on the same tensors,
+    bit for bit. Safe on NCCL: all ranks start the collectives in autograd's order, which no timing
+    changes; no GEMM between touches their tensors; each is awaited before its result is read."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, group, sequence_parallel, overlap):
