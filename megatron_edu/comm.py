@@ -24,7 +24,6 @@ wire with a ring algorithm: 2(t−1)/t of that for an all-reduce, (t−1)/t for 
 from __future__ import annotations
 
 import itertools
-from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -83,6 +82,7 @@ class CommEvent:
     label: str = ""  # who called: "f backward", "g forward", "dp grads", ...
     peer: int | None = None   # send/recv: the global rank at the other end
     batch: int | None = None  # send/recv issued together by one batch_isend_irecv: its number
+    dtype: torch.dtype | None = None  # of the tensor sent
 
     @property
     def wire_bytes(self) -> float:
@@ -120,12 +120,8 @@ class CommLog:
 
     def summary(self) -> dict[tuple[str, str, str], tuple[int, int]]:
         """(op, group, label) -> (calls, bytes), in order of first appearance."""
-        calls: Counter = Counter()
-        nbytes: Counter = Counter()
-        for e in self.events:
-            calls[e.op, e.group, e.label] += 1
-            nbytes[e.op, e.group, e.label] += e.bytes
-        return {k: (calls[k], nbytes[k]) for k in calls}
+        keys = dict.fromkeys((e.op, e.group, e.label) for e in self.events)
+        return {k: (self.count(*k), self.total_bytes(*k)) for k in keys}
 
     def table(self) -> str:
         """``summary`` as a printable table."""
@@ -151,15 +147,12 @@ def record() -> Iterator[CommLog]:
         _active_logs.remove(log)
 
 
-def _note(op: str, group: CommGroup | str, size: int, nbytes: int, label: str,
+def _note(op: str, group: CommGroup | str, x: torch.Tensor, label: str, times: int = 1,
           peer: int | None = None, batch: int | None = None) -> None:
-    name = group.name if isinstance(group, CommGroup) else group
+    name, size = (group.name, group.size) if isinstance(group, CommGroup) else (group, 2)
+    nbytes = x.numel() * x.element_size() * times
     for log in _active_logs:
-        log.events.append(CommEvent(op, name, size, nbytes, label or op, peer, batch))
-
-
-def _nbytes(x: torch.Tensor) -> int:
-    return x.numel() * x.element_size()
+        log.events.append(CommEvent(op, name, size, nbytes, label or op, peer, batch, x.dtype))
 
 
 # --- plain collectives ---------------------------------------------------------------------------
@@ -169,53 +162,55 @@ def all_reduce_(x: torch.Tensor, group: CommGroup, label: str = "",
     """Sum ``x`` in place over the group (optionally asynchronous: returns the work handle)."""
     if group.size == 1:
         return None
-    _note("all_reduce", group, group.size, _nbytes(x), label)
+    _note("all_reduce", group, x, label)
     return dist.all_reduce(x, group=group.pg, async_op=async_op)
 
 
 def all_reduce(x: torch.Tensor, group: CommGroup, label: str = "") -> torch.Tensor:
-    """A new tensor: the sum of ``x`` over the group."""
+    """A new tensor: the sum of ``x`` over the group (a copy: ``x`` may be the caller's)."""
     if group.size == 1:
         return x
-    y = x.contiguous().clone()
+    y = x.clone(memory_format=torch.contiguous_format)
     all_reduce_(y, group, label)
     return y
 
 
-def all_gather(x: torch.Tensor, group: CommGroup, dim: int = -1,
-               label: str = "") -> torch.Tensor:
-    """Concatenate every rank's ``x`` along ``dim``, in group order."""
+def all_gather(x: torch.Tensor, group: CommGroup, dim: int = -1, label: str = "",
+               async_op: bool = False) -> torch.Tensor | tuple[dist.Work, torch.Tensor]:
+    """Every rank's ``x`` in group order along ``dim`` (``async_op``: (work, it), done on wait)."""
     if group.size == 1:
         return x
-    parts = [torch.empty_like(x) for _ in range(group.size)]
-    _note("all_gather", group, group.size, _nbytes(x) * group.size, label)
-    dist.all_gather(parts, x.contiguous(), group=group.pg)
-    return torch.cat(parts, dim=dim)
+    out = x.new_empty([n * group.size if d == dim % x.dim() else n for d, n in enumerate(x.shape)])
+    _note("all_gather", group, x, label, group.size)
+    parts = list(out.chunk(group.size, dim))     # each rank's x lands in its slice of out
+    work = dist.all_gather(parts, x.contiguous(), group=group.pg, async_op=async_op)
+    return (work, out) if async_op else out
 
 
-def reduce_scatter(x: torch.Tensor, group: CommGroup, dim: int = -1,
-                   label: str = "") -> torch.Tensor:
-    """Sum ``x`` over the group and keep this rank's 1/size slice along ``dim``."""
+def reduce_scatter(x: torch.Tensor, group: CommGroup, dim: int = -1, label: str = "",
+                   async_op: bool = False) -> torch.Tensor | tuple[dist.Work, torch.Tensor]:
+    """Sum ``x`` over the group and keep this rank's 1/size slice along ``dim`` (``async_op``:
+    (work, slice), as ``all_gather``)."""
     if group.size == 1:
         return x
     parts = [p.contiguous() for p in _split(x, group.size, dim)]
     out = torch.empty_like(parts[0])
-    _note("reduce_scatter", group, group.size, _nbytes(x), label)
-    dist.reduce_scatter(out, parts, group=group.pg)
-    return out
+    _note("reduce_scatter", group, x, label)
+    work = dist.reduce_scatter(out, parts, group=group.pg, async_op=async_op)
+    return (work, out) if async_op else out
 
 
 def broadcast(x: torch.Tensor, src: int, group: CommGroup, label: str = "") -> torch.Tensor:
     """Every rank gets global rank ``src``'s ``x`` (in place; returned for convenience)."""
     if group.size > 1:
-        _note("broadcast", group, group.size, _nbytes(x), label)
+        _note("broadcast", group, x, label)
         dist.broadcast(x, src=src, group=group.pg)
     return x
 
 
 def send(x: torch.Tensor, dst: int, label: str = "") -> None:
     """Send ``x`` to global rank ``dst`` (blocking)."""
-    _note("send", "p2p", 2, _nbytes(x), label, dst)
+    _note("send", "p2p", x, label, peer=dst)
     dist.send(x.contiguous(), dst)
 
 
@@ -224,14 +219,14 @@ def isend(x: torch.Tensor, dst: int, label: str = "",
     """Start sending ``x`` to global rank ``dst`` (over ``channel``, a two-rank process group, if
     given); keep the returned (work, tensor) until ``work.wait()``."""
     x = x.contiguous()
-    _note("send", "p2p", 2, _nbytes(x), label, dst)
+    _note("send", "p2p", x, label, peer=dst)
     return dist.isend(x, dst, group=channel), x
 
 
 def recv(x: torch.Tensor, src: int, label: str = "",
          channel: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Receive into the buffer ``x`` (its shape and dtype say what to expect)."""
-    _note("recv", "p2p", 2, _nbytes(x), label, src)
+    _note("recv", "p2p", x, label, peer=src)
     dist.recv(x, src, group=channel)
     return x
 
@@ -239,7 +234,7 @@ def recv(x: torch.Tensor, src: int, label: str = "",
 def irecv(x: torch.Tensor, src: int, label: str = "",
           channel: dist.ProcessGroup | None = None) -> dist.Work:
     """Start receiving into the buffer ``x``; it is filled once the returned work is waited."""
-    _note("recv", "p2p", 2, _nbytes(x), label, src)
+    _note("recv", "p2p", x, label, peer=src)
     return dist.irecv(x, src, group=channel)
 
 
@@ -261,7 +256,7 @@ def batch_isend_irecv(ops: list[P2POp], group: CommGroup) -> list[dist.Work]:
     pipeline does); wait on every returned work before using a received tensor."""
     batch = next(_batch_numbers)
     for o in ops:
-        _note(o.op, "p2p", 2, _nbytes(o.tensor), o.label, o.peer, batch)
+        _note(o.op, "p2p", o.tensor, o.label, peer=o.peer, batch=batch)
     return dist.batch_isend_irecv([
         dist.P2POp(dist.isend if o.op == "send" else dist.irecv, o.tensor, o.peer, group.pg)
         for o in ops])
@@ -269,8 +264,7 @@ def batch_isend_irecv(ops: list[P2POp], group: CommGroup) -> list[dist.Work]:
 
 def _split(x: torch.Tensor, n: int, dim: int) -> tuple[torch.Tensor, ...]:
     if x.shape[dim] % n:
-        raise ValueError(f"cannot split dimension {dim} of size {x.shape[dim]} into {n} "
-                         "equal parts")
+        raise ValueError(f"cannot split dimension {dim} of size {x.shape[dim]} in {n} equal parts")
     return x.chunk(n, dim=dim)
 
 
@@ -280,12 +274,12 @@ class _F(torch.autograd.Function):
     """f (1909.08053 §3, Fig. 3a): identity forward, all-reduce of the gradient backward."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x
+    def forward(ctx, x, group):  # autocast: x in its compute dtype (the gradient too, on the wire)
+        ctx.group, device = group, x.device.type
+        return x.to(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else x
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad):  # a copy: autograd may hand the same gradient to another branch
         return all_reduce(grad, ctx.group, "f backward"), None
 
 

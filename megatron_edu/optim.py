@@ -51,10 +51,9 @@ def global_grad_norm(grads: Iterable[torch.Tensor], grid: ParallelGrid | None = 
                      dp_sharded: bool = False) -> float:
     """The norm of the whole model's gradient from the gradients this rank counts (a collective
     over ``grid.mp_group``, and ``grid.dp_group``; see the module docstring)."""
-    device = grid.device if grid is not None else torch.device("cpu")
-    squares = torch.zeros((), dtype=torch.float32, device=device)
-    for grad in grads:
-        squares += grad.float().pow(2).sum()
+    device, grads = grid.device if grid is not None else torch.device("cpu"), list(grads)
+    squares = (torch.stack(torch._foreach_norm(grads, dtype=torch.float32)).square().sum()
+               if grads else torch.zeros((), device=device))  # one foreach, not 4 kernels a tensor
     if grid is None:
         return squares.sqrt().item()
     squares = comm.all_reduce(squares, grid.mp_group, "grad norm")
@@ -71,10 +70,9 @@ def global_grad_norm(grads: Iterable[torch.Tensor], grid: ParallelGrid | None = 
 def scale_grads(grads: Iterable[torch.Tensor], norm: float, max_norm: float) -> None:
     """Scale by max_norm / norm if that is below 1 (as torch: ``max_norm / (norm + 1e-6)``);
     a non-finite norm leaves the gradients alone: that step is skipped, not clipped."""
-    scale = max_norm / (norm + EPS)
-    if math.isfinite(norm) and scale < 1.0:
-        for grad in grads:
-            grad.mul_(scale)
+    grads, scale = list(grads), max_norm / (norm + EPS)
+    if math.isfinite(norm) and scale < 1.0 and grads:
+        torch._foreach_mul_(grads, scale)
 
 
 def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float,

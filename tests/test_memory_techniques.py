@@ -211,3 +211,24 @@ def test_a_bare_recompute_flag_still_means_full():
     assert tiny_config(recompute=False).recompute == "none"
     with pytest.raises(ValueError, match="recompute must be one of"):
         tiny_config(recompute="some")
+
+
+def test_fused_operations_keep_the_activation_dtype_under_autocast():
+    """bf16 autocast, dropout on: fused or not, the MLP's [b, s, 4h] GeLU output is bf16 (the fp32
+    bias is added in the activation's dtype) with the same values, and a block's output fp32 (the
+    residual stream's), the same to bf16's precision (the fused attention core rounds apart)."""
+    config = tiny_config(dropout=0.2)
+    x = torch.randn(4, 16, 32, generator=torch.Generator().manual_seed(0))
+    outputs = []
+    for fused in (False, True):
+        block = GPT(dataclasses.replace(config, fused=fused)).blocks["0"].train()
+        hook = block.mlp.proj.register_forward_pre_hook(lambda m, args: outputs.append(args[0]))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            block.mlp(x)
+            outputs.append(block(x, None, DropoutKey(3, (4, 5, 6, 7))))
+        hook.remove()
+    gelu, _, out, fused_gelu, _, fused_out = outputs
+    assert (gelu.dtype, out.dtype) == (fused_gelu.dtype, fused_out.dtype) == (
+        torch.bfloat16, torch.float32)
+    torch.testing.assert_close(fused_gelu, gelu)                    # bf16's own tolerance
+    torch.testing.assert_close(fused_out, out, atol=5e-2, rtol=1.6e-2)

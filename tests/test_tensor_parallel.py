@@ -4,17 +4,20 @@ Each launch at tp ∈ {1, 2, 4} runs every layer once; the tests below read one 
 """
 
 import functools
+from collections import Counter
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from helpers import TOL
+from helpers import TOL, tiny_config
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_edu import comm
 from megatron_edu.grid import ParallelGrid
 from megatron_edu.launch import run
+from megatron_edu.model import GPT
+from megatron_edu.model.transformer import Block
 from megatron_edu.tensor_parallel import (
     ColumnParallelLinear,
     Dropout,
@@ -211,6 +214,85 @@ def test_vocab_parallel_cross_entropy_exchanges_three_numbers_per_token_forward_
                        (("all_reduce", "tp", "ce target logit"), 1, 4 * B * S),
                        (("all_reduce", "tp", "ce sum-exp"), 1, 4 * B * S))
     assert all(r["ce"][2] == expected for r in results)
+
+
+# --- under autocast, the compute dtype on the wire; the overlapped column backward -----------
+
+WIRE_S = 8  # the sequence of the block below (split in two under sequence parallelism)
+
+
+def _block_on_the_wire(group, sp):
+    """(op, label, dtype, bytes) of every collective of one block, forward and backward, under
+    CPU bf16 autocast at tp = 2."""
+    config = tiny_config(sequence_parallel=sp)
+    block = Block(config, group)
+    init_parameters(block, config.seed, group)
+    x = _rand(B, WIRE_S // 2 if sp else WIRE_S, config.hidden, seed=2).requires_grad_()
+    with comm.record() as log:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = block(x)
+        y.sum().backward()
+    return [(e.op, e.label, e.dtype, e.bytes) for e in log.events]
+
+
+def _overlap_step(config, grid, overlap, bf16):
+    """Loss, this rank's gradients and the collectives of one GPT step, dropout on."""
+    model = GPT(config, grid)
+    for layer in model.modules():
+        if isinstance(layer, ColumnParallelLinear):
+            layer.async_tp = overlap
+    ids = torch.randint(0, config.vocab_size, (4, 17), generator=torch.Generator().manual_seed(0))
+    with comm.record() as log:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = model(ids[:, :-1], ids[:, 1:], dropout_key=DropoutKey(3, (0, 1, 2, 3)))
+        loss.backward()
+    return loss, {name: p.grad for name, p in model.named_parameters()}, log.summary()
+
+
+def _wire_and_overlap():
+    grid = ParallelGrid(tp=2)
+    wire = {sp: _block_on_the_wire(grid.tp_group, sp) for sp in (False, True)}
+    same = {}
+    for sp in (False, True):
+        for bf16 in (False, True):
+            config = tiny_config(dropout=0.1, sequence_parallel=sp)
+            (loss, grads, calls), (loss_async, grads_async, calls_async) = (
+                _overlap_step(config, grid, overlap, bf16) for overlap in (False, True))
+            same[sp, bf16] = (torch.equal(loss, loss_async), calls == calls_async,
+                              [n for n in grads if not torch.equal(grads[n], grads_async[n])])
+    return wire, same
+
+
+@pytest.fixture(scope="module")
+def wire_and_overlap():
+    return run(_wire_and_overlap, 2)
+
+
+PER_LAYER = {  # (op, label) -> calls of one block, forward and backward, at tp = 2
+    False: {("all_reduce", "g forward"): 2, ("all_reduce", "f backward"): 2},
+    True: {("all_gather", "all_gather_seq forward"): 2,
+           ("reduce_scatter", "reduce_scatter_seq forward"): 2,
+           ("all_gather", "all_gather_seq regather"): 2,
+           ("reduce_scatter", "all_gather_seq backward"): 2,
+           ("all_gather", "reduce_scatter_seq backward"): 2}}
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "sequence-parallel"])
+def test_under_autocast_a_layer_sends_activations_and_gradients_in_bf16(wire_and_overlap, sp):
+    """Megatron-LM's bytes: b·s·h values of 2 bytes per all-reduce (and per all-gather's output,
+    per reduce-scatter's input) — not the fp32 of a layer norm's output or of its gradient."""
+    bsh_bf16 = B * WIRE_S * tiny_config().hidden * 2
+    for wire, _ in wire_and_overlap:
+        assert Counter((op, label) for op, label, _, _ in wire[sp]) == PER_LAYER[sp]
+        assert {(dtype, nbytes) for *_, dtype, nbytes in wire[sp]} == {(torch.bfloat16, bsh_bf16)}
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "sequence-parallel"])
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-autocast"])
+def test_async_tp_gives_the_same_loss_gradients_and_collectives_bit_for_bit(wire_and_overlap, sp,
+                                                                            bf16):
+    for _, same in wire_and_overlap:
+        assert same[sp, bf16] == (True, True, [])
 
 
 # --- dropout masks (1909.08053 Appendix B.2), seeded by what they are for ----------------------

@@ -4,9 +4,9 @@ A transformer layer's matmuls are compute-bound; the elementwise operations betw
 memory-bound — each reads and writes the whole activation. Megatron-LM fuses the chains into
 single kernels: bias + GeLU after the MLP's first matmul, bias + dropout + residual add after each
 block's output projection, and scale + mask + softmax in attention (here the attention core is
-``F.scaled_dot_product_attention``, one kernel with its dropout). The chains are written below
-as plain PyTorch and compiled by ``torch.compile`` on first use (``GPTConfig(fused=True)``);
-unfused, the model runs the same operations one by one — tests check the two agree.
+``F.scaled_dot_product_attention``, one kernel with its dropout). The chains are plain PyTorch,
+compiled by ``torch.compile`` on first use (``GPTConfig(fused=True)``); unfused, the model runs
+them op by op — tests check the two agree. A bias is added in the activation's dtype (autocast).
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ __all__ = ["bias_gelu", "bias_dropout_add"]
 
 
 def _bias_gelu(y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    return F.gelu(y + bias, approximate="tanh")
+    return F.gelu(y + bias.to(y.dtype), approximate="tanh")
 
 
 def _bias_dropout_add(y: torch.Tensor, bias: torch.Tensor, keep: torch.Tensor | None,
                       scale: float, residual: torch.Tensor) -> torch.Tensor:
-    y = y + bias
+    y = y + bias.to(y.dtype)
     return residual + (y if keep is None else y * keep * scale)
 
 

@@ -26,7 +26,7 @@ layer's input) and ``g`` a reduce-scatter of it (the row layer's output): the sa
 all-reduce, which *is* a reduce-scatter plus an all-gather. The column layer keeps only its
 split input for the backward pass and all-gathers it again there (what makes the saving real:
 the gathered input is never kept), so a layer's backward makes one more all-gather per column
-layer than the forward.
+layer than the forward. Under autocast, X and its gradient travel in the compute dtype.
 
 With a group of one member every layer here is the plain PyTorch layer and communicates nothing.
 Parameters are built on the meta device and filled by ``init.init_parameters`` (each rank drawing
@@ -65,13 +65,15 @@ class ColumnParallelLinear(nn.Module):
 
     ``gather_output=True`` all-gathers the slices into the full Y (backward: keep own slice).
     ``sequence_parallel``: X arrives split along the sequence and is all-gathered first.
+    ``async_tp`` (an attribute): backward overlaps dX's communication with dW (``_ColumnLinear``).
+    Off by default: ``f`` then ``F.linear``, Figure 3 as written; zero bubble splits their dX, dW.
     """
 
     def __init__(self, in_features: int, out_features: int, group: CommGroup, *,
                  bias: bool = True, gather_output: bool = False, init_std: float = 0.02,
-                 sequence_parallel: bool = False) -> None:
+                 sequence_parallel: bool = False, async_tp: bool = False) -> None:
         super().__init__()
-        self.group, self.gather_output = group, gather_output
+        self.group, self.gather_output, self.async_tp = group, gather_output, async_tp
         self.sequence_parallel = sequence_parallel and group.size > 1
         out_local = _divide(out_features, group.size, "out_features")
         self.weight = placeholder((out_local, in_features), 0, normal(init_std))
@@ -81,8 +83,9 @@ class ColumnParallelLinear(nn.Module):
         """``add_bias=False``: leave the bias to the caller (a fused bias+GeLU)."""
         check_initialised(self)
         bias = self.bias if add_bias else None
-        if self.sequence_parallel:                   # [b, s/t, in] → gathered inside
-            y = sequence_gather_linear(x, self.weight, bias, self.group)
+        if self.sequence_parallel or (self.async_tp and self.group.size > 1):  # f inside
+            y = _ColumnLinear.apply(x, self.weight, bias, self.group, self.sequence_parallel,
+                                    self.async_tp)
         else:
             x = comm.f(x, self.group)                # [.., in] on every rank; grad all-reduced
             y = F.linear(x, self.weight, bias)       # [.., out/tp]
@@ -114,42 +117,56 @@ class RowParallelLinear(nn.Module):
             y = comm.reduce_scatter_seq(y, self.group)  # [b, s/t, out] summed, this rank's part
         else:
             y = comm.g(y, self.group)                # [.., out] summed over the tp ranks
-        return y if self.bias is None or not add_bias else y + self.bias
+        return y if self.bias is None or not add_bias else y + self.bias.to(y.dtype)
 
 
 def sequence_gather_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                            group: CommGroup) -> torch.Tensor:
     """F.linear(all_gather_seq(x), weight, bias), keeping only x [b, s/t, in] for backward."""
-    return _SequenceGatherLinear.apply(x, weight, bias, group)
+    return _ColumnLinear.apply(x, weight, bias, group, True, False)
 
 
-class _SequenceGatherLinear(torch.autograd.Function):
-    """Sequence parallelism's column layer (as Megatron-LM's linear with ``sequence_parallel``):
-    forward all-gathers X along the sequence and multiplies; backward all-gathers X again (it was
-    not kept) for the weight's gradient, and reduce-scatters the input's gradient back to the
-    sequence split. Backward runs under the forward's autocast."""
+class _ColumnLinear(torch.autograd.Function):
+    """F.linear(f(x), weight, bias) with the backward written out, as Megatron-LM's
+    ``LinearWithGradAccumulationAndAsyncCommunication`` (sequence parallel: of x all-gathered, only
+    the split x kept, gathered again in backward; backward under forward's autocast). ``overlap``
+    waits for each collective only where its result is needed: the re-gather runs during dX = dY·A,
+    dX's all-reduce (reduce-scatter) during dW = dYᵀ·X — the same operations on the same tensors,
+    bit for bit. Safe on NCCL: all ranks start the collectives in autograd's order, which no timing
+    changes; no GEMM between touches their tensors; each is awaited before its result is read."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group):
-        device = x.device.type
-        ctx.autocast = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
-        ctx.group, ctx.has_bias = group, bias is not None
+    def forward(ctx, x, weight, bias, group, sequence_parallel, overlap):
+        dev = x.device.type
+        on, dtype = ctx.autocast = torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)
+        x = x.to(dtype) if on else x       # sent in the compute dtype (dX too; autograd casts back)
+        ctx.args = group, sequence_parallel, overlap, bias is not None
         ctx.save_for_backward(x, weight)
-        total = comm.all_gather(x, group, dim=1, label="all_gather_seq forward")  # [b, s, in]
-        return F.linear(total, weight, bias)
+        if sequence_parallel:                                 # [b, s/t, in] → [b, s, in]
+            x = comm.all_gather(x, group, dim=1, label="all_gather_seq forward")
+        return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):                                  # grad: [b, s, out/t]
         x, weight = ctx.saved_tensors
-        enabled, dtype = ctx.autocast
+        (group, sp, overlap, has_bias), (enabled, dtype) = ctx.args, ctx.autocast
         with torch.autocast(x.device.type, dtype=dtype, enabled=enabled):
-            total = comm.all_gather(x, ctx.group, dim=1, label="all_gather_seq regather")
-            grad_total = torch.matmul(grad, weight)          # [b, s, in], partial over tp
-            grad_weight = torch.matmul(grad.flatten(0, -2).t(), total.flatten(0, -2))
-        grad_x = comm.reduce_scatter(grad_total.to(x.dtype), ctx.group, dim=1,
-                                     label="all_gather_seq backward")
-        grad_bias = grad.flatten(0, -2).sum(0).to(weight.dtype) if ctx.has_bias else None
-        return grad_x, grad_weight.to(weight.dtype), grad_bias, None
+            if sp:                                            # x was kept split: gather it again
+                gather, x = comm.all_gather(x, group, 1, "all_gather_seq regather", True)
+                if not overlap:
+                    gather.wait()
+            dx = grad.matmul(weight)                          # [b, s, in], partial over tp
+            if sp:                                            # summed, split along the sequence
+                gather.wait()
+                reduce, dx = comm.reduce_scatter(dx, group, 1, "all_gather_seq backward", True)
+            else:                                             # f's all-reduce, in place: ours
+                reduce = comm.all_reduce_(dx, group, "f backward", True)
+            if not overlap:
+                reduce.wait()
+            dw = grad.flatten(0, -2).t().matmul(x.flatten(0, -2))  # overlap: meanwhile
+        db = grad.flatten(0, -2).sum(0).to(weight.dtype) if has_bias else None
+        reduce.wait()
+        return dx, dw.to(weight.dtype), db, None, None, None
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -173,10 +190,8 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [b, s] → their embeddings [b, s, h] ([b, s/t, h] under sequence parallelism)."""
-        partial = self.partial(ids)                  # each id found on one rank
-        if self.sequence_parallel:
-            return comm.reduce_scatter_seq(partial, self.group)  # [b, s/t, h]
-        return comm.g(partial, self.group)           # [b, s, h]
+        reduce = comm.reduce_scatter_seq if self.sequence_parallel else comm.g
+        return reduce(self.partial(ids), self.group)  # each id found on one rank, summed
 
     def partial(self, ids: torch.Tensor) -> torch.Tensor:
         """This rank's share of the lookup, before g: its rows, zeros for the ids it lacks."""
@@ -195,6 +210,6 @@ def sum_replicated_grads_(grads: list[torch.Tensor], group: CommGroup) -> None:
     all-reduce of them all, flattened. Call it after backward with those parameters' gradients."""
     if group.size == 1 or not grads:
         return
-    flat = comm.all_reduce(torch.cat([g.reshape(-1) for g in grads]), group, "sp replicated grads")
+    comm.all_reduce_(flat := torch.cat([g.flatten() for g in grads]), group, "sp replicated grads")
     for grad, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
         grad.copy_(part.view_as(grad))
