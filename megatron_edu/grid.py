@@ -90,6 +90,9 @@ class Layout:
         """Raise a ValueError naming the numbers if ``config``'s model cannot be split this way:
         tp must divide the heads and the MLP, the pp · v stages the layers."""
         config.validate(self.tp, self.pp, self.chunks)
+        if config.async_tp and self.make_schedule().splits_backward:  # B and W: one node here
+            raise ValueError(f"async_tp computes dX and dW in one node: {self.schedule}'s B/W "
+                             "split would run it, and its collectives, twice")
 
     def check_world(self, world_size: int) -> None:
         """Raise a ValueError unless this layout fills exactly ``world_size`` ranks."""
@@ -172,12 +175,9 @@ class ParallelGrid:
         return mine
 
     def _new_p2p_channels(self) -> dict[tuple[str, int, int], dist.ProcessGroup]:
-        """One two-rank process group per pipeline direction and kind of message, keyed
-        (kind, src, dst): activations go to the next stage, gradients to the previous one,
-        around the ring (the interleaved schedule wraps). With p = 2 the four channels join the
-        same two ranks. Separate groups keep each channel's messages in order on their own, so
-        the gloo mailbox can keep a receive posted on each (pipeline/p2p.py). Each is used once
-        here, so that every pair connects now, in the same order everywhere."""
+        """gloo's mailbox (pipeline/p2p.py): a two-rank group per ring direction and kind of
+        message, (kind, src, dst) — each keeps its messages in order, so a receive can stay
+        posted on it. Each is used once here: every pair connects now, in the same order."""
         channels = {}
         for pipeline in self.layout.pp_groups() if self.pp > 1 else []:
             for a, b in zip(pipeline, pipeline[1:] + pipeline[:1], strict=True):

@@ -14,11 +14,9 @@ Why it is built this way (each point was seen to matter on a 2-core laptop and i
   order (nbval compares it) and visible in Jupyter, where child processes' output is otherwise
   lost or interleaved.
 * A fresh file-store rendezvous per call, so launches run back to back in one kernel.
-* If any rank raises (or dies), the parent — which polls its ranks, it does not wait in a
-  collective — kills the others and raises ``RankError`` with that rank's traceback within
-  seconds, however long a collective may wait (``collective_timeout``: a training run's
-  checkpoint barrier may wait many minutes for the slowest writer). A stuck call is cut off by
-  ``timeout``. Never a hang.
+* If any rank raises (or dies), the parent, polling its ranks, kills the others and raises
+  ``RankError`` with that rank's traceback within seconds, however long a collective may wait
+  (``collective_timeout``); a stuck call is cut off by ``timeout``. Never a hang.
 * Under ``torchrun`` (RANK/WORLD_SIZE/MASTER_ADDR set), ``run`` just initialises the process
   group, calls ``fn`` on this process, and all-gathers the results so every rank returns the
   same list. In both modes the process group ``run`` created is destroyed before it returns
@@ -75,10 +73,8 @@ def under_torchrun() -> bool:
 
 def resolve_backend(backend: str, world_size: int) -> str:
     """'auto' -> NCCL when every rank can have a GPU of its own, else gloo (CPU); 'nccl' without
-    a GPU per rank is refused here, before any rank starts (NCCL itself would fail later, inside
-    a rank, on two ranks sharing a GPU). Under torchrun the ranks that share this machine are
-    LOCAL_WORLD_SIZE, not the world.
-    """
+    one is refused before any rank starts. Under torchrun this machine's ranks are
+    LOCAL_WORLD_SIZE."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if under_torchrun() \
         else world_size
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0

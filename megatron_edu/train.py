@@ -135,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "tp outside the tensor-parallel regions (2205.05198 §4.2.2; needs tp > 1)")
     model.add_argument("--fused", action="store_true", help="fused kernels: attention, bias+GeLU, "
                        "bias+dropout+add (2104.04473 §4.2; torch.compile on first use)")
+    model.add_argument("--async-tp", action="store_true", help="overlap the backward's "
+                       "tensor-parallel all-reduce (or reduce-scatter) of dX with dW, as "
+                       "Megatron-LM does (not with the zero-bubble schedules)")
     opt = p.add_argument_group("optimisation")
     opt.add_argument("--steps", type=positive_int, default=600)
     opt.add_argument("--micro-batch", type=positive_int, default=4,
@@ -197,6 +200,7 @@ def model_config(args: argparse.Namespace) -> GPTConfig:
     config_class = BertConfig if args.model == "bert" else GPTConfig
     return config_class.preset(args.preset, dropout=args.dropout, recompute=args.recompute,
                                sequence_parallel=args.sequence_parallel, fused=args.fused,
+                               async_tp=args.async_tp,
                                seed=args.seed, ln_placement=args.ln_placement, **overrides)
 
 

@@ -3,6 +3,7 @@
 Each launch at tp ∈ {1, 2, 4} runs every layer once; the tests below read one claim each from it.
 """
 
+import dataclasses
 import functools
 from collections import Counter
 
@@ -237,10 +238,9 @@ def _block_on_the_wire(group, sp):
 
 def _overlap_step(config, grid, overlap, bf16):
     """Loss, this rank's gradients and the collectives of one GPT step, dropout on."""
-    model = GPT(config, grid)
-    for layer in model.modules():
-        if isinstance(layer, ColumnParallelLinear):
-            layer.async_tp = overlap
+    model = GPT(dataclasses.replace(config, async_tp=overlap), grid)
+    assert all(layer.async_tp == overlap for layer in model.modules()
+               if isinstance(layer, ColumnParallelLinear))
     ids = torch.randint(0, config.vocab_size, (4, 17), generator=torch.Generator().manual_seed(0))
     with comm.record() as log:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):

@@ -161,6 +161,8 @@ def _a_rank_fails(*args, **kwargs):
     (["--pp", "3", "--nproc", "3"], "num_layers = 4 is not divisible by pp·chunks"),
     (["--nproc", "2", "--global-batch", "6"], "global batch 6 is not divisible by dp·micro"),
     (["--chunks", "2"], "the 1f1b schedule has one model chunk per rank; got v=2"),
+    (["--nproc", "2", "--tp", "2", "--async-tp", "--schedule", "zb-h1"],
+     "async_tp computes dX and dW in one node: zb-h1's B/W split would run it"),
     (["--schedule", "zb-v", "--chunks", "3"], "the zb-v schedule has two model chunks per rank; "
                                               "got v=3"),
     (["--schedule", "interleaved"], "the interleaved schedule needs its number of chunks"),

@@ -61,6 +61,7 @@ class GPTConfig:
     recompute: str = "none"              # "none" | "selective" | "full" (see below)
     sequence_parallel: bool = False      # split the sequence outside the tp regions (2205.05198)
     fused: bool = False                  # fused kernels (2104.04473 §4.2; see below)
+    async_tp: bool = False               # overlap dX's tp collective with dW (layers.py)
     init_std: float = 0.02
     make_vocab_size_divisible_by: int = 128  # Megatron's padding unit, times tp
     causal: bool = True                  # False: bidirectional attention (BERT)

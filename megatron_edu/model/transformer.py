@@ -179,7 +179,8 @@ class Attention(nn.Module):
         residual_std = config.init_std / math.sqrt(2 * config.num_layers)  # GPT-2 §2.3
         sp = config.sequence_parallel
         self.qkv = ColumnParallelLinear(config.hidden, 3 * config.hidden, group,
-                                        init_std=config.init_std, sequence_parallel=sp)
+                                        init_std=config.init_std, sequence_parallel=sp,
+                                        async_tp=config.async_tp)
         self.proj = RowParallelLinear(config.hidden, config.hidden, group, init_std=residual_std,
                                       sequence_parallel=sp)
 
@@ -249,7 +250,8 @@ class MLP(nn.Module):
         sp = config.sequence_parallel
         self.fused = config.fused
         self.fc = ColumnParallelLinear(config.hidden, config.ffn_hidden, group,
-                                       init_std=config.init_std, sequence_parallel=sp)
+                                       init_std=config.init_std, sequence_parallel=sp,
+                                       async_tp=config.async_tp)
         self.proj = RowParallelLinear(config.ffn_hidden, config.hidden, group,
                                       init_std=residual_std, sequence_parallel=sp)
 

@@ -153,10 +153,8 @@ def run_schedule(
 
 
 def _boundary_dtype(chunks: Sequence[nn.Module]) -> torch.dtype:
-    """The dtype of activations between stages: the residual stream's, which is the parameters'.
-    Under autocast the matmuls run in bf16 but each block adds its bf16 output to the fp32
-    residual stream, which stays fp32 (Megatron-LM's ``fp32_residual_connection``); the
-    transport checks every message against it."""
+    """The dtype of activations between stages: the residual stream's, the parameters' (fp32
+    under autocast: Megatron-LM's ``fp32_residual_connection``); checked on every message."""
     return next(chunks[0].parameters()).dtype
 
 

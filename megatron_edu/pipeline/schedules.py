@@ -33,7 +33,7 @@ from megatron_edu.pipeline.stages import Message, StageMap
 __all__ = ["Action", "Schedule", "gpipe", "one_f_one_b", "interleaved_one_f_one_b",
            "zero_bubble_h1", "zero_bubble_h2", "zero_bubble_v", "SCHEDULES", "stage_map",
            "check_layout", "make_schedule", "forward_only", "format_schedule", "messages_of",
-           "dependencies", "Meeting", "walk", "execution_order", "check_schedule"]
+           "dependencies", "Meeting", "walk", "check_schedule"]
 
 
 @dataclass(frozen=True)
@@ -440,12 +440,6 @@ def _waits(schedule: Schedule, position: list[int], messages: MessagesOf) -> str
     return "; ".join(waits)
 
 
-def execution_order(schedule: Schedule) -> Iterator[tuple[int, Action]]:
-    """Yield (rank, action) as the ranks would run their lists, each after every action it
-    needs (the actions of `walk`)."""
-    return (event for event in walk(schedule) if not isinstance(event, Meeting))
-
-
 def check_schedule(schedule: Schedule) -> None:
     """Raise ValueError unless `schedule` is complete, dependency-ordered and deadlock-free.
 
@@ -453,8 +447,7 @@ def check_schedule(schedule: Schedule) -> None:
     microbatch (0..m−1, m inferred from the largest microbatch seen) on each of its chunks
     exactly once. Dependency-ordered: no rank lists an action before one it needs from itself
     (a B before its F, a W before its B). Deadlock-free: the ranks, each blocking on its inputs,
-    all reach the end of their lists. Where the chunks live is the schedule's own
-    ``stages``.
+    all reach the end of their lists (``walk``).
     """
     if not isinstance(schedule, Schedule):
         raise TypeError(f"check_schedule takes a Schedule (its lists and the StageMap they run "

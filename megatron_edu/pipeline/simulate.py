@@ -32,10 +32,11 @@ from numbers import Real
 
 from megatron_edu.pipeline.schedules import (
     Action,
+    Meeting,
     Schedule,
     check_schedule,
     dependencies,
-    execution_order,
+    walk,
 )
 from megatron_edu.pipeline.stages import StageMap
 
@@ -138,7 +139,7 @@ def simulate(schedule: Schedule, forward_time: Cost = 1.0, backward_time: Cost =
     end: dict[tuple[int, Action], Fraction] = {}
     free_at = [Fraction(0)] * p
     ranks: list[list[tuple[Action, Real, Real]]] = [[] for _ in range(p)]
-    for rank, action in execution_order(schedule):
+    for rank, action in (event for event in walk(schedule) if not isinstance(event, Meeting)):
         inputs_at = [end[dep] + (latency if dep[0] != rank else 0)
                      for dep in dependencies(rank, action, stages)]
         start = max([free_at[rank], *inputs_at])
