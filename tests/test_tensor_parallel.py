@@ -27,10 +27,11 @@ from megatron_edu.tensor_parallel import (
     VocabParallelEmbedding,
     gather_full,
     init_parameters,
+    random,
     shard,
     vocab_parallel_cross_entropy,
 )
-from megatron_edu.tensor_parallel.random import mask_seed
+from megatron_edu.tensor_parallel.random import keep_mask, mask_seed
 
 B, S, H, FFN, VOCAB, PADDED = 2, 5, 8, 16, 100, 128
 CE_VOCAB = 60  # < 128/2: at tp = 2 and 4 some ranks hold nothing but padding
@@ -425,6 +426,17 @@ def test_a_batch_mask_is_one_chain_of_kernels_whatever_the_batch():
             dropout.keep(key, x)
         counts[b] = log.ops
     assert counts[1] == counts[8] and len(counts[8]) < 30   # 24 kernels, 4 views
+
+
+def test_the_gpus_compiled_mask_is_one_kernel_with_the_chains_bits():
+    from torch._inductor import metrics  # what a GPU runs (keep_mask on CUDA), compiled for the CPU
+
+    for b, start, n in [(2, 0, 3000), (3, 777, 5000)]:   # a whole sample; a sequence part
+        keys = torch.randint(0, 2**32, (b, 2), generator=torch.Generator().manual_seed(b))
+        metrics.reset()
+        compiled = random._mask_kernel()(keys, start, n, 0.1)
+        assert metrics.generated_kernel_count == 1
+        assert torch.equal(compiled, keep_mask(keys, start, n, 0.1))
 
 
 def test_dropout_in_training_needs_a_key_for_its_rows():

@@ -1,45 +1,38 @@
 """Dropout masks that depend on the data, not on the layout — and recomputation that replays them.
 
-1909.08053 Appendix B.2: dropout outside the tensor-parallel regions (on the embeddings and on
-each residual branch, where every tp rank holds the same full [b, s, h] activation) must draw the
-*same* mask on every tp rank, or the replicas drift apart. Dropout inside a region (on the
-attention probabilities, where each rank holds its own heads) must draw a *different* mask on
-each rank, or the heads of different ranks would share one pattern. Megatron-LM keeps two
-generator streams for this (its ``CudaRNGStatesTracker``), the inside one seeded per tp rank.
+1909.08053 Appendix B.2: dropout outside the tensor-parallel regions (on the embeddings and each
+residual branch, where every tp rank holds the same [b, s, h] activation) must draw the *same*
+mask on every tp rank, or the replicas drift apart; dropout inside a region (on the attention
+probabilities, each rank's own heads) a *different* one, or the ranks' heads would share a
+pattern. Megatron-LM keeps two streams (``CudaRNGStatesTracker``), the inside one per tp rank.
 
 Here a mask is not drawn from a stream that advances with every use, but computed from a key
 made of what the mask is *for*, one per sequence of the batch:
 
     key(model seed, step, global sample index, global layer, site [, tp rank inside a region])
 
-* Outside the regions no tp rank enters the key: every tp rank draws the same mask. Inside,
-  each rank's own tp rank does: different masks per rank — Megatron's per-tp-rank streams.
+* Outside the regions no tp rank enters the key (every tp rank draws the same mask); inside, the
+  rank's own tp rank does (a mask per rank — Megatron's per-tp-rank stream).
 * Nothing else enters it — not the microbatch, the pipeline stage, the interleaved chunk or the
-  data-parallel replica that computes the sample. Every layout draws the masks the serial model
-  draws for the same sample at the same step, so with tp = 1 every layout (pipelines, interleaving,
-  dp, ZeRO-1) gives the serial model's losses and gradients *with dropout on*
-  (tests/test_ptdp.py). With tp > 1 the attention-probability masks differ from the serial
-  model's, as in Megatron-LM: each rank keys its heads with its own tp rank, where the serial
-  model keys all heads with rank 0 (notebook 02).
+  data-parallel replica. Every layout draws the serial model's masks for the same sample and
+  step, so at tp = 1 every layout (pipelines, interleaving, dp, ZeRO-1) gives the serial model's
+  losses and gradients *with dropout on* (tests/test_ptdp.py). At tp > 1 the attention masks
+  differ from the serial model's, as in Megatron-LM: each rank keys its heads with its own tp rank.
 * Activation recomputation (2104.04473 §3.5) replays the masks by construction: the key is an
-  argument of the recomputed function, so its second run draws the same masks — no generator
-  state to save and restore around it.
+  argument of the recomputed function — no generator state to save and restore around it.
 
-``DropoutKey(step, samples)`` names the step and the global sample index of each row of a batch;
-the pipeline engine makes one per microbatch. The mask is computed the way counter-based
-generators work (Philox, that of PyTorch's CUDA kernels): element j of a sample's mask is a hash
-of j and the sample's 64-bit key (``mask_seed``; its 32-bit words k₀, k₁),
+``DropoutKey(step, samples)`` names the step and the global sample index of each row of a batch
+(the engine makes one per microbatch). As counter-based generators do (Philox, that of PyTorch's
+CUDA kernels), element j of a sample's mask is a hash of j and the sample's 64-bit key
+(``mask_seed``; its 32-bit words k₀, k₁), fmix32 being MurmurHash3's finaliser (a bijection whose
+every output bit depends on every input bit):
 
-    h = fmix32(fmix32(j ⊕ k₀) ⊕ k₁),    kept ⟺ h ≥ round(p·2³²),
+    h = fmix32(fmix32(j ⊕ k₀) ⊕ k₁),    kept ⟺ h ≥ round(p·2³²).
 
-fmix32 being MurmurHash3's finaliser, a bijection of 32-bit integers whose every output bit
-depends on every input bit. The b keys travel to the device as one [b, 2] tensor; the rest is a
-fixed chain of integer kernels over the whole [b, …] batch, whatever b: no loop over samples, no
-generator. Integer arithmetic only, in int64 holding 32-bit values, where no product overflows:
-the same bits on a CPU and a GPU by construction. The mask is a boolean tensor, 1 byte per
-element, the mask 2205.05198 counts (the int64 hashes, 16 bytes per element while they are
-computed, are never saved for backward). Under sequence parallelism a rank holds 1/t of each
-sequence: it hashes only its part of the element indices — its slice of the whole sequence's.
+The b keys go to the device as one [b, 2] tensor; the hash runs over the whole batch (no loop, no
+generator): on a GPU one compiled kernel, on a CPU a chain of int64 kernels on 32-bit values where
+no product overflows — the same bits either way, by construction. The mask kept for backward is
+boolean, 1 byte per element (2205.05198's count); a sequence-parallel rank hashes its part only.
 """
 
 from __future__ import annotations
@@ -47,6 +40,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 import torch.utils.checkpoint
@@ -90,22 +84,28 @@ def _fmix32(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def keep_mask(keys: torch.Tensor, start: int, n: int, p: float) -> torch.Tensor:
-    """[b, n] booleans (True: kept): elements start … start+n−1 of each sample's mask, whose
-    key is a row of ``keys`` [b, 2] (int64, 32-bit words). One kernel chain for the batch."""
+def _keep_mask(keys: torch.Tensor, start: int, n: int, p: float) -> torch.Tensor:
     h = _fmix32(torch.arange(start, start + n, device=keys.device) ^ keys[:, :1])
     h ^= keys[:, 1:]
     return _fmix32(h) >= round(p * 2**32)
 
 
-class Dropout(nn.Module):
-    """Dropout with each sample's mask keyed by (seed, step, sample, layer, site).
+@cache
+def _mask_kernel() -> Callable[..., torch.Tensor]:
+    return torch.compile(_keep_mask, dynamic=True, fullgraph=True)
 
-    ``tp_rank``: None outside the tensor-parallel regions (the same mask on every tp rank);
-    this rank's tp rank inside them (its own mask). ``sequence_part`` = (r, t): the input holds
-    part r of t of the sequence (dim 1; sequence parallelism): the mask is that part of the
-    whole sequence's.
-    """
+
+def keep_mask(keys: torch.Tensor, start: int, n: int, p: float) -> torch.Tensor:
+    """[b, n] booleans (True: kept): elements start … start+n−1 of each sample's mask, keyed by a
+    row of ``keys`` [b, 2] (int64, 32-bit words). On a GPU one compiled kernel: the eager chain's
+    ~23 passes over int64 would cost more than the matmuls (tested on the CPU: the same bits)."""
+    return (_mask_kernel() if keys.is_cuda else _keep_mask)(keys, start, n, p)
+
+
+class Dropout(nn.Module):
+    """Dropout with each sample's mask keyed by (seed, step, sample, layer, site); ``tp_rank``:
+    None outside the tensor-parallel regions (one mask for all tp ranks), this rank's inside them.
+    ``sequence_part`` = (r, t): x holds part r of t of the sequence (dim 1), the mask that part."""
 
     def __init__(self, p: float, seed: int, layer: int, site: str, tp_rank: int | None = None,
                  sequence_part: tuple[int, int] = (0, 1)) -> None:
