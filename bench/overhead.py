@@ -4,7 +4,8 @@ Both models hold the same weights (copied in by name), see the same batch and ta
 step; the benchmark alternates their training steps and reports the overhead of megatron-edu's,
     overhead = t(megatron-edu) / t(plain) − 1,     target ≤ 3 %.
 At size 1 every parallel layer should *be* the plain layer (DESIGN principle 1), so what is left
-is the price of the abstractions: the no-op f/g calls, the dropout RNG streams, the
+is the price of the abstractions: the no-op f/g calls, the layout-independent dropout masks
+(hashed, where the plain GPT calls ``F.dropout``; ``--dropout 0`` leaves them out), the
 vocabulary-parallel cross entropy at one rank. Like with like: ``--attention explicit`` (the CPU's
 default) holds the unfused model against the plain GPT with the same explicit attention core;
 ``--attention sdpa`` (a GPU's default) holds ``fused=True`` against the plain GPT's
@@ -98,10 +99,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--attention", choices=("explicit", "sdpa"),
                         help="the attention core on both sides (default: explicit on a CPU, "
                         "sdpa — megatron-edu's fused=True — on a GPU)")
+    parser.add_argument("--dropout", type=float, default=0.1, help="on both sides (default 0.1)")
     args = parser.parse_args(argv)
     device = require_device(args.device, args.dtype, args.threads)
     attention = args.attention or ("explicit" if device.type == "cpu" else "sdpa")
-    config = model_config(device, fused=attention == "sdpa")
+    config = model_config(device, fused=attention == "sdpa", dropout=args.dropout)
     batch = BATCH[device.type]
     ids, labels = random_batch(config, batch, device)
     ours, plain = twin_models(config, device)

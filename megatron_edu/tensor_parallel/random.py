@@ -11,28 +11,24 @@ made of what the mask is *for*, one per sequence of the batch:
 
     key(model seed, step, global sample index, global layer, site [, tp rank inside a region])
 
-* Outside the regions no tp rank enters the key (every tp rank draws the same mask); inside, the
-  rank's own tp rank does (a mask per rank — Megatron's per-tp-rank stream).
+* Outside the regions no tp rank enters the key (one mask for all); inside, the rank's own does.
 * Nothing else enters it — not the microbatch, the pipeline stage, the interleaved chunk or the
   data-parallel replica. Every layout draws the serial model's masks for the same sample and
   step, so at tp = 1 every layout (pipelines, interleaving, dp, ZeRO-1) gives the serial model's
   losses and gradients *with dropout on* (tests/test_ptdp.py). At tp > 1 the attention masks
   differ from the serial model's, as in Megatron-LM: each rank keys its heads with its own tp rank.
-* Activation recomputation (2104.04473 §3.5) replays the masks by construction: the key is an
-  argument of the recomputed function — no generator state to save and restore around it.
+* Recomputation (2104.04473 §3.5) replays the masks: the key is an argument of the function.
 
-``DropoutKey(step, samples)`` names the step and the global sample index of each row of a batch
-(the engine makes one per microbatch). As counter-based generators do (Philox, that of PyTorch's
-CUDA kernels), element j of a sample's mask is a hash of j and the sample's 64-bit key
-(``mask_seed``; its 32-bit words k₀, k₁), fmix32 being MurmurHash3's finaliser (a bijection whose
-every output bit depends on every input bit):
+``DropoutKey(step, samples)`` names the step and each row's global sample (one per microbatch).
+As counter-based generators do (Philox, that of PyTorch's CUDA kernels), element j of a sample's
+mask is a hash of j and the sample's 64-bit key (``mask_seed``; 32-bit words k₀, k₁), fmix32
+being MurmurHash3's finaliser (a bijection whose every output bit depends on every input bit):
 
     h = fmix32(fmix32(j ⊕ k₀) ⊕ k₁),    kept ⟺ h ≥ round(p·2³²).
 
-The b keys go to the device as one [b, 2] tensor; the hash runs over the whole batch (no loop, no
-generator): on a GPU one compiled kernel, on a CPU a chain of int64 kernels on 32-bit values where
-no product overflows — the same bits either way, by construction. The mask kept for backward is
-boolean, 1 byte per element (2205.05198's count); a sequence-parallel rank hashes its part only.
+The b keys go to the device as one [b, 2] tensor; the hash runs over the whole batch, on a GPU in
+one compiled kernel, on a CPU as int64 kernels where no product overflows: the same bits. The mask
+kept for backward is 1 byte per element (2205.05198's count); an SP rank hashes its part only.
 """
 
 from __future__ import annotations
@@ -96,10 +92,14 @@ def _mask_kernel() -> Callable[..., torch.Tensor]:
 
 
 def keep_mask(keys: torch.Tensor, start: int, n: int, p: float) -> torch.Tensor:
-    """[b, n] booleans (True: kept): elements start … start+n−1 of each sample's mask, keyed by a
-    row of ``keys`` [b, 2] (int64, 32-bit words). On a GPU one compiled kernel: the eager chain's
-    ~23 passes over int64 would cost more than the matmuls (tested on the CPU: the same bits)."""
-    return (_mask_kernel() if keys.is_cuda else _keep_mask)(keys, start, n, p)
+    """[b, n] booleans (True: kept): elements start … start+n−1 of each sample's mask, keyed by
+    a row of ``keys`` [b, 2] (int64, 32-bit words). A GPU runs one compiled kernel (the same bits,
+    tested); a CPU the chain on blocks of 2¹⁵ elements, whose ~23 passes stay in cache (2.4×)."""
+    if keys.is_cuda:
+        return _mask_kernel()(keys, start, n, p)
+    cols = max(1, 2**15 // len(keys))
+    blocks = [_keep_mask(keys, start + c, min(cols, n - c), p) for c in range(0, n, cols)]
+    return blocks[0] if len(blocks) == 1 else torch.cat(blocks, 1)
 
 
 class Dropout(nn.Module):
