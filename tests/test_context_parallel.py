@@ -1,0 +1,87 @@
+"""Context parallelism: ring attention at cp = 2 and 4 against the serial causal attention
+(output and dQ, dK, dV), the zig-zag split, the merge, and the bytes of the ring."""
+
+import pytest
+import torch
+
+from megatron_edu import comm
+from megatron_edu.context_parallel import (
+    causal_work,
+    chunk_ids,
+    merge,
+    ring_attention,
+    split,
+    unsplit,
+)
+from megatron_edu.launch import run
+
+B, A, S, D = 2, 3, 16, 4
+
+
+def _serial(q, k, v):
+    scores = q @ k.transpose(-2, -1) / D**0.5
+    future = torch.ones(S, S, dtype=torch.bool).triu(1)
+    return scores.masked_fill(future, float("-inf")).softmax(-1) @ v
+
+
+def _inputs():
+    gen = torch.Generator().manual_seed(3)
+    return [torch.randn(B, A, S, D, generator=gen) for _ in range(4)]   # q, k, v, dO
+
+
+def _ring_rank(zigzag):
+    group = comm.world()
+    q, k, v, grad = (split(x, group.rank, group.size, zigzag, dim=2) for x in _inputs())
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    with comm.record() as log:
+        out = ring_attention(q, k, v, group, zigzag)
+        out.backward(grad)
+    sends = [(e.label, e.peer, e.bytes) for e in log.select(op="send")]
+    recvs = [(e.label, e.peer, e.bytes) for e in log.select(op="recv")]
+    return out.detach(), q.grad, k.grad, v.grad, sends, recvs
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("zigzag", [True, False])
+def test_ring_attention_equals_serial_attention_and_its_gradients(cp, zigzag):
+    q, k, v, grad = (x.requires_grad_() for x in _inputs())
+    out = _serial(q, k, v)
+    out.backward(grad.detach())
+    results = run(_ring_rank, cp, zigzag)
+    for i, expected in enumerate([out, q.grad, k.grad, v.grad]):
+        got = unsplit([r[i] for r in results], zigzag, dim=2)
+        torch.testing.assert_close(got, expected.detach(), rtol=0, atol=1e-5)
+
+    block = B * A * (S // cp) * D * 4                 # one of K, V on one rank, fp32 bytes
+    for rank, (*_, sends, recvs) in enumerate(results):
+        nxt, prev = (rank + 1) % cp, (rank - 1) % cp
+        assert sum(b for label, _, b in sends if label == "cp kv") == 2 * 2 * (cp - 1) * block
+        assert sum(b for label, _, b in sends if label == "cp dkv") == 2 * (cp - 1) * block
+        assert {peer for _, peer, _ in sends} == {nxt} and {peer for _, peer, _ in recvs} == {prev}
+        # every send is matched, in order, by the next rank's receive of the same bytes
+        assert [(lab, b) for lab, _, b in sends] == [(lab, b) for lab, _, b in results[nxt][5]]
+
+
+def test_the_zigzag_split_gives_every_rank_the_same_causal_work():
+    for cp in (2, 4, 8):
+        assert sorted(i for r in range(cp) for i in chunk_ids(r, cp)) == list(range(2 * cp))
+        assert {causal_work(r, cp) for r in range(cp)} == {2 * cp}
+        naive = [causal_work(r, cp, zigzag=False) for r in range(cp)]
+        assert naive == [4 * r + 2 for r in range(cp)]          # the last rank: (2cp − 1)×
+    x = torch.arange(16.0).view(1, 16)
+    parts = [split(x, r, 4) for r in range(4)]
+    assert parts[0].tolist() == [[0, 1, 14, 15]] and torch.equal(unsplit(parts), x)
+    with pytest.raises(ValueError, match="2·cp = 8 chunks: the length 12"):
+        split(torch.ones(1, 12), 0, 4)
+
+
+def test_merging_two_key_blocks_is_the_softmax_over_both():
+    gen = torch.Generator().manual_seed(0)
+    scores, v = torch.randn(5, 8, generator=gen), torch.randn(8, 3, generator=gen)
+    parts = []
+    for cols in (slice(0, 3), slice(3, 8)):
+        lse = scores[:, cols].logsumexp(-1, keepdim=True)
+        parts += [(scores[:, cols] - lse).exp() @ v[cols], lse]
+    out, lse = merge(*parts)
+    torch.testing.assert_close(out, scores.softmax(-1) @ v)
+    torch.testing.assert_close(lse, scores.logsumexp(-1, keepdim=True))
