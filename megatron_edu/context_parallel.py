@@ -38,6 +38,7 @@ import torch
 
 from megatron_edu import comm
 from megatron_edu.comm import CommGroup, P2POp
+from megatron_edu.tensor_parallel.random import Dropout, DropoutKey
 
 __all__ = ["chunk_ids", "split", "unsplit", "causal_work", "merge", "ring_attention"]
 
@@ -91,9 +92,22 @@ def _scores(q: torch.Tensor, k: torch.Tensor, diagonal: bool) -> torch.Tensor:
 
 
 def _pairs(mine: tuple[int, int], theirs: tuple[int, int]):
-    """(local query chunk, block key chunk, diagonal) for each pair the causal mask leaves."""
-    return [(a, b, qc == kc) for a, qc in enumerate(mine) for b, kc in enumerate(theirs)
+    """(local query chunk, block key chunk, their chunk ids) for each pair the causal mask
+    leaves: the key chunk not later than the query chunk (the same one: the diagonal)."""
+    return [(a, b, (qc, kc)) for a, qc in enumerate(mine) for b, kc in enumerate(theirs)
             if kc <= qc]
+
+
+def _dropout_scale(dropout: Dropout | None, key: DropoutKey | None, heads: int, chunks: tuple,
+                   c: int, cp: int, device: torch.device) -> torch.Tensor | float:
+    """The kept/(1 − p) factors of one chunk pair of the probabilities [b, heads, c, c]: the
+    serial model's mask there (element h·s² + query·s + key of each sample; recomputed in the
+    backward pass, as flash attention replays its generator)."""
+    if dropout is None or not dropout.training or dropout.p == 0.0:
+        return 1.0
+    s, pos = 2 * cp * c, torch.arange(c, device=device)
+    rows = torch.arange(heads, device=device)[:, None, None] * s + chunks[0] * c + pos[:, None]
+    return dropout.keep_at(key, rows * s + chunks[1] * c + pos) * (1.0 / (1.0 - dropout.p))
 
 
 def _exchange(group: CommGroup, send: torch.Tensor, label: str) -> tuple[list, torch.Tensor]:
@@ -115,8 +129,10 @@ class _RingAttention(torch.autograd.Function):
     """Causal attention of this rank's queries to the whole sequence's keys, by the ring."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group: CommGroup, zigzag: bool):
+    def forward(ctx, q, k, v, group: CommGroup, zigzag: bool, dropout: Dropout | None,
+                key: DropoutKey | None):
         r, cp = group.rank, group.size
+        heads, c = q.shape[1], q.shape[2] // 2
         mine = chunk_ids(r, cp, zigzag)
         qs = q.chunk(2, 2)
         out: list = [None, None]
@@ -127,10 +143,11 @@ class _RingAttention(torch.autograd.Function):
                 works, incoming = _exchange(group, kv, "cp kv")
             theirs = chunk_ids((r - step) % cp, cp, zigzag)
             ks, vs = kv[0].chunk(2, 2), kv[1].chunk(2, 2)
-            for a, b, diagonal in _pairs(mine, theirs):
-                scores = _scores(qs[a], ks[b], diagonal)
+            for a, b, ids in _pairs(mine, theirs):
+                scores = _scores(qs[a], ks[b], ids[0] == ids[1])
                 block_lse = scores.logsumexp(-1, keepdim=True)
-                block_out = (scores - block_lse).exp() @ vs[b]
+                kept = _dropout_scale(dropout, key, heads, ids, c, cp, q.device)
+                block_out = ((scores - block_lse).exp() * kept) @ vs[b]
                 out[a], lse[a] = ((block_out, block_lse) if out[a] is None
                                   else merge(out[a], lse[a], block_out, block_lse))
             if step < cp - 1:
@@ -138,14 +155,15 @@ class _RingAttention(torch.autograd.Function):
                 kv = incoming
         out, lse = torch.cat(out, 2), torch.cat(lse, 2)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.zigzag = group, zigzag
+        ctx.group, ctx.zigzag, ctx.dropout, ctx.key = group, zigzag, dropout, key
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        group, zigzag = ctx.group, ctx.zigzag
+        group, zigzag, dropout, key = ctx.group, ctx.zigzag, ctx.dropout, ctx.key
         r, cp = group.rank, group.size
+        heads, c = q.shape[1], q.shape[2] // 2
         mine = chunk_ids(r, cp, zigzag)
         scale = 1.0 / math.sqrt(q.shape[-1])
         qs, dos, lses = q.chunk(2, 2), grad_out.chunk(2, 2), lse.chunk(2, 2)
@@ -161,10 +179,11 @@ class _RingAttention(torch.autograd.Function):
             ks, vs = kv[0].chunk(2, 2), kv[1].chunk(2, 2)
             dkv = torch.zeros_like(kv)                 # this rank's part of the block's dK, dV
             dks, dvs = dkv[0].chunk(2, 2), dkv[1].chunk(2, 2)
-            for a, b, diagonal in _pairs(mine, theirs):
-                p = (_scores(qs[a], ks[b], diagonal) - lses[a]).exp()
-                dvs[b].add_(p.transpose(-2, -1) @ dos[a])
-                ds = p * (dos[a] @ vs[b].transpose(-2, -1) - ds_row[a]) * scale
+            for a, b, ids in _pairs(mine, theirs):
+                p = (_scores(qs[a], ks[b], ids[0] == ids[1]) - lses[a]).exp()
+                kept = _dropout_scale(dropout, key, heads, ids, c, cp, q.device)
+                dvs[b].add_((p * kept).transpose(-2, -1) @ dos[a])
+                ds = p * ((dos[a] @ vs[b].transpose(-2, -1)) * kept - ds_row[a]) * scale
                 dqs[a].add_(ds @ ks[b])
                 dks[b].add_(ds.transpose(-2, -1) @ qs[a])
             if step == 0:
@@ -180,13 +199,15 @@ class _RingAttention(torch.autograd.Function):
                 travelling = partial
         if cp > 1:
             own = own + travelling                     # the block's sum from the other cp − 1
-        return dq, own[0], own[1], None, None
+        return dq, own[0], own[1], None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: CommGroup,
-                   zigzag: bool = True) -> torch.Tensor:
-    """softmax(q·kᵀ/√d, causal)·v over the whole sequence, each rank holding its part (``split``)
-    of q, k, v [b, heads, s/cp, d]; returns this rank's part of the output."""
+                   zigzag: bool = True, dropout: Dropout | None = None,
+                   key: DropoutKey | None = None) -> torch.Tensor:
+    """dropout(softmax(q·kᵀ/√d, causal))·v over the whole sequence, each rank holding its part
+    (``split``) of q, k, v [b, heads, s/cp, d]; returns this rank's part of the output.
+    ``dropout`` (in training, with ``key``): on the probabilities, the serial model's masks."""
     if q.shape[2] % 2:
         raise ValueError(f"a rank holds two chunks of the sequence: {q.shape[2]} tokens is odd")
-    return _RingAttention.apply(q, k, v, group, zigzag)
+    return _RingAttention.apply(q, k, v, group, zigzag, dropout, key)

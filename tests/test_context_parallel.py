@@ -14,14 +14,21 @@ from megatron_edu.context_parallel import (
     unsplit,
 )
 from megatron_edu.launch import run
+from megatron_edu.tensor_parallel.random import Dropout, DropoutKey
 
 B, A, S, D = 2, 3, 16, 4
+KEY = DropoutKey(step=5, samples=(4, 9))
 
 
-def _serial(q, k, v):
+def _dropout(p):
+    return Dropout(p, seed=1, layer=2, site="attention probs").train()
+
+
+def _serial(q, k, v, p):
+    """The model's unfused attention core (``Attention.core``), its dropout keyed by KEY."""
     scores = q @ k.transpose(-2, -1) / D**0.5
     future = torch.ones(S, S, dtype=torch.bool).triu(1)
-    return scores.masked_fill(future, float("-inf")).softmax(-1) @ v
+    return _dropout(p)(scores.masked_fill(future, float("-inf")).softmax(-1), KEY) @ v
 
 
 def _inputs():
@@ -29,25 +36,26 @@ def _inputs():
     return [torch.randn(B, A, S, D, generator=gen) for _ in range(4)]   # q, k, v, dO
 
 
-def _ring_rank(zigzag):
+def _ring_rank(zigzag, p):
     group = comm.world()
     q, k, v, grad = (split(x, group.rank, group.size, zigzag, dim=2) for x in _inputs())
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     with comm.record() as log:
-        out = ring_attention(q, k, v, group, zigzag)
+        out = ring_attention(q, k, v, group, zigzag, _dropout(p), KEY)
         out.backward(grad)
     sends = [(e.label, e.peer, e.bytes) for e in log.select(op="send")]
     recvs = [(e.label, e.peer, e.bytes) for e in log.select(op="recv")]
     return out.detach(), q.grad, k.grad, v.grad, sends, recvs
 
 
-@pytest.mark.parametrize("cp", [2, 4])
-@pytest.mark.parametrize("zigzag", [True, False])
-def test_ring_attention_equals_serial_attention_and_its_gradients(cp, zigzag):
+@pytest.mark.parametrize(("cp", "zigzag", "p"),
+                         [(2, True, 0.0), (4, True, 0.0), (4, False, 0.0), (2, True, 0.3),
+                          (4, True, 0.3), (4, False, 0.3)])
+def test_ring_attention_equals_serial_attention_and_its_gradients(cp, zigzag, p):
     q, k, v, grad = (x.requires_grad_() for x in _inputs())
-    out = _serial(q, k, v)
+    out = _serial(q, k, v, p)
     out.backward(grad.detach())
-    results = run(_ring_rank, cp, zigzag)
+    results = run(_ring_rank, cp, zigzag, p)
     for i, expected in enumerate([out, q.grad, k.grad, v.grad]):
         got = unsplit([r[i] for r in results], zigzag, dim=2)
         torch.testing.assert_close(got, expected.detach(), rtol=0, atol=1e-5)

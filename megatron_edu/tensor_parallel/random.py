@@ -80,10 +80,14 @@ def _fmix32(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _keep_mask(keys: torch.Tensor, start: int, n: int, p: float) -> torch.Tensor:
-    h = _fmix32(torch.arange(start, start + n, device=keys.device) ^ keys[:, :1])
+def _keep(keys: torch.Tensor, j: torch.Tensor, p: float) -> torch.Tensor:
+    h = _fmix32(j ^ keys[:, :1])                 # [b, n]: element indices j [n] of each sample
     h ^= keys[:, 1:]
     return _fmix32(h) >= round(p * 2**32)
+
+
+def _keep_mask(keys: torch.Tensor, start: int, n: int, p: float) -> torch.Tensor:
+    return _keep(keys, torch.arange(start, start + n, device=keys.device), p)
 
 
 @cache
@@ -122,10 +126,18 @@ class Dropout(nn.Module):
         n = x[0].numel()                         # this rank's part of one sample
         if n * parts > 2**32:
             raise ValueError(f"a sample's mask is indexed by 32 bits: {n * parts} elements")
+        return keep_mask(self._keys(key, x.device), part * n, n, self.p).view(x.shape)
+
+    def keep_at(self, key: DropoutKey, index: torch.Tensor) -> torch.Tensor:
+        """[b, *index.shape]: the mask at the elements ``index`` (int64, < 2³²) of each sample's
+        whole mask — ``keep``'s bits there (a context-parallel rank's blocks of the scores)."""
+        mask = _keep(self._keys(key, index.device), index.flatten(), self.p)
+        return mask.view(len(key.samples), *index.shape)
+
+    def _keys(self, key: DropoutKey, device: torch.device) -> torch.Tensor:
         keys = [mask_seed(self.seed, key.step, sample, self.layer, self.site, self.tp_rank)
                 for sample in key.samples]
-        keys = torch.tensor([[k & _M32, k >> 32] for k in keys], device=x.device)  # [b, 2]
-        return keep_mask(keys, part * n, n, self.p).view(x.shape)
+        return torch.tensor([[k & _M32, k >> 32] for k in keys], device=device)  # [b, 2]
 
     def forward(self, x: torch.Tensor, key: DropoutKey | None) -> torch.Tensor:
         """x with the mask of ``key`` applied and the kept values scaled by 1/(1 − p)."""
