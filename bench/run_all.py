@@ -1,6 +1,6 @@
 """Run every benchmark, one after the other, and print a summary table.
 
-    python -m bench                          # (a)-(e), (g) on this machine's CPU, ~6 minutes
+    python -m bench                          # (a)-(e), (g), (h) on this machine's CPU, ~6 minutes
     python bench/run_all.py                  # the same
     python -m bench --only a e               # a subset
     python -m bench --device cuda --dtype bf16   # (a), (e), (g) on one GPU (a 350M GPT)
@@ -17,10 +17,19 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import bubble, fused, mfu, overhead, pp_pipelining, tp_dtensor  # noqa: E402
+from bench import (  # noqa: E402
+    bubble,
+    fused,
+    mfu,
+    overhead,
+    pp_pipelining,
+    ring_attention,
+    tp_dtensor,
+)
 
 SINGLE_PROCESS = {"a": overhead, "e": mfu, "g": fused}  # these take --device/--dtype/--threads
-CPU_ONLY = {"b": tp_dtensor, "c": pp_pipelining, "d": bubble}  # gloo, several processes
+# gloo, several processes:
+CPU_ONLY = {"b": tp_dtensor, "c": pp_pipelining, "d": bubble, "h": ring_attention}
 MET = {True: "yes", False: "NO", None: "-"}
 
 
