@@ -112,7 +112,7 @@ def save_checkpoint(out_dir: str | Path, step: int, trainer: PTDP,
         if tokenizer is not None:
             shutil.copyfile(tokenizer, staging / TOKENIZER)
         meta = {"format": FORMAT, "step": step, "config": vars(trainer.config),
-                "layout": {"tp": grid.tp, "pp": grid.pp, "dp": grid.dp,
+                "layout": {"tp": grid.tp, "pp": grid.pp, "dp": grid.dp, "cp": grid.cp,
                            "num_chunks": trainer.layout.chunks, "zero1": trainer.layout.zero1},
                 "state": state or {},
                 "tokenizer": TOKENIZER if tokenizer is not None else None,
@@ -128,7 +128,8 @@ def save_checkpoint(out_dir: str | Path, step: int, trainer: PTDP,
         phases.run(prepare, grid.rank == 0)
         place = f"tp{grid.tp_rank}_pp{grid.pp_rank}"
         shards = _local_shards(trainer)
-        phases.run(lambda: torch.save(shards, staging / f"model_{place}.pt"), grid.dp_rank == 0)
+        phases.run(lambda: torch.save(shards, staging / f"model_{place}.pt"),
+                   grid.dp_rank == grid.cp_rank == 0)      # the cp ranks hold the same weights
         if trainer.layout.zero1:
             pieces = _optimizer_pieces(trainer)
             phases.run(lambda: torch.save(pieces, staging / f"optim_{place}_dp{grid.dp_rank}.pt"),

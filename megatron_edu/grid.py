@@ -12,6 +12,11 @@ rank fastest, then data-parallel, then pipeline — exactly like Megatron-LM:
 
     rank = pp_rank · (dp · tp) + dp_rank · tp + tp_rank
 
+With context parallelism (``cp`` > 1, ``context_parallel.py``) the world is tp · cp · dp · pp and
+cp sits next to tp, megatron-core's order (its ring exchanges K, V every layer, so its ranks
+are kept close): ``ranks[pp, dp, cp, tp]``. Its ranks hold parts of the same sequences, so
+their gradients are partial sums: they are reduced over the dp × cp ranks (``dp_cp_groups``).
+
 Why this order (2104.04473 §3.2–3.3, takeaway #1): tensor parallelism all-reduces activations
 twice per layer in the forward and twice in the backward, so its ranks must be adjacent — the
 GPUs of one node, on NVLink. Data parallelism exchanges gradients once per step; pipeline
@@ -56,9 +61,10 @@ class Layout:
     microbatch: int = 1
     num_microbatches: int = 1
     zero1: bool = False
+    cp: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp", "microbatch"):
+        for name in ("tp", "pp", "dp", "microbatch", "cp"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -70,7 +76,7 @@ class Layout:
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
 
     @property
     def global_batch(self) -> int:
@@ -89,7 +95,10 @@ class Layout:
     def check(self, config: GPTConfig) -> None:
         """Raise a ValueError naming the numbers if ``config``'s model cannot be split this way:
         tp must divide the heads and the MLP, the pp · v stages the layers."""
-        config.validate(self.tp, self.pp, self.chunks)
+        config.validate(self.tp, self.pp, self.chunks, self.cp)
+        if self.cp > 1 and self.zero1:
+            raise ValueError(f"ZeRO-1 shards over dp, and cp = {self.cp} ranks share each "
+                             "replica's weights: ZeRO-1 with context parallelism is not here yet")
         if config.async_tp and self.make_schedule().splits_backward:  # B and W: one node here
             raise ValueError(f"async_tp computes dX and dW in one node: {self.schedule}'s B/W "
                              "split would run it, and its collectives, twice")
@@ -97,31 +106,50 @@ class Layout:
     def check_world(self, world_size: int) -> None:
         """Raise a ValueError unless this layout fills exactly ``world_size`` ranks."""
         if self.world_size != world_size:
-            raise ValueError(f"tp·pp·dp = {self.tp}·{self.pp}·{self.dp} = {self.world_size} "
+            sizes = ("tp·cp·pp·dp", (self.tp, self.cp, self.pp, self.dp)) if self.cp > 1 else (
+                "tp·pp·dp", (self.tp, self.pp, self.dp))
+            raise ValueError(f"{sizes[0]} = {'·'.join(map(str, sizes[1]))} = {self.world_size} "
                              f"ranks, but the world has {world_size}: they must be equal")
 
     @property
     def ranks(self) -> torch.Tensor:
-        """``ranks[pp_rank, dp_rank, tp_rank]`` = global rank (tp fastest)."""
-        return torch.arange(self.world_size).view(self.pp, self.dp, self.tp)
+        """``ranks[pp_rank, dp_rank, tp_rank]`` = global rank (tp fastest); with cp > 1
+        ``ranks[pp_rank, dp_rank, cp_rank, tp_rank]`` (cp next to tp)."""
+        return self._ranks if self.cp > 1 else self._ranks.squeeze(2)
+
+    @property
+    def _ranks(self) -> torch.Tensor:
+        return torch.arange(self.world_size).view(self.pp, self.dp, self.cp, self.tp)
 
     def coords(self, rank: int) -> tuple[int, int, int]:
-        """(tp_rank, pp_rank, dp_rank) of a global rank."""
-        return rank % self.tp, rank // (self.tp * self.dp), (rank // self.tp) % self.dp
+        """(tp_rank, pp_rank, dp_rank) of a global rank (its cp rank: ``cp_rank``)."""
+        tc = self.tp * self.cp
+        return rank % self.tp, rank // (tc * self.dp), (rank // tc) % self.dp
 
-    def rank_of(self, tp_rank: int, pp_rank: int, dp_rank: int) -> int:
+    def cp_rank(self, rank: int) -> int:
+        """The context-parallel rank of a global rank."""
+        return (rank // self.tp) % self.cp
+
+    def rank_of(self, tp_rank: int, pp_rank: int, dp_rank: int, cp_rank: int = 0) -> int:
         """The global rank at these coordinates."""
-        return pp_rank * self.dp * self.tp + dp_rank * self.tp + tp_rank
+        return ((pp_rank * self.dp + dp_rank) * self.cp + cp_rank) * self.tp + tp_rank
 
     # Each group is the set of ranks that differ only in one coordinate.
     def tp_groups(self) -> list[list[int]]:
-        return self.ranks.reshape(-1, self.tp).tolist()
+        return self._ranks.reshape(-1, self.tp).tolist()
+
+    def cp_groups(self) -> list[list[int]]:
+        return self._ranks.permute(0, 1, 3, 2).reshape(-1, self.cp).tolist()
 
     def dp_groups(self) -> list[list[int]]:
-        return self.ranks.permute(0, 2, 1).reshape(-1, self.dp).tolist()
+        return self._ranks.permute(0, 2, 3, 1).reshape(-1, self.dp).tolist()
+
+    def dp_cp_groups(self) -> list[list[int]]:
+        """The dp × cp ranks that hold the same weights: where gradients are reduced."""
+        return self._ranks.permute(0, 3, 1, 2).reshape(-1, self.dp * self.cp).tolist()
 
     def pp_groups(self) -> list[list[int]]:
-        return self.ranks.permute(1, 2, 0).reshape(-1, self.pp).tolist()
+        return self._ranks.permute(1, 2, 3, 0).reshape(-1, self.pp).tolist()
 
     def embedding_groups(self) -> list[list[int]]:
         """The ranks of the first and the last stage of each pipeline, which hold the tied
@@ -130,14 +158,15 @@ class Layout:
         return [sorted({group[r] for r in ends}) for group in self.pp_groups()]
 
     def model_parallel_groups(self) -> list[list[int]]:
-        """The tp × pp ranks of each model replica."""
-        return [self.ranks[:, d, :].flatten().tolist() for d in range(self.dp)]
+        """The tp × pp ranks of each model replica (and cp part of it)."""
+        return [self._ranks[:, d, c, :].flatten().tolist()
+                for d in range(self.dp) for c in range(self.cp)]
 
 
 class ParallelGrid:
-    """This rank's place in a ``Layout`` and its tp, pp, dp, embedding and model-parallel process
-    groups: ``ParallelGrid(layout)``, or ``ParallelGrid(tp, pp, dp)`` for ``Layout(tp, pp, dp)``
-    (1F1B, where the first and the last stage are the pipeline's two ends).
+    """This rank's place in a ``Layout`` and its tp, cp, pp, dp, dp × cp, embedding and
+    model-parallel process groups: ``ParallelGrid(layout)``, or ``ParallelGrid(tp, pp, dp)``
+    for ``Layout(tp, pp, dp)`` (1F1B: the first and the last stage are the pipeline's ends).
 
     Build it inside a launched rank (``megatron_edu.launch.run``): every rank must construct the
     same grid, since creating a process group is itself a collective.
@@ -154,9 +183,13 @@ class ParallelGrid:
         self.tp, self.pp, self.dp = self.layout.tp, self.layout.pp, self.layout.dp
         self.rank = dist.get_rank()
         self.tp_rank, self.pp_rank, self.dp_rank = self.layout.coords(self.rank)
+        self.cp, self.cp_rank = self.layout.cp, self.layout.cp_rank(self.rank)
         self.tp_group = self._new_group("tp", self.layout.tp_groups())
+        self.cp_group = self._new_group("cp", self.layout.cp_groups())
         self.pp_group = self._new_group("pp", self.layout.pp_groups())
         self.dp_group = self._new_group("dp", self.layout.dp_groups())
+        self.dp_cp_group = (self._new_group("dp_cp", self.layout.dp_cp_groups()) if self.cp > 1
+                            else self.dp_group)
         self.embedding_group = self._new_group("embedding", self.layout.embedding_groups())
         # Model-parallel ranks (tp × pp) share one model replica: global gradient norms reduce here.
         self.mp_group = self._new_group("mp", self.layout.model_parallel_groups())

@@ -33,6 +33,11 @@ What only the composition has to do, in ``train_step``:
    rank together — and halves the loss scale;
 6. the optimizer step, identical on every replica.
 
+Under **context parallelism** (cp > 1) each rank runs its two chunks of every sequence of its
+replica's slice (``context_parallel.split``): its tokens' losses over the global count are its
+share too, so the token count, the loss and the gradients are summed over the dp × cp ranks
+(``grid.dp_cp_group``) — megatron-core's data-parallel-with-context group.
+
 Every rank counts the steps (``iteration``): with each sample's position in the global batch it
 seeds the dropout masks, so that every layout draws the serial model's masks.
 
@@ -47,6 +52,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_edu import comm
+from megatron_edu.context_parallel import split
 from megatron_edu.data_parallel import DataParallel, DistributedOptimizer
 from megatron_edu.grid import ParallelGrid
 from megatron_edu.model import GPTConfig
@@ -102,7 +108,7 @@ class PTDP:
         # the last stage's copy: its original, on the first stage, is the one the norm counts
         self.tied_copies = [c.embedding.word.weight for c in self.chunks
                             if c.last and not c.first and self.tied]
-        self.ddp = DataParallel(self.chunks, grid.dp_group, options.bucket_mb, options.overlap,
+        self.ddp = DataParallel(self.chunks, grid.dp_cp_group, options.bucket_mb, options.overlap,
                                 sharded=self.layout.zero1, average=False,
                                 alone=self.tied if self.layout.zero1 else ())
         groups = build_param_groups(self.chunks, options.weight_decay)
@@ -146,8 +152,11 @@ class PTDP:
 
     def _run(self, schedule, input_ids, labels, loss_scale=1.0, grad_sync=None):
         device, b = self.grid.device, input_ids.shape[0]
+        if self.grid.cp > 1:                               # this rank's chunks of each sequence
+            input_ids, labels = (split(x, self.grid.cp_rank, self.grid.cp)
+                                 for x in (input_ids, labels))
         tokens = comm.all_reduce(torch.tensor(float((labels != IGNORE_INDEX).sum()),
-                                              device=device), self.grid.dp_group, "dp tokens")
+                                              device=device), self.grid.dp_cp_group, "dp tokens")
         return run_schedule(schedule, self.chunks, self.grid, input_ids.to(device),
                             labels.to(device), self.config.hidden,
                             scatter_gather=(self.options.scatter_gather and self.grid.tp > 1
@@ -196,5 +205,5 @@ class PTDP:
         return clip_grad_norm_(self.parameters(), max_norm, self.grid, self.tied_copies)
 
     def _dp_sum(self, loss: torch.Tensor) -> float:
-        """The replicas' shares of the token mean, added up: the global batch's mean."""
-        return comm.all_reduce(loss, self.grid.dp_group, "dp loss").item()
+        """The replicas' (and cp ranks') shares of the token mean, added up: the global mean."""
+        return comm.all_reduce(loss, self.grid.dp_cp_group, "dp loss").item()

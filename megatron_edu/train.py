@@ -102,11 +102,13 @@ def build_parser() -> argparse.ArgumentParser:
                formatter_class=argparse.RawDescriptionHelpFormatter)
     layout = p.add_argument_group("layout (2104.04473 §3)")
     layout.add_argument("--nproc", type=positive_int, help="local ranks to start (default "
-                        "tp·pp·dp; ignored under torchrun)")
+                        "tp·cp·pp·dp; ignored under torchrun)")
     layout.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size")
     layout.add_argument("--pp", type=positive_int, default=1, help="pipeline-parallel size")
+    layout.add_argument("--cp", type=positive_int, default=1, help="context-parallel size: "
+                        "each sequence split over cp ranks, attention as a ring (notebook 12)")
     layout.add_argument("--dp", type=positive_int, help="data-parallel size (default: world / "
-                        "(tp·pp))")
+                        "(tp·cp·pp))")
     layout.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b",
                         help="zb-*: zero-bubble schedules (2401.10241), the backward split into "
                         "input and weight gradients; zb-v places 2 chunks per rank in a V")
@@ -218,16 +220,20 @@ def validate(args: argparse.Namespace, world_size: int | None = None) -> Plan:
     The parser has checked each number on its own (``megatron_edu.cli``); here are the checks
     that involve several of them, the data files and the checkpoint to resume from. The data's
     size needs the data: ``check_data``."""
-    world = world_size or args.nproc or args.tp * args.pp * (args.dp or 1)
+    split = args.tp * args.cp * args.pp                  # the ranks of one model replica
+    world = world_size or args.nproc or split * (args.dp or 1)
     if args.dp is None:
-        if world % (args.tp * args.pp):
-            raise ValueError(f"{world} ranks do not divide into tp·pp = {args.tp}·{args.pp}")
-        args.dp = world // (args.tp * args.pp)
+        if world % split:
+            names = "tp·pp" if args.cp == 1 else "tp·cp·pp"
+            raise ValueError(f"{world} ranks do not divide into {names} = "
+                             + "·".join(map(str, (args.tp, args.pp) if args.cp == 1
+                                            else (args.tp, args.cp, args.pp))))
+        args.dp = world // split
     if args.global_batch % (args.dp * args.micro_batch):
         raise ValueError(f"global batch {args.global_batch} is not divisible by dp·micro-batch "
                          f"= {args.dp}·{args.micro_batch}: each replica runs whole microbatches")
     layout = Layout(args.tp, args.pp, args.dp, args.schedule, args.chunks, args.micro_batch,
-                    args.global_batch // (args.dp * args.micro_batch), args.zero1)
+                    args.global_batch // (args.dp * args.micro_batch), args.zero1, args.cp)
     layout.check_world(world)
     config = model_config(args)
     layout.check(config)
@@ -537,7 +543,8 @@ def _finish(args, trainer: PTDP, tokenizer, log: _Log, train_set: TokenDataset) 
     """Loss curve, a text sample, and a summary every rank returns."""
     prompt = tokenizer.encode("The ")
     bert = isinstance(trainer.config, BertConfig)
-    sample = None if bert else tokenizer.decode(prompt + _sample(args, trainer, prompt))
+    generates = not bert and trainer.grid.cp == 1        # a KV cache holds whole sequences
+    sample = tokenizer.decode(prompt + _sample(args, trainer, prompt)) if generates else None
     records = log.records
     summary = {
         "out": str(args.out),
@@ -548,7 +555,7 @@ def _finish(args, trainer: PTDP, tokenizer, log: _Log, train_set: TokenDataset) 
         "tokens_per_s": _median([r["tokens_per_s"] for r in records if "tokens_per_s" in r]),
         "mfu": _median([r["mfu"] for r in records if "mfu" in r]),
         "hfu": _median([r["hfu"] for r in records if "hfu" in r]),
-        "sample": sample,                          # None for a BERT: it does not generate
+        "sample": sample,                          # None for a BERT, and at cp > 1
     }
     if log.active:
         import matplotlib.pyplot as plt

@@ -93,3 +93,40 @@ def test_merging_two_key_blocks_is_the_softmax_over_both():
     out, lse = merge(*parts)
     torch.testing.assert_close(out, scores.softmax(-1) @ v)
     torch.testing.assert_close(lse, scores.logsumexp(-1, keepdim=True))
+
+
+# --- the GPT with a cp dimension ----------------------------------------------------------------
+
+
+def _gpt_rank(tp, cp, dropout, recompute):
+    from megatron_edu.grid import Layout, ParallelGrid
+    from megatron_edu.model import GPT
+    from tests.helpers import batch, tiny_config
+
+    grid = ParallelGrid(Layout(tp=tp, cp=cp))
+    config = tiny_config(dropout=dropout, recompute=recompute)
+    model = GPT(config, grid).train()
+    ids, labels = batch(config, b=2, s=16)
+    ids, labels = (split(x, grid.cp_rank, cp) for x in (ids, labels))
+    loss = model(ids, labels, dropout_key=KEY)
+    loss.backward()
+    for p in model.parameters():             # each cp rank's gradient is of its tokens' mean
+        comm.all_reduce_(p.grad, grid.cp_group)   # the mean of the cp ranks' means: the serial
+        p.grad /= cp
+    loss = comm.all_reduce(loss.detach(), grid.cp_group) / cp
+    return loss, model.full_state_dict(grads=True)
+
+
+@pytest.mark.parametrize(("tp", "cp", "dropout", "recompute"),
+                         [(1, 2, 0.0, "none"), (1, 4, 0.1, "none"), (2, 2, 0.1, "selective"),
+                          (1, 2, 0.1, "full")])
+def test_a_context_parallel_gpt_equals_the_serial_gpt(tp, cp, dropout, recompute):
+    """Positions, the embedding's and residual dropouts of each rank's chunks, attention as a
+    ring: the loss and every gradient equal the model's at cp = 1 (the serial model at tp = 1;
+    dropout on: the same masks — at tp > 1 the attention masks are per tp rank, notebook 02)."""
+    serial = run(_gpt_rank, tp, tp, 1, dropout, "none")[0]
+    results = run(_gpt_rank, tp * cp, tp, cp, dropout, recompute)
+    for loss, grads in results:
+        torch.testing.assert_close(loss, serial[0], rtol=0, atol=1e-5)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, serial[1][name], rtol=0, atol=1e-5, msg=name)

@@ -28,6 +28,43 @@ def test_groups_of_16_ranks_as_tp2_pp4_dp2():
     assert layout.embedding_groups() == [[0, 12], [1, 13], [2, 14], [3, 15]]
 
 
+def test_cp_sits_next_to_tp_and_its_gradients_reduce_over_dp_x_cp():
+    """megatron-core's order, tp then cp then dp then pp: 16 ranks as tp 2 × cp 2 × pp 2 × dp 2."""
+    layout = Layout(tp=2, pp=2, dp=2, cp=2)
+    assert layout.world_size == 16
+    assert [layout.cp_rank(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert layout.coords(2) == (0, 0, 0) and layout.coords(4) == (0, 0, 1)   # cp, then dp
+    assert layout.coords(8) == (0, 1, 0)                                       # then pp
+    assert all(layout.rank_of(*layout.coords(r), layout.cp_rank(r)) == r for r in range(16))
+    assert layout.cp_groups()[:3] == [[0, 2], [1, 3], [4, 6]]
+    assert layout.dp_groups()[:3] == [[0, 4], [1, 5], [2, 6]]
+    assert layout.dp_cp_groups()[:2] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert layout.pp_groups()[0] == [0, 8] and layout.tp_groups()[1] == [2, 3]
+    assert layout.model_parallel_groups()[:2] == [[0, 1, 8, 9], [2, 3, 10, 11]]
+    for groups in (layout.cp_groups(), layout.dp_cp_groups()):
+        assert sorted(r for g in groups for r in g) == list(range(16))
+    with pytest.raises(ValueError, match="tp·cp·pp·dp = 2·2·2·2 = 16 ranks, but the world has 8"):
+        layout.check_world(8)
+    layout.check(GPTConfig(num_layers=2, hidden=32, num_heads=4, seq_len=16))
+    with pytest.raises(ValueError, match=r"cp = 2\) runs causal .* divisible by 2·cp = 4: got "
+                                         r"causal=True, sequence_parallel=False, seq_len=6"):
+        layout.check(GPTConfig(num_layers=2, hidden=32, num_heads=4, seq_len=6))
+    with pytest.raises(ValueError, match="ZeRO-1 with context parallelism is not here yet"):
+        Layout(cp=2, zero1=True).check(GPTConfig(num_layers=2, hidden=32, num_heads=4))
+    with pytest.raises(ValueError, match="cp must be a positive integer, got 0"):
+        Layout(cp=0)
+
+
+def _cp_grid():
+    grid = ParallelGrid(Layout(tp=2, dp=1, cp=2))
+    return grid.cp_rank, grid.cp_group.ranks, grid.dp_cp_group.ranks, grid.tp_group.ranks
+
+
+def test_a_grid_builds_its_cp_groups():
+    assert run(_cp_grid, 4) == [(0, (0, 2), (0, 2), (0, 1)), (0, (1, 3), (1, 3), (0, 1)),
+                                (1, (0, 2), (0, 2), (2, 3)), (1, (1, 3), (1, 3), (2, 3))]
+
+
 def test_the_embedding_groups_follow_the_stage_map():
     """Under ZB-V's V the first and the last stage are both on pipeline rank 0: each tied
     embedding's two copies are on one rank, whose embedding group is itself."""

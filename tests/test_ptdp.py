@@ -91,7 +91,7 @@ def _check_equal_to_serial(serial, out):
     assert held == serial_params.keys()
 
 
-LAYOUT_FIELDS = {"schedule", "chunks", "num_microbatches", "zero1"}
+LAYOUT_FIELDS = {"schedule", "chunks", "num_microbatches", "zero1", "cp"}
 
 
 def _split(tp, pp, dp, **overrides):
@@ -118,6 +118,15 @@ def test_every_layout_of_8_ranks_takes_the_serial_steps(serial, layout):
 ], ids=["interleaved", "gpipe-tp", "zero1-dp4", "zero1-tp2", "zero1-buckets", "one-bucket"])
 def test_schedules_zero1_and_buckets_take_the_serial_steps(serial, tp, pp, dp, overrides):
     out = run(_ptdp, tp * pp * dp, *_split(tp, pp, dp, **overrides))
+    _check_equal_to_serial(serial, out)
+
+
+@pytest.mark.parametrize(("tp", "pp", "dp"), [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2)],
+                         ids=["cp2", "tp2-cp2", "pp2-cp2", "dp2-cp2"])
+def test_context_parallel_layouts_take_the_serial_steps(serial, tp, pp, dp):
+    """Each cp rank runs its zig-zag chunks of the replica's sequences; the token count, the
+    loss and the gradients are summed over dp × cp."""
+    out = run(_ptdp, tp * pp * dp * 2, *_split(tp, pp, dp, cp=2))
     _check_equal_to_serial(serial, out)
 
 
@@ -148,11 +157,11 @@ def serial_with_dropout():
 
 @pytest.mark.parametrize(("pp", "dp", "overrides"), [
     (1, 1, {}), (2, 1, {}), (4, 1, {}), (2, 1, dict(schedule="interleaved", chunks=2)),
-    (1, 2, {}), (1, 4, {}), (2, 2, dict(zero1=True)),
-], ids=["serial-ptdp", "pp2", "pp4", "interleaved", "dp2", "dp4", "pp2-dp2-zero1"])
+    (1, 2, {}), (1, 4, {}), (2, 2, dict(zero1=True)), (1, 1, dict(cp=4)),
+], ids=["serial-ptdp", "pp2", "pp4", "interleaved", "dp2", "dp4", "pp2-dp2-zero1", "cp4"])
 def test_with_dropout_every_tp1_layout_takes_the_serial_steps(serial_with_dropout, pp, dp,
                                                               overrides):
-    out = run(_ptdp, pp * dp, *_split(1, pp, dp, **overrides), DROPOUT)
+    out = run(_ptdp, pp * dp * overrides.get("cp", 1), *_split(1, pp, dp, **overrides), DROPOUT)
     _check_equal_to_serial(serial_with_dropout, out)
 
 
@@ -162,10 +171,12 @@ def test_dropout_changes_the_steps(serial, serial_with_dropout):
 
 # --- the loss is the mean over the global batch's target tokens ---------------------------------
 
-@pytest.mark.parametrize(("tp", "pp", "dp"), [(1, 2, 2), (2, 1, 2), (1, 1, 4)])
-def test_a_masked_batch_gives_the_global_token_mean_on_every_layout(tp, pp, dp):
+@pytest.mark.parametrize(("tp", "pp", "dp", "cp"), [(1, 2, 2, 1), (2, 1, 2, 1), (1, 1, 4, 1),
+                                                   (1, 1, 2, 2)])
+def test_a_masked_batch_gives_the_global_token_mean_on_every_layout(tp, pp, dp, cp):
+    """cp = 2: each cp rank's chunks hold different numbers of target tokens."""
     serial = run(_serial, 1, CONFIG, True)[0]
-    out = run(_ptdp, tp * pp * dp, *_split(tp, pp, dp), CONFIG, True)
+    out = run(_ptdp, tp * pp * dp * cp, *_split(tp, pp, dp, cp=cp), CONFIG, True)
     _check_equal_to_serial(serial, out)
 
 

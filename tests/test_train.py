@@ -115,6 +115,18 @@ def test_a_checkpoint_reshards_to_other_layouts(tmp_path, cache):
         assert resumed[4] == pytest.approx(whole[4], abs=1e-5)
 
 
+def test_a_context_parallel_run_resumes_at_other_cp(tmp_path, cache):
+    """cp = 2 (each sequence split zig-zag over 2 ranks, attention as a ring), resumed at
+    cp = 1 and cp = 4: the same next loss — a checkpoint does not depend on cp."""
+    steps = ["--steps", "4", "--save-interval", "3", "--eval-interval", "100", "--dropout", "0.1"]
+    whole = _losses(_train(tmp_path / "cp2", cache, "--nproc", "2", "--cp", "2", *steps))
+    saved = tmp_path / "cp2" / "checkpoints" / "step_000003"
+    for cp in ("1", "4"):
+        resumed = _losses(_train(tmp_path / f"cp{cp}", cache, "--nproc", cp, "--cp", cp, *steps,
+                                 "--resume", str(saved)))
+        assert resumed[4] == pytest.approx(whole[4], abs=1e-5)
+
+
 def test_a_corrupt_checkpoint_is_named(tmp_path, cache, capsys):
     _train(tmp_path, cache, "--nproc", "1", "--steps", "1")
     shard = tmp_path / "checkpoints" / "step_000001" / "model_tp0_pp0.pt"
@@ -156,6 +168,10 @@ def _a_rank_fails(*args, **kwargs):
     # numbers together, the data, the checkpoint (train.validate, grid.Layout)
     (["--min-lr", "1", "--lr", "0.1"], "--min-lr 1 must be at most --lr 0.1"),
     (["--nproc", "4", "--tp", "3"], "4 ranks do not divide into tp·pp = 3·1"),
+    (["--cp", "0"], "--cp must be a positive integer, got 0"),
+    (["--nproc", "4", "--cp", "3"], "4 ranks do not divide into tp·cp·pp = 1·3·1"),
+    (["--nproc", "2", "--cp", "2", "--seq-len", "30"], "seq_len divisible by 2·cp = 4"),
+    (["--nproc", "2", "--cp", "2", "--zero1"], "ZeRO-1 with context parallelism"),
     (["--nproc", "4", "--tp", "2", "--pp", "2", "--dp", "2"], "2·2·2 = 8 ranks, but the world"),
     (["--tp", "3"], "num_heads = 4 is not divisible by the tensor-parallel size tp = 3"),
     (["--pp", "3", "--nproc", "3"], "num_layers = 4 is not divisible by pp·chunks"),

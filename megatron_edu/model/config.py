@@ -97,9 +97,10 @@ class GPTConfig:
         unit = self.make_vocab_size_divisible_by * tp
         return math.ceil(self.vocab_size / unit) * unit
 
-    def validate(self, tp: int = 1, pp: int = 1, chunks: int = 1) -> None:
-        """Raise a ValueError naming the numbers if this model cannot be split tp × pp·chunks."""
-        for name, n in (("tp", tp), ("pp", pp), ("chunks", chunks)):
+    def validate(self, tp: int = 1, pp: int = 1, chunks: int = 1, cp: int = 1) -> None:
+        """Raise a ValueError naming the numbers if this model cannot be split tp × pp·chunks,
+        the sequence over cp ranks (context parallelism: causal, two chunks per rank, no SP)."""
+        for name, n in (("tp", tp), ("pp", pp), ("chunks", chunks), ("cp", cp)):
             if not isinstance(n, int) or n < 1:
                 raise ValueError(f"{name} must be a positive integer, got {n!r}")
         # §3: attention is split by heads, the MLP by its ffn columns (tp | heads ⇒ tp | hidden)
@@ -110,6 +111,11 @@ class GPTConfig:
         if self.sequence_parallel and self.seq_len % tp:
             raise ValueError(f"sequence parallelism splits the sequence over tp: seq_len = "
                              f"{self.seq_len} is not divisible by tp = {tp}")
+        if cp > 1 and (not self.causal or self.sequence_parallel or self.seq_len % (2 * cp)):
+            raise ValueError(f"context parallelism (cp = {cp}) runs causal attention without "
+                             f"sequence parallelism on seq_len divisible by 2·cp = {2 * cp}: got "
+                             f"causal={self.causal}, sequence_parallel={self.sequence_parallel}, "
+                             f"seq_len={self.seq_len}")
         if self.num_layers % (pp * chunks):
             raise ValueError(f"num_layers = {self.num_layers} is not divisible by pp·chunks = "
                              f"{pp}·{chunks} = {pp * chunks} (every virtual pipeline stage "
@@ -197,12 +203,12 @@ class BertConfig(GPTConfig):
         if self.model != "bert":
             raise ValueError(f"a BertConfig describes a BERT, got model={self.model!r}")
 
-    def validate(self, tp: int = 1, pp: int = 1, chunks: int = 1) -> None:
+    def validate(self, tp: int = 1, pp: int = 1, chunks: int = 1, cp: int = 1) -> None:
         """The GPT's checks, and no sequence parallelism."""
         if self.sequence_parallel:
             raise ValueError("BERT runs without sequence parallelism here: its pooler reads the "
                              "[CLS] position, which only one tp rank would hold")
-        super().validate(tp, pp, chunks)
+        super().validate(tp, pp, chunks, cp)
 
     def num_parameters(self, tp: int = 1, layers: int | None = None, first: bool = True,
                        last: bool = True) -> int:

@@ -33,9 +33,10 @@ class GPT(TransformerStage):
         keys and values the cache holds; x's own are appended to it.
         ``dropout_key``: the step and global samples that seed the dropout masks (a pipeline
         passes it); without one, a model in training numbers its calls as steps."""
-        if cache is not None and self.sequence_parallel:
-            raise ValueError("generation with a KV cache runs without sequence parallelism: "
-                             "build the model with sequence_parallel=False (the same weights)")
+        if cache is not None and (self.sequence_parallel or self.cp_group.size > 1):
+            raise ValueError("generation with a KV cache runs without sequence or context "
+                             "parallelism: build the model with sequence_parallel=False and "
+                             "cp = 1 (the same weights)")
         dropout_key = self._dropout_key(x, dropout_key)
         offset = 0 if cache is None else cache.length
         h = self._embed(x, offset, dropout_key) if self.first else x   # [b, s, h]

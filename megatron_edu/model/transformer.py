@@ -39,6 +39,7 @@ from torch import nn
 
 from megatron_edu import comm
 from megatron_edu.comm import CommGroup
+from megatron_edu.context_parallel import ring_attention, split
 from megatron_edu.grid import ParallelGrid
 from megatron_edu.model.config import GPTConfig
 from megatron_edu.model.fused import bias_dropout_add, bias_gelu
@@ -116,6 +117,11 @@ def layer_norm(config: GPTConfig) -> nn.LayerNorm:
     return ln
 
 
+def _context_part(cp_group: CommGroup | None) -> tuple[int, int]:
+    """(cp rank, cp): under context parallelism a rank holds chunks r and 2·cp − 1 − r."""
+    return (0, 1) if cp_group is None else (cp_group.rank, cp_group.size)
+
+
 def _sequence_part(config: GPTConfig, group: CommGroup) -> tuple[int, int]:
     """(this rank's part, parts) of the sequence outside the tp regions: (r, t) under sequence
     parallelism (2205.05198 §4.2.2), else the whole sequence (0, 1)."""
@@ -125,12 +131,14 @@ def _sequence_part(config: GPTConfig, group: CommGroup) -> tuple[int, int]:
 class Embedding(nn.Module):
     """Word embedding (split by vocabulary) + learned positions (replicated), then dropout.
 
-    Under sequence parallelism the rank's output is its part of the sequence, [b, s/t, h].
+    Under sequence parallelism the rank's output is its part of the sequence, [b, s/t, h];
+    under context parallelism ids hold the rank's two chunks, embedded at their positions.
     """
 
-    def __init__(self, config: GPTConfig, group: CommGroup, *, positions: bool = True) -> None:
+    def __init__(self, config: GPTConfig, group: CommGroup, *, positions: bool = True,
+                 cp_group: CommGroup | None = None) -> None:
         super().__init__()
-        self.part = _sequence_part(config, group)
+        self.part, self.context = _sequence_part(config, group), _context_part(cp_group)
         self.word = VocabParallelEmbedding(config.vocab_size, config.hidden, group,
                                            padded_vocab=config.padded_vocab(group.size),
                                            init_std=config.init_std,
@@ -138,8 +146,8 @@ class Embedding(nn.Module):
         if positions:  # a last stage's copy of the embedding needs the word table only
             self.position = nn.Embedding(config.seq_len, config.hidden, device="meta")
             mark(self.position.weight, None, normal(config.init_std))
-        self.dropout = Dropout(config.dropout, config.seed, -1, "embedding",
-                               sequence_part=self.part)  # the same mask on every tp rank
+        self.dropout = Dropout(config.dropout, config.seed, -1, "embedding",  # one for all tp
+                               sequence_part=self.part, context_part=self.context)
 
     def forward(self, ids: torch.Tensor, offset: int = 0, dropout_key: DropoutKey | None = None,
                 extra: torch.Tensor | None = None) -> torch.Tensor:
@@ -148,7 +156,9 @@ class Embedding(nn.Module):
         if ids.shape[1] % parts:
             raise ValueError(f"sequence parallelism splits the sequence over {parts} ranks: "
                              f"{ids.shape[1]} tokens do not divide")
-        seq = torch.arange(offset, offset + ids.shape[1], device=ids.device).chunk(parts)[part]
+        rank, cp = self.context
+        seq = torch.arange(offset, offset + ids.shape[1] * cp, device=ids.device)
+        seq = split(seq, rank, cp, dim=0) if cp > 1 else seq.chunk(parts)[part]
         x = self.word(ids) + self.position(seq)                          # [b, s/parts, h]
         return self.dropout(x if extra is None else x + extra, dropout_key)
 
@@ -165,11 +175,14 @@ class Attention(nn.Module):
     The attention core — softmax(q·kᵀ/√d, causal)·v with dropout on the probabilities — runs
     op by op (what 2205.05198 counts: 5·a·s²·b saved per layer), or fused into one kernel
     (``config.fused``, without dropout); ``config.recompute == "selective"`` keeps none of it
-    for backward and runs it again there (2205.05198 §5).
+    for backward and runs it again there (2205.05198 §5). With a ``cp_group`` of cp > 1 ranks
+    each holds two chunks of the sequence and the core is ``ring_attention`` (the same masks).
     """
 
-    def __init__(self, config: GPTConfig, group: CommGroup, layer: int = 0) -> None:
+    def __init__(self, config: GPTConfig, group: CommGroup, layer: int = 0,
+                 cp_group: CommGroup | None = None) -> None:
         super().__init__()
+        self.cp_group = cp_group
         self.local_heads = config.num_heads // group.size
         self.head_dim = config.head_dim
         self.fused, self.selective = config.fused, config.recompute == "selective"
@@ -208,6 +221,8 @@ class Attention(nn.Module):
         Causal: the s queries are the last of the t keys' positions, query i sees keys
         0 … t−s+i. ``mask`` [b, t]: keys where it is False are seen by no query."""
         s, t = q.shape[2], k.shape[2]
+        if self.cp_group is not None and self.cp_group.size > 1:  # causal, no padding: checked
+            return ring_attention(q, k, v, self.cp_group, dropout=self.dropout, key=dropout_key)
         if self.fused and not (self.training and self.dropout.p > 0):
             return self._fused_core(q, k, v, mask)
         scores = q @ k.transpose(-2, -1) * (1.0 / math.sqrt(self.head_dim))  # [b, a/t, s, t]
@@ -283,20 +298,20 @@ class Block(nn.Module):
     and the MLP gather the sequence in. ``mask``: the keys' padding mask, for attention.
     """
 
-    def __init__(self, config: GPTConfig, group: CommGroup, layer: int = 0) -> None:
+    def __init__(self, config: GPTConfig, group: CommGroup, layer: int = 0,
+                 cp_group: CommGroup | None = None) -> None:
         super().__init__()
         self.fused = config.fused
         self.post_ln = config.ln_placement == "original"
         self.ln1 = layer_norm(config)
-        self.attn = Attention(config, group, layer)
+        self.attn = Attention(config, group, layer, cp_group)
         self.ln2 = layer_norm(config)
         self.mlp = MLP(config, group)
         # Outside the split regions: the same masks on every tp rank.
-        part = _sequence_part(config, group)
-        self.attn_dropout = Dropout(config.dropout, config.seed, layer, "attention output",
-                                    sequence_part=part)
-        self.mlp_dropout = Dropout(config.dropout, config.seed, layer, "mlp output",
-                                   sequence_part=part)
+        parts = dict(sequence_part=_sequence_part(config, group),
+                     context_part=_context_part(cp_group))
+        self.attn_dropout = Dropout(config.dropout, config.seed, layer, "attention output", **parts)
+        self.mlp_dropout = Dropout(config.dropout, config.seed, layer, "mlp output", **parts)
 
     def forward(self, x: torch.Tensor, kv: LayerKV | None = None,
                 dropout_key: DropoutKey | None = None,
@@ -343,7 +358,8 @@ class TransformerStage(nn.Module):
             raise TypeError(f"a {type(self).__name__} is built from a {self.config_class.__name__}"
                             f", not a {type(config).__name__} (model.build_model picks the model)")
         self.tp_group = grid.tp_group if grid is not None else serial_group()
-        config.validate(self.tp_group.size)
+        self.cp_group = grid.cp_group if grid is not None else serial_group()
+        config.validate(self.tp_group.size, cp=self.cp_group.size)
         self.config, self.first, self.last = config, first, last
         self.sequence_parallel = _sequence_part(config, self.tp_group)[1] > 1
         self.layers = range(config.num_layers) if layers is None else layers
@@ -357,8 +373,9 @@ class TransformerStage(nn.Module):
     def _build(self, config: GPTConfig) -> None:
         """The modules of this stage, on the meta device until initialised (BERT adds its own)."""
         if self.first or self.last:
-            self.embedding = Embedding(config, self.tp_group, positions=self.first)
-        self.blocks = nn.ModuleDict({str(i): Block(config, self.tp_group, i)
+            self.embedding = Embedding(config, self.tp_group, positions=self.first,
+                                       cp_group=self.cp_group)
+        self.blocks = nn.ModuleDict({str(i): Block(config, self.tp_group, i, self.cp_group)
                                      for i in self.layers})
         if self.last:
             self.ln_f = layer_norm(config)

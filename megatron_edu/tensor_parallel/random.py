@@ -109,24 +109,31 @@ def keep_mask(keys: torch.Tensor, start: int, n: int, p: float) -> torch.Tensor:
 class Dropout(nn.Module):
     """Dropout with each sample's mask keyed by (seed, step, sample, layer, site); ``tp_rank``:
     None outside the tensor-parallel regions (one mask for all tp ranks), this rank's inside them.
-    ``sequence_part`` = (r, t): x holds part r of t of the sequence (dim 1), the mask that part."""
+    ``sequence_part`` = (r, t): x holds part r of t of the sequence (dim 1), the mask that part;
+    ``context_part`` = (r, cp): chunks r and 2·cp − 1 − r of 2·cp (context parallelism's)."""
 
     def __init__(self, p: float, seed: int, layer: int, site: str, tp_rank: int | None = None,
-                 sequence_part: tuple[int, int] = (0, 1)) -> None:
+                 sequence_part: tuple[int, int] = (0, 1),
+                 context_part: tuple[int, int] = (0, 1)) -> None:
         super().__init__()
         self.p, self.seed, self.layer, self.site, self.tp_rank = p, seed, layer, site, tp_rank
-        self.sequence_part = sequence_part
+        self.sequence_part, self.context_part = sequence_part, context_part
 
     def keep(self, key: DropoutKey | None, x: torch.Tensor) -> torch.Tensor:
         """The boolean mask (True: kept) for ``x`` [b, ...], one sample per row."""
         if key is None or len(key.samples) != x.shape[0]:
             raise ValueError(f"dropout in training needs a DropoutKey naming the {x.shape[0]} "
                              f"samples of the batch, got {key}")
-        part, parts = self.sequence_part
-        n = x[0].numel()                         # this rank's part of one sample
+        (part, parts), (r, cp) = self.sequence_part, self.context_part
+        if cp > 1:                               # the zig-zag chunks, each n elements
+            parts, chunks = 2 * cp, (r, 2 * cp - 1 - r)
+        n = x[0].numel() // (2 if cp > 1 else 1)  # this rank's part of one sample
         if n * parts > 2**32:
             raise ValueError(f"a sample's mask is indexed by 32 bits: {n * parts} elements")
-        return keep_mask(self._keys(key, x.device), part * n, n, self.p).view(x.shape)
+        keys = self._keys(key, x.device)
+        if cp == 1:
+            return keep_mask(keys, part * n, n, self.p).view(x.shape)
+        return torch.cat([keep_mask(keys, c * n, n, self.p) for c in chunks], 1).view(x.shape)
 
     def keep_at(self, key: DropoutKey, index: torch.Tensor) -> torch.Tensor:
         """[b, *index.shape]: the mask at the elements ``index`` (int64, < 2³²) of each sample's
@@ -134,7 +141,9 @@ class Dropout(nn.Module):
         mask = _keep(self._keys(key, index.device), index.flatten(), self.p)
         return mask.view(len(key.samples), *index.shape)
 
-    def _keys(self, key: DropoutKey, device: torch.device) -> torch.Tensor:
+    def _keys(self, key: DropoutKey | None, device: torch.device) -> torch.Tensor:
+        if key is None:
+            raise ValueError("dropout in training needs a DropoutKey naming the samples")
         keys = [mask_seed(self.seed, key.step, sample, self.layer, self.site, self.tp_rank)
                 for sample in key.samples]
         return torch.tensor([[k & _M32, k >> 32] for k in keys], device=device)  # [b, 2]
