@@ -112,7 +112,8 @@ def save_checkpoint(out_dir: str | Path, step: int, trainer: PTDP,
         if tokenizer is not None:
             shutil.copyfile(tokenizer, staging / TOKENIZER)
         meta = {"format": FORMAT, "step": step, "config": vars(trainer.config),
-                "layout": {"tp": grid.tp, "pp": grid.pp, "dp": grid.dp, "cp": grid.cp,
+                "layout": {"tp": grid.tp, "pp": grid.pp, "dp": grid.dp,
+                           **({"cp": grid.cp} if grid.cp > 1 else {}),
                            "num_chunks": trainer.layout.chunks, "zero1": trainer.layout.zero1},
                 "state": state or {},
                 "tokenizer": TOKENIZER if tokenizer is not None else None,
