@@ -224,10 +224,9 @@ def validate(args: argparse.Namespace, world_size: int | None = None) -> Plan:
     world = world_size or args.nproc or split * (args.dp or 1)
     if args.dp is None:
         if world % split:
-            names = "tp·pp" if args.cp == 1 else "tp·cp·pp"
-            raise ValueError(f"{world} ranks do not divide into {names} = "
-                             + "·".join(map(str, (args.tp, args.pp) if args.cp == 1
-                                            else (args.tp, args.cp, args.pp))))
+            sizes = (f"tp·pp = {args.tp}·{args.pp}" if args.cp == 1
+                     else f"tp·cp·pp = {args.tp}·{args.cp}·{args.pp}")
+            raise ValueError(f"{world} ranks do not divide into {sizes}")
         args.dp = world // split
     if args.global_batch % (args.dp * args.micro_batch):
         raise ValueError(f"global batch {args.global_batch} is not divisible by dp·micro-batch "

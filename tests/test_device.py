@@ -174,7 +174,7 @@ def test_dropout_masks_on_the_device_are_the_cpus_bit_for_bit(device):
 
     key, x = DropoutKey(3, (5, 9, 2)), torch.ones(3, 64, 4, 33)
     for dropout in (Dropout(0.1, 7, 2, "attention probs", tp_rank=1),
-                    Dropout(0.5, 7, 2, "mlp output", sequence_part=(1, 2))):
+                    Dropout(0.5, 7, 2, "mlp output", sequence_parts=((1, 2),))):
         assert torch.equal(dropout.keep(key, x.to(device)).cpu(), dropout.keep(key, x))
 
 

@@ -369,7 +369,7 @@ def test_a_mask_is_the_formula_computed_element_by_element():
 def test_a_sequence_parallel_rank_computes_exactly_its_slice_of_the_whole_mask(parts):
     whole = _mask(rows=2, shape=(8, 12))
     for part in range(parts):
-        mine = Dropout(0.5, seed=5, layer=3, site="mlp output", sequence_part=(part, parts))
+        mine = Dropout(0.5, seed=5, layer=3, site="mlp output", sequence_parts=((part, parts),))
         assert torch.equal(mine.keep(KEY, torch.ones(2, 8 // parts, 12)),
                            whole.chunk(parts, dim=1)[part])
 

@@ -39,7 +39,7 @@ from torch import nn
 
 from megatron_edu import comm
 from megatron_edu.comm import CommGroup
-from megatron_edu.context_parallel import ring_attention, split
+from megatron_edu.context_parallel import chunk_ids, ring_attention
 from megatron_edu.grid import ParallelGrid
 from megatron_edu.model.config import GPTConfig
 from megatron_edu.model.fused import bias_dropout_add, bias_gelu
@@ -117,15 +117,15 @@ def layer_norm(config: GPTConfig) -> nn.LayerNorm:
     return ln
 
 
-def _context_part(cp_group: CommGroup | None) -> tuple[int, int]:
-    """(cp rank, cp): under context parallelism a rank holds chunks r and 2·cp − 1 − r."""
-    return (0, 1) if cp_group is None else (cp_group.rank, cp_group.size)
-
-
-def _sequence_part(config: GPTConfig, group: CommGroup) -> tuple[int, int]:
-    """(this rank's part, parts) of the sequence outside the tp regions: (r, t) under sequence
-    parallelism (2205.05198 §4.2.2), else the whole sequence (0, 1)."""
-    return (group.rank, group.size) if config.sequence_parallel else (0, 1)
+def _sequence_parts(config: GPTConfig, group: CommGroup,
+                    cp_group: CommGroup | None = None) -> tuple[tuple[int, int], ...]:
+    """The parts (r, t) of the sequence a rank holds outside the tp regions, in order: part r of
+    t under sequence parallelism (2205.05198 §4.2.2), the zig-zag chunks of 2·cp under context
+    parallelism (``context_parallel.chunk_ids``), else the whole sequence."""
+    if cp_group is not None and cp_group.size > 1:
+        cp = cp_group.size
+        return tuple((c, 2 * cp) for c in chunk_ids(cp_group.rank, cp))
+    return ((group.rank, group.size),) if config.sequence_parallel else ((0, 1),)
 
 
 class Embedding(nn.Module):
@@ -138,7 +138,8 @@ class Embedding(nn.Module):
     def __init__(self, config: GPTConfig, group: CommGroup, *, positions: bool = True,
                  cp_group: CommGroup | None = None) -> None:
         super().__init__()
-        self.part, self.context = _sequence_part(config, group), _context_part(cp_group)
+        self.parts = _sequence_parts(config, group, cp_group)
+        self.cp = 1 if cp_group is None else cp_group.size   # ids hold s/cp of each sequence
         self.word = VocabParallelEmbedding(config.vocab_size, config.hidden, group,
                                            padded_vocab=config.padded_vocab(group.size),
                                            init_std=config.init_std,
@@ -147,19 +148,18 @@ class Embedding(nn.Module):
             self.position = nn.Embedding(config.seq_len, config.hidden, device="meta")
             mark(self.position.weight, None, normal(config.init_std))
         self.dropout = Dropout(config.dropout, config.seed, -1, "embedding",  # one for all tp
-                               sequence_part=self.part, context_part=self.context)
+                               sequence_parts=self.parts)
 
     def forward(self, ids: torch.Tensor, offset: int = 0, dropout_key: DropoutKey | None = None,
                 extra: torch.Tensor | None = None) -> torch.Tensor:
         """``extra``: [b, s, h] added before the dropout (BERT's token-type embeddings)."""
-        part, parts = self.part
-        if ids.shape[1] % parts:
+        parts = self.parts[0][1]
+        if self.cp == 1 and ids.shape[1] % parts:
             raise ValueError(f"sequence parallelism splits the sequence over {parts} ranks: "
                              f"{ids.shape[1]} tokens do not divide")
-        rank, cp = self.context
-        seq = torch.arange(offset, offset + ids.shape[1] * cp, device=ids.device)
-        seq = split(seq, rank, cp, dim=0) if cp > 1 else seq.chunk(parts)[part]
-        x = self.word(ids) + self.position(seq)                          # [b, s/parts, h]
+        seq = torch.arange(offset, offset + ids.shape[1] * self.cp, device=ids.device)
+        seq = torch.cat([seq.chunk(t)[r] for r, t in self.parts])        # this rank's positions
+        x = self.word(ids) + self.position(seq)                          # [b, its part, h]
         return self.dropout(x if extra is None else x + extra, dropout_key)
 
 
@@ -308,10 +308,11 @@ class Block(nn.Module):
         self.ln2 = layer_norm(config)
         self.mlp = MLP(config, group)
         # Outside the split regions: the same masks on every tp rank.
-        parts = dict(sequence_part=_sequence_part(config, group),
-                     context_part=_context_part(cp_group))
-        self.attn_dropout = Dropout(config.dropout, config.seed, layer, "attention output", **parts)
-        self.mlp_dropout = Dropout(config.dropout, config.seed, layer, "mlp output", **parts)
+        parts = _sequence_parts(config, group, cp_group)
+        self.attn_dropout = Dropout(config.dropout, config.seed, layer, "attention output",
+                                    sequence_parts=parts)
+        self.mlp_dropout = Dropout(config.dropout, config.seed, layer, "mlp output",
+                                   sequence_parts=parts)
 
     def forward(self, x: torch.Tensor, kv: LayerKV | None = None,
                 dropout_key: DropoutKey | None = None,
@@ -361,7 +362,7 @@ class TransformerStage(nn.Module):
         self.cp_group = grid.cp_group if grid is not None else serial_group()
         config.validate(self.tp_group.size, cp=self.cp_group.size)
         self.config, self.first, self.last = config, first, last
-        self.sequence_parallel = _sequence_part(config, self.tp_group)[1] > 1
+        self.sequence_parallel = config.sequence_parallel and self.tp_group.size > 1
         self.layers = range(config.num_layers) if layers is None else layers
         if not all(0 <= i < config.num_layers for i in self.layers):
             raise ValueError(f"layers {self.layers} are not all in 0..{config.num_layers - 1}")

@@ -109,31 +109,28 @@ def keep_mask(keys: torch.Tensor, start: int, n: int, p: float) -> torch.Tensor:
 class Dropout(nn.Module):
     """Dropout with each sample's mask keyed by (seed, step, sample, layer, site); ``tp_rank``:
     None outside the tensor-parallel regions (one mask for all tp ranks), this rank's inside them.
-    ``sequence_part`` = (r, t): x holds part r of t of the sequence (dim 1), the mask that part;
-    ``context_part`` = (r, cp): chunks r and 2·cp − 1 − r of 2·cp (context parallelism's)."""
+    ``sequence_parts``: the parts (r, t) — part r of t equal parts — of the sequence (dim 1) that
+    x holds, in order, and so its mask: ((r, t),) under sequence parallelism, the zig-zag chunks
+    ((r, 2·cp), (2·cp − 1 − r, 2·cp)) under context parallelism, ((0, 1),) the whole."""
 
     def __init__(self, p: float, seed: int, layer: int, site: str, tp_rank: int | None = None,
-                 sequence_part: tuple[int, int] = (0, 1),
-                 context_part: tuple[int, int] = (0, 1)) -> None:
+                 sequence_parts: tuple[tuple[int, int], ...] = ((0, 1),)) -> None:
         super().__init__()
         self.p, self.seed, self.layer, self.site, self.tp_rank = p, seed, layer, site, tp_rank
-        self.sequence_part, self.context_part = sequence_part, context_part
+        self.sequence_parts = sequence_parts
 
     def keep(self, key: DropoutKey | None, x: torch.Tensor) -> torch.Tensor:
         """The boolean mask (True: kept) for ``x`` [b, ...], one sample per row."""
         if key is None or len(key.samples) != x.shape[0]:
             raise ValueError(f"dropout in training needs a DropoutKey naming the {x.shape[0]} "
                              f"samples of the batch, got {key}")
-        (part, parts), (r, cp) = self.sequence_part, self.context_part
-        if cp > 1:                               # the zig-zag chunks, each n elements
-            parts, chunks = 2 * cp, (r, 2 * cp - 1 - r)
-        n = x[0].numel() // (2 if cp > 1 else 1)  # this rank's part of one sample
-        if n * parts > 2**32:
-            raise ValueError(f"a sample's mask is indexed by 32 bits: {n * parts} elements")
+        n = x[0].numel() // len(self.sequence_parts)    # the elements of one part of a sample
+        if n * self.sequence_parts[0][1] > 2**32:
+            raise ValueError(f"a sample's mask is indexed by 32 bits: "
+                             f"{n * self.sequence_parts[0][1]} elements")
         keys = self._keys(key, x.device)
-        if cp == 1:
-            return keep_mask(keys, part * n, n, self.p).view(x.shape)
-        return torch.cat([keep_mask(keys, c * n, n, self.p) for c in chunks], 1).view(x.shape)
+        masks = [keep_mask(keys, r * n, n, self.p) for r, _ in self.sequence_parts]
+        return (masks[0] if len(masks) == 1 else torch.cat(masks, 1)).view(x.shape)
 
     def keep_at(self, key: DropoutKey, index: torch.Tensor) -> torch.Tensor:
         """[b, *index.shape]: the mask at the elements ``index`` (int64, < 2³²) of each sample's
