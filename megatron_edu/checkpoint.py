@@ -4,8 +4,9 @@ A checkpoint is a folder ``OUT/checkpoints/step_000100/`` holding
 
 * ``model_tp{t}_pp{p}.pt`` — written by data-parallel rank 0 of each (tp, pp) position: that
   rank's parameter shards and their AdamW moments, by parameter name, with the dimension each is
-  split along (``tp_dim``). Under ZeRO-1 the moments are not in it: each dp rank writes
-  ``optim_tp{t}_pp{p}_dp{d}.pt``, the pieces of the moments it owns (each piece: a parameter
+  split along (``tp_dim``). Under ZeRO-1 the moments are not in it: each rank d of the
+  dp (× cp) group that shares the optimizer writes ``optim_tp{t}_pp{p}_dp{d}.pt``, the pieces of
+  the moments it owns (each piece: a parameter
   name, its offset in the flattened shard, the two moments' values) — no rank ever gathers
   the whole state, and ZeRO-1's saving holds at every save. Everything is copied to the CPU one
   tensor at a time: the device never holds a second copy of the weights or the state.
@@ -133,8 +134,8 @@ def save_checkpoint(out_dir: str | Path, step: int, trainer: PTDP,
                    grid.dp_rank == grid.cp_rank == 0)      # the cp ranks hold the same weights
         if trainer.layout.zero1:
             pieces = _optimizer_pieces(trainer)
-            phases.run(lambda: torch.save(pieces, staging / f"optim_{place}_dp{grid.dp_rank}.pt"),
-                       True)
+            owner = grid.dp_cp_group.rank             # ZeRO-1 shards over dp × cp
+            phases.run(lambda: torch.save(pieces, staging / f"optim_{place}_dp{owner}.pt"), True)
         phases.run(publish, grid.rank == 0)
     except CheckpointError:
         if grid.rank == 0:
@@ -258,13 +259,13 @@ def _optimizer_pieces(trainer: PTDP) -> dict[str, Any]:
 
 def _adam_step(trainer: PTDP) -> float:
     """AdamW's step count (0 before the first step). Under ZeRO-1 a dp rank may own no piece,
-    hence no state: the count comes from the ranks that have one (a collective over dp)."""
+    hence no state: the count comes from the ranks that have one (a collective over dp × cp)."""
     steps = [float(s["step"]) for s in trainer.optimizer.state.values() if "step" in s]
     if not trainer.layout.zero1:
         return max(steps, default=0.0)
     mine = torch.tensor([float(bool(steps)), max(steps, default=0.0)], dtype=torch.float64,
                         device=trainer.grid.device)
-    have, total = comm.all_reduce(mine, trainer.grid.dp_group, "dp adam step").tolist()
+    have, total = comm.all_reduce(mine, trainer.grid.dp_cp_group, "dp adam step").tolist()
     return total / have if have else 0.0
 
 
@@ -383,7 +384,9 @@ class _Shards:
     def __init__(self, meta: dict[str, Any], grid: ParallelGrid | None = None) -> None:
         self.path, self.vocab = Path(meta["path"]), meta["config"]["vocab_size"]
         self.tp, pp = meta["layout"]["tp"], meta["layout"]["pp"]
-        self.dp, self.zero1 = meta["layout"]["dp"], meta["layout"].get("zero1", False)
+        layout = meta["layout"]
+        self.zero1 = layout.get("zero1", False)    # then so many optim_… files per place:
+        self.owners = layout["dp"] * layout.get("cp", 1)   # the ranks sharing the optimizer
         described = meta if "index" in meta else _describe(self.path, pp)
         self.index, self.adam_step = described["index"], described["adam_step"]
         self.near_tp = 0 if grid is None else grid.tp_rank * self.tp // grid.tp
@@ -457,10 +460,10 @@ class _Shards:
 
     def _assembled(self, file: str, name: str, kind: str) -> torch.Tensor:
         """A ZeRO-1 checkpoint's moment of the saved shard ``file`` holds, put together from
-        the pieces every dp rank saved of it (one saved shard, never a whole tensor)."""
+        the pieces every dp (× cp) rank saved of it (one saved shard, never a whole tensor)."""
         place = file.removeprefix("model_").removesuffix(".pt")
         out = torch.zeros(self._entry(name)["shard"]).view(-1)
-        for d in range(self.dp):
+        for d in range(self.owners):
             for offset, moments in self._file(f"optim_{place}_dp{d}.pt")["pieces"].get(name, []):
                 out[offset:offset + moments[kind].numel()] = moments[kind].view(-1)
         return out.view(self._entry(name)["shard"])

@@ -50,7 +50,8 @@ class Layout:
     """How one run is split: tp × pp × dp ranks; the pipeline ``schedule`` (a name of
     ``pipeline.schedules.SCHEDULES``) with ``chunks`` model chunks per rank (None: the
     schedule's own — 2 for ZB-V, else 1); ``num_microbatches`` m of ``microbatch`` b sequences
-    per replica and step; ``zero1``: the optimizer state sharded over dp. A ValueError naming the
+    per replica and step; ``zero1``: the optimizer state sharded over dp × cp (the ranks that hold
+    the same weights); ``cp``: context-parallel ranks per replica. A ValueError naming the
     numbers if any of it cannot work."""
 
     tp: int = 1
@@ -96,9 +97,6 @@ class Layout:
         """Raise a ValueError naming the numbers if ``config``'s model cannot be split this way:
         tp must divide the heads and the MLP, the pp · v stages the layers."""
         config.validate(self.tp, self.pp, self.chunks, self.cp)
-        if self.cp > 1 and self.zero1:
-            raise ValueError(f"ZeRO-1 shards over dp, and cp = {self.cp} ranks share each "
-                             "replica's weights: ZeRO-1 with context parallelism is not here yet")
         if config.async_tp and self.make_schedule().splits_backward:  # B and W: one node here
             raise ValueError(f"async_tp computes dX and dW in one node: {self.schedule}'s B/W "
                              "split would run it, and its collectives, twice")

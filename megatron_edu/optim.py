@@ -17,10 +17,12 @@ and must be counted once (Megatron-LM's ``param_is_not_tensor_parallel_duplicate
   embedding; the caller names them in ``tied_copies``) — never counted; its original is.
 
 After the dp all-reduce every dp replica holds the same gradients, so no sum over dp is needed.
-Under ZeRO-1 each dp rank holds only its 1/dp shard of them: then the sums are also added over
-``grid.dp_group`` (``dp_sharded=True``). Either way the returned norm is equal on every rank —
-also when it is not finite: a NaN or inf on any rank makes it inf on all of them, so that every
-rank skips the step together (a replica that stepped alone would drift from the others).
+Under ZeRO-1 each rank holds only its shard of them, 1/(dp·cp) (the dp × cp ranks that hold the
+same weights share the optimizer, as in megatron-core): then the sums are also added over
+``grid.dp_cp_group`` (``dp_sharded=True``; the dp group when cp = 1). Either way the returned
+norm is equal on every rank — also when it is not finite: a NaN or inf on any rank makes it inf
+on all of them, so that every rank skips the step together (a replica that stepped alone would
+drift from the others).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ def counted_in_norm(param: torch.Tensor, tp_rank: int) -> bool:
 def global_grad_norm(grads: Iterable[torch.Tensor], grid: ParallelGrid | None = None,
                      dp_sharded: bool = False) -> float:
     """The norm of the whole model's gradient from the gradients this rank counts (a collective
-    over ``grid.mp_group``, and ``grid.dp_group``; see the module docstring)."""
+    over ``grid.mp_group``, and ``grid.dp_cp_group``; see the module docstring)."""
     device, grads = grid.device if grid is not None else torch.device("cpu"), list(grads)
     squares = (torch.stack(torch._foreach_norm(grads, dtype=torch.float32)).square().sum()
                if grads else torch.zeros((), device=device))  # one foreach, not 4 kernels a tensor
@@ -58,10 +60,10 @@ def global_grad_norm(grads: Iterable[torch.Tensor], grid: ParallelGrid | None = 
         return squares.sqrt().item()
     squares = comm.all_reduce(squares, grid.mp_group, "grad norm")
     if dp_sharded:
-        squares = comm.all_reduce(squares, grid.dp_group, "grad norm")
-    elif grid.dp > 1:  # replicas agree on a non-finite norm, whichever rank saw it
+        squares = comm.all_reduce(squares, grid.dp_cp_group, "grad norm")
+    elif grid.dp_cp_group.size > 1:  # replicas agree on a non-finite norm, whichever saw it
         bad = torch.tensor(float(not torch.isfinite(squares)), device=device)
-        if comm.all_reduce(bad, grid.dp_group, "grad norm") > 0:
+        if comm.all_reduce(bad, grid.dp_cp_group, "grad norm") > 0:
             return math.inf
     return squares.sqrt().item()
 
@@ -81,8 +83,8 @@ def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float,
     """Scale the gradients so that the global norm is at most ``max_norm``; return that norm.
 
     ``grid`` None: one serial process. A collective over ``grid.mp_group`` (and over
-    ``grid.dp_group`` when dp > 1): every rank must call it. Parameters without a gradient are
-    skipped; ``tied_copies`` are not counted (their originals are, on another stage).
+    ``grid.dp_cp_group`` when dp · cp > 1): every rank must call it. Parameters without a
+    gradient are skipped; ``tied_copies`` are not counted (their originals are, on another stage).
     """
     params = list({id(p): p for p in params if p.grad is not None}.values())
     tp_rank = grid.tp_rank if grid is not None else 0

@@ -181,9 +181,9 @@ class PTDP:
             grad.copy_(total)
 
     def _owned_grad(self, param: torch.nn.Parameter) -> torch.Tensor:
-        """ZeRO-1: the part of ``param``'s bucket whose update this dp rank owns."""
+        """ZeRO-1: the part of ``param``'s bucket whose update this rank of dp × cp owns."""
         bucket = self.ddp.bucket_of(param)
-        start, end = bucket.shard(self.grid.dp_rank)
+        start, end = bucket.shard(self.ddp.group.rank)
         return bucket.grad_data[start:end]
 
     def _sum_sequence_parallel_grads(self) -> None:

@@ -46,11 +46,14 @@ def test_cp_sits_next_to_tp_and_its_gradients_reduce_over_dp_x_cp():
     with pytest.raises(ValueError, match="tp·cp·pp·dp = 2·2·2·2 = 16 ranks, but the world has 8"):
         layout.check_world(8)
     layout.check(GPTConfig(num_layers=2, hidden=32, num_heads=4, seq_len=16))
-    with pytest.raises(ValueError, match=r"cp = 2\) runs causal .* divisible by 2·cp = 4: got "
-                                         r"causal=True, sequence_parallel=False, seq_len=6"):
+    with pytest.raises(ValueError, match="2·cp = 4 chunks: seq_len = 6 is not divisible by 4"):
         layout.check(GPTConfig(num_layers=2, hidden=32, num_heads=4, seq_len=6))
-    with pytest.raises(ValueError, match="ZeRO-1 with context parallelism is not here yet"):
-        Layout(cp=2, zero1=True).check(GPTConfig(num_layers=2, hidden=32, num_heads=4))
+    with pytest.raises(ValueError, match="each into tp = 2 parts by sequence parallelism: "
+                                         "seq_len = 12 is not divisible by 8"):
+        layout.check(GPTConfig(num_layers=2, hidden=32, num_heads=4, seq_len=12,
+                               sequence_parallel=True))
+    with pytest.raises(ValueError, match=r"cp = 2\) runs causal attention .* causal=False"):
+        layout.check(GPTConfig(num_layers=2, hidden=32, num_heads=4, causal=False))
     with pytest.raises(ValueError, match="cp must be a positive integer, got 0"):
         Layout(cp=0)
 

@@ -121,12 +121,19 @@ def test_schedules_zero1_and_buckets_take_the_serial_steps(serial, tp, pp, dp, o
     _check_equal_to_serial(serial, out)
 
 
-@pytest.mark.parametrize(("tp", "pp", "dp"), [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2)],
-                         ids=["cp2", "tp2-cp2", "pp2-cp2", "dp2-cp2"])
-def test_context_parallel_layouts_take_the_serial_steps(serial, tp, pp, dp):
+@pytest.mark.parametrize(("tp", "pp", "dp", "overrides"), [
+    (1, 1, 1, {}), (2, 1, 1, {}), (1, 2, 1, {}), (1, 1, 2, {}),
+    (1, 2, 1, dict(zero1=True)), (2, 1, 1, dict(sequence_parallel=True)),
+], ids=["cp2", "tp2-cp2", "pp2-cp2", "dp2-cp2", "pp2-cp2-zero1", "tp2-cp2-sp"])
+def test_context_parallel_layouts_take_the_serial_steps(serial, tp, pp, dp, overrides):
     """Each cp rank runs its zig-zag chunks of the replica's sequences; the token count, the
-    loss and the gradients are summed over dp × cp."""
-    out = run(_ptdp, tp * pp * dp * 2, *_split(tp, pp, dp, cp=2))
+    loss and the gradients are summed over dp × cp, ZeRO-1 shards over dp × cp (here over the
+    two cp ranks, the tied embedding's shard included), and sequence parallelism splits each cp
+    rank's chunks over tp."""
+    overrides = dict(overrides)
+    config = dataclasses.replace(CONFIG, sequence_parallel=overrides.pop("sequence_parallel",
+                                                                          False))
+    out = run(_ptdp, tp * pp * dp * 2, *_split(tp, pp, dp, cp=2, **overrides), config)
     _check_equal_to_serial(serial, out)
 
 

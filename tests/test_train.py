@@ -116,14 +116,18 @@ def test_a_checkpoint_reshards_to_other_layouts(tmp_path, cache):
 
 
 def test_a_context_parallel_run_resumes_at_other_cp(tmp_path, cache):
-    """cp = 2 (each sequence split zig-zag over 2 ranks, attention as a ring), resumed at
-    cp = 1 and cp = 4: the same next loss — a checkpoint does not depend on cp."""
+    """cp = 2 (each sequence split zig-zag over 2 ranks, attention as a ring; ZeRO-1 sharding
+    the optimizer over the two cp ranks), resumed at cp = 1 without ZeRO-1 and at cp = 4 with
+    it: the same next loss — a checkpoint does not depend on cp."""
     steps = ["--steps", "4", "--save-interval", "3", "--eval-interval", "100", "--dropout", "0.1"]
-    whole = _losses(_train(tmp_path / "cp2", cache, "--nproc", "2", "--cp", "2", *steps))
+    whole = _losses(_train(tmp_path / "cp2", cache, "--nproc", "2", "--cp", "2", "--zero1",
+                           *steps))
     saved = tmp_path / "cp2" / "checkpoints" / "step_000003"
-    for cp in ("1", "4"):
-        resumed = _losses(_train(tmp_path / f"cp{cp}", cache, "--nproc", cp, "--cp", cp, *steps,
-                                 "--resume", str(saved)))
+    assert {f.name for f in saved.glob("optim_*")} == {"optim_tp0_pp0_dp0.pt",
+                                                       "optim_tp0_pp0_dp1.pt"}
+    for cp, zero1 in (("1", []), ("4", ["--zero1"])):
+        resumed = _losses(_train(tmp_path / f"cp{cp}", cache, "--nproc", cp, "--cp", cp, *zero1,
+                                 *steps, "--resume", str(saved)))
         assert resumed[4] == pytest.approx(whole[4], abs=1e-5)
 
 
@@ -170,8 +174,10 @@ def _a_rank_fails(*args, **kwargs):
     (["--nproc", "4", "--tp", "3"], "4 ranks do not divide into tp·pp = 3·1"),
     (["--cp", "0"], "--cp must be a positive integer, got 0"),
     (["--nproc", "4", "--cp", "3"], "4 ranks do not divide into tp·cp·pp = 1·3·1"),
-    (["--nproc", "2", "--cp", "2", "--seq-len", "30"], "seq_len divisible by 2·cp = 4"),
-    (["--nproc", "2", "--cp", "2", "--zero1"], "ZeRO-1 with context parallelism"),
+    (["--nproc", "2", "--cp", "2", "--seq-len", "30"], "2·cp = 4 chunks: seq_len = 30 is not "
+                                                        "divisible by 4"),
+    (["--nproc", "4", "--tp", "2", "--cp", "2", "--sequence-parallel", "--seq-len", "12"],
+     "each into tp = 2 parts by sequence parallelism: seq_len = 12 is not divisible by 8"),
     (["--nproc", "4", "--tp", "2", "--pp", "2", "--dp", "2"], "2·2·2 = 8 ranks, but the world"),
     (["--tp", "3"], "num_heads = 4 is not divisible by the tensor-parallel size tp = 3"),
     (["--pp", "3", "--nproc", "3"], "num_layers = 4 is not divisible by pp·chunks"),

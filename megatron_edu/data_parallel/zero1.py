@@ -6,6 +6,10 @@ reduce-scatters the gradients (a rank receives only its shard's sum), the optimi
 Adam moments — exists for that shard only, and the updated shards are all-gathered back into
 every replica's weights. The traffic equals one all-reduce (= reduce-scatter + all-gather); the
 optimizer state per rank falls to 1/dp.
+
+"The dp ranks" are the ranks of ``ddp.group``: under context parallelism PTD-P gives it the
+dp × cp ranks that hold the same weights (``grid.dp_cp_group``), so the state falls to 1/(dp·cp),
+as megatron-core shards its distributed optimizer over data-parallel-with-context ranks.
 """
 
 from __future__ import annotations
@@ -80,7 +84,8 @@ class DistributedOptimizer:
 
     def clip_grad_norm_(self, max_norm: float, grid: ParallelGrid,
                         tied_copies: Iterable[nn.Parameter] = ()) -> float:
-        """Clip by the global norm; each rank holds 1/dp of the gradients, so sum over dp too.
+        """Clip by the global norm; each rank holds 1/dp of the gradients, so sum over dp (× cp)
+        too (``global_grad_norm(dp_sharded=True)``).
         ``tied_copies``: parameters whose original another stage holds (counted there)."""
         copies = {id(p) for p in tied_copies}
         counted = [piece.tensor.grad for piece in self.pieces

@@ -99,7 +99,7 @@ class GPTConfig:
 
     def validate(self, tp: int = 1, pp: int = 1, chunks: int = 1, cp: int = 1) -> None:
         """Raise a ValueError naming the numbers if this model cannot be split tp × pp·chunks,
-        the sequence over cp ranks (context parallelism: causal, two chunks per rank, no SP)."""
+        the sequence over cp ranks (context parallelism: causal, two chunks per rank)."""
         for name, n in (("tp", tp), ("pp", pp), ("chunks", chunks), ("cp", cp)):
             if not isinstance(n, int) or n < 1:
                 raise ValueError(f"{name} must be a positive integer, got {n!r}")
@@ -111,11 +111,15 @@ class GPTConfig:
         if self.sequence_parallel and self.seq_len % tp:
             raise ValueError(f"sequence parallelism splits the sequence over tp: seq_len = "
                              f"{self.seq_len} is not divisible by tp = {tp}")
-        if cp > 1 and (not self.causal or self.sequence_parallel or self.seq_len % (2 * cp)):
-            raise ValueError(f"context parallelism (cp = {cp}) runs causal attention without "
-                             f"sequence parallelism on seq_len divisible by 2·cp = {2 * cp}: got "
-                             f"causal={self.causal}, sequence_parallel={self.sequence_parallel}, "
-                             f"seq_len={self.seq_len}")
+        if cp > 1 and not self.causal:
+            raise ValueError(f"context parallelism (cp = {cp}) runs causal attention (its ring "
+                             "skips the blocks the causal mask hides): got causal=False")
+        pieces = 2 * cp * (tp if self.sequence_parallel else 1) if cp > 1 else 1
+        if self.seq_len % pieces:  # each cp rank's two chunks, each split again over tp by SP
+            raise ValueError(f"context parallelism splits the sequence into 2·cp = {2 * cp} "
+                             f"chunks" + (f", each into tp = {tp} parts by sequence parallelism"
+                                          if self.sequence_parallel else "")
+                             + f": seq_len = {self.seq_len} is not divisible by {pieces}")
         if self.num_layers % (pp * chunks):
             raise ValueError(f"num_layers = {self.num_layers} is not divisible by pp·chunks = "
                              f"{pp}·{chunks} = {pp * chunks} (every virtual pipeline stage "

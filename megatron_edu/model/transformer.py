@@ -119,13 +119,17 @@ def layer_norm(config: GPTConfig) -> nn.LayerNorm:
 
 def _sequence_parts(config: GPTConfig, group: CommGroup,
                     cp_group: CommGroup | None = None) -> tuple[tuple[int, int], ...]:
-    """The parts (r, t) of the sequence a rank holds outside the tp regions, in order: part r of
-    t under sequence parallelism (2205.05198 §4.2.2), the zig-zag chunks of 2·cp under context
-    parallelism (``context_parallel.chunk_ids``), else the whole sequence."""
-    if cp_group is not None and cp_group.size > 1:
-        cp = cp_group.size
-        return tuple((c, 2 * cp) for c in chunk_ids(cp_group.rank, cp))
-    return ((group.rank, group.size),) if config.sequence_parallel else ((0, 1),)
+    """The parts (r, n) of the sequence a rank holds outside the tp regions, in order — part r of
+    n equal parts: under sequence parallelism part r of t (2205.05198 §4.2.2); under context
+    parallelism the zig-zag chunks of 2·cp (``context_parallel.chunk_ids``); under both, SP
+    splits the cp rank's two chunks, in order, into t parts: of the 2·cp·t pieces of the sequence
+    (t in each chunk) tp rank r holds the cp rank's local pieces 2r and 2r + 1."""
+    t = group.size if config.sequence_parallel else 1
+    if cp_group is None or cp_group.size == 1:
+        return ((group.rank, t),) if t > 1 else ((0, 1),)
+    chunks = chunk_ids(cp_group.rank, cp_group.size)
+    local = (2 * group.rank, 2 * group.rank + 1) if t > 1 else (0, 1)   # of its 2·t pieces
+    return tuple((chunks[k // t] * t + k % t, 2 * cp_group.size * t) for k in local)
 
 
 class Embedding(nn.Module):
@@ -153,11 +157,11 @@ class Embedding(nn.Module):
     def forward(self, ids: torch.Tensor, offset: int = 0, dropout_key: DropoutKey | None = None,
                 extra: torch.Tensor | None = None) -> torch.Tensor:
         """``extra``: [b, s, h] added before the dropout (BERT's token-type embeddings)."""
-        parts = self.parts[0][1]
-        if self.cp == 1 and ids.shape[1] % parts:
-            raise ValueError(f"sequence parallelism splits the sequence over {parts} ranks: "
-                             f"{ids.shape[1]} tokens do not divide")
-        seq = torch.arange(offset, offset + ids.shape[1] * self.cp, device=ids.device)
+        whole, parts = ids.shape[1] * self.cp, self.parts[0][1]      # the sequence's length
+        if whole % parts:
+            raise ValueError(f"the sequence is split into {parts} parts here (sequence and "
+                             f"context parallelism): {whole} tokens do not divide")
+        seq = torch.arange(offset, offset + whole, device=ids.device)
         seq = torch.cat([seq.chunk(t)[r] for r, t in self.parts])        # this rank's positions
         x = self.word(ids) + self.position(seq)                          # [b, its part, h]
         return self.dropout(x if extra is None else x + extra, dropout_key)
@@ -176,13 +180,15 @@ class Attention(nn.Module):
     op by op (what 2205.05198 counts: 5·a·s²·b saved per layer), or fused into one kernel
     (``config.fused``, without dropout); ``config.recompute == "selective"`` keeps none of it
     for backward and runs it again there (2205.05198 §5). With a ``cp_group`` of cp > 1 ranks
-    each holds two chunks of the sequence and the core is ``ring_attention`` (the same masks).
+    each holds two chunks of the sequence and the core is ``ring_attention`` (the same masks),
+    which keeps no scores for backward: selective recomputation has nothing left to drop.
     """
 
     def __init__(self, config: GPTConfig, group: CommGroup, layer: int = 0,
                  cp_group: CommGroup | None = None) -> None:
         super().__init__()
         self.cp_group = cp_group
+        self.ring = cp_group is not None and cp_group.size > 1     # context-parallel attention
         self.local_heads = config.num_heads // group.size
         self.head_dim = config.head_dim
         self.fused, self.selective = config.fused, config.recompute == "selective"
@@ -208,8 +214,8 @@ class Attention(nn.Module):
         q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)          # each [b, heads/t, s, d]
         if kv is not None:
             k, v = kv.extend(k, v)                               # [b, heads/t, t, d], t ≥ s
-        if self.selective and torch.is_grad_enabled():
-            y = checkpoint(self.core, q, k, v, dropout_key, mask)  # 2205.05198 §5
+        if self.selective and torch.is_grad_enabled() and not self.ring:  # the ring keeps no
+            y = checkpoint(self.core, q, k, v, dropout_key, mask)  # scores; 2205.05198 §5
         else:
             y = self.core(q, k, v, dropout_key, mask)            # [b, heads/t, s, d]
         y = y.transpose(1, 2).reshape(b, s, -1)                  # [b, s, h/t]
@@ -221,7 +227,7 @@ class Attention(nn.Module):
         Causal: the s queries are the last of the t keys' positions, query i sees keys
         0 … t−s+i. ``mask`` [b, t]: keys where it is False are seen by no query."""
         s, t = q.shape[2], k.shape[2]
-        if self.cp_group is not None and self.cp_group.size > 1:  # causal, no padding: checked
+        if self.ring:                                             # causal, no padding: checked
             return ring_attention(q, k, v, self.cp_group, dropout=self.dropout, key=dropout_key)
         if self.fused and not (self.training and self.dropout.p > 0):
             return self._fused_core(q, k, v, mask)
