@@ -28,19 +28,31 @@ by the ranks it visited. Its owner keeps its own part; the partial sums of the o
 the ring behind the K, V block, one hop per step, and reach the owner after cp − 1 hops. Bytes
 sent per rank and layer (``comm.record``, label "cp kv" / "cp dkv"): forward 2·(cp − 1) blocks of
 [b, a, s/cp, d] (K and V, cp − 1 hops), backward twice that (K, V again and their gradients).
+
+**Timeline.** ``record_ring()`` notes, on this rank, when each step of each pass computed and when
+it waited for its exchanges (``timing.Clock``: on a GPU as the device ran them); with no block
+active the ring pays one list test per phase. ``simulate_ring`` plays the same steps on paper from
+two costs — a chunk pair's compute and a block's hop — so the two can be drawn side by side.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from numbers import Real
 
 import torch
 
 from megatron_edu import comm
 from megatron_edu.comm import CommGroup, P2POp
 from megatron_edu.tensor_parallel.random import Dropout, DropoutKey
+from megatron_edu.timing import Clock, Stamp
 
-__all__ = ["chunk_ids", "split", "unsplit", "causal_work", "merge", "ring_attention"]
+__all__ = ["chunk_ids", "split", "unsplit", "causal_work", "merge", "ring_attention",
+           "step_pairs", "RingInterval", "RingLog", "record_ring", "RingTimeline",
+           "simulate_ring"]
 
 
 def chunk_ids(rank: int, cp: int, zigzag: bool = True) -> tuple[int, int]:
@@ -125,6 +137,64 @@ def _wait(works: list) -> None:
         work.wait()
 
 
+# --- the ring's timeline: recorded (record_ring) -------------------------------------------------
+
+@dataclass(frozen=True)
+class RingInterval:
+    """One phase of one ring step on one rank: ``kind`` "compute" (from the step's start — its
+    exchange posted — until it waits) or "wait" (for its exchanges: forward steps 0 … cp − 2,
+    every backward step). Seconds (perf_counter) when recorded, cost units when simulated."""
+
+    backward: bool
+    step: int
+    kind: str
+    start: Real
+    end: Real
+
+
+@dataclass
+class RingLog:
+    """The ring's phases on this rank while a ``record_ring()`` block was active, in order."""
+
+    clock: Clock
+    stamps: list[tuple[bool, int, str, Stamp, Stamp]] = field(default_factory=list)
+
+    @property
+    def intervals(self) -> list[RingInterval]:
+        """The phases in perf_counter seconds (on a GPU: waits for their events)."""
+        return [RingInterval(backward, step, kind, self.clock.seconds(t0), self.clock.seconds(t1))
+                for backward, step, kind, t0, t1 in self.stamps]
+
+
+_ring_logs: list[RingLog] = []   # as comm's: a module list, seen by autograd's backward threads
+
+
+@contextmanager
+def record_ring(device: torch.device | str = "cpu") -> Iterator[RingLog]:
+    """Record when this rank's ring attention computes and waits, inside the block."""
+    log = RingLog(Clock(device))
+    _ring_logs.append(log)
+    try:
+        yield log
+    finally:
+        _ring_logs.remove(log)
+
+
+def _now() -> list[Stamp]:
+    """Now, on each active ``record_ring``'s clock ([] when none is)."""
+    return [log.clock.stamp() for log in _ring_logs]
+
+
+def _note(since: list[Stamp], backward: bool, step: int, kind: str) -> list[Stamp]:
+    """Note [since, now) as ``kind`` of ``step`` with each active log; returns now."""
+    if not _ring_logs:
+        return since
+    now = _now()
+    for log, t0, t1 in zip(_ring_logs, since, now, strict=False):  # one opened mid-phase: next
+        log.stamps.append((backward, step, kind, t0, t1))
+    return now
+
+
 class _RingAttention(torch.autograd.Function):
     """Causal attention of this rank's queries to the whole sequence's keys, by the ring."""
 
@@ -139,6 +209,7 @@ class _RingAttention(torch.autograd.Function):
         lse: list = [None, None]
         kv = torch.stack([k, v])                       # the travelling block [2, b, a, s/cp, d]
         for step in range(cp):
+            began = _now()                             # record_ring: when this step computed
             if step < cp - 1:                          # the next block is on its way meanwhile
                 works, incoming = _exchange(group, kv, "cp kv")
             theirs = chunk_ids((r - step) % cp, cp, zigzag)
@@ -150,8 +221,10 @@ class _RingAttention(torch.autograd.Function):
                 block_out = ((scores - block_lse).exp() * kept) @ vs[b]
                 out[a], lse[a] = ((block_out, block_lse) if out[a] is None
                                   else merge(out[a], lse[a], block_out, block_lse))
+            computed = _note(began, False, step, "compute")
             if step < cp - 1:
                 _wait(works)
+                _note(computed, False, step, "wait")
                 kv = incoming
         out, lse = torch.cat(out, 2), torch.cat(lse, 2)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -172,7 +245,7 @@ class _RingAttention(torch.autograd.Function):
         dqs = dq.chunk(2, 2)
         kv, own, travelling = torch.stack([k, v]), None, None
         for step in range(cp):
-            works = []
+            works, began = [], _now()
             if step < cp - 1:
                 works, incoming = _exchange(group, kv, "cp kv")
             theirs = chunk_ids((r - step) % cp, cp, zigzag)
@@ -192,7 +265,9 @@ class _RingAttention(torch.autograd.Function):
                 travelling = dkv if travelling is None else travelling + dkv
                 sent, partial = _exchange(group, travelling, "cp dkv")
                 works += sent
+            computed = _note(began, True, step, "compute")
             _wait(works)
+            _note(computed, True, step, "wait")
             if step < cp - 1:
                 kv = incoming
             if step > 0:
@@ -211,3 +286,67 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Com
     if q.shape[2] % 2:
         raise ValueError(f"a rank holds two chunks of the sequence: {q.shape[2]} tokens is odd")
     return _RingAttention.apply(q, k, v, group, zigzag, dropout, key)
+
+
+# --- the ring's timeline: simulated (simulate_ring) ----------------------------------------------
+
+def step_pairs(rank: int, step: int, cp: int, zigzag: bool = True) -> int:
+    """The chunk pairs ``rank`` computes at ``step`` (``_pairs``: a diagonal pair is computed
+    whole, then masked — a full pair of work). Zig-zag: 3 at step 0, then 2 on every rank."""
+    return len(_pairs(chunk_ids(rank, cp, zigzag), chunk_ids((rank - step) % cp, cp, zigzag)))
+
+
+@dataclass(frozen=True)
+class RingTimeline:
+    """The ring on paper: ranks[r] rank r's phases (``RingInterval``s, as ``record_ring`` notes
+    them); hops[r] the (start, end) of each block rank r sent to rank r + 1, in order."""
+
+    ranks: list[list[RingInterval]]
+    hops: list[list[tuple[Real, Real]]]
+
+    @property
+    def makespan(self) -> Real:
+        """From the first start to the last end, over all ranks."""
+        return (max(row[-1].end for row in self.ranks)
+                - min(row[0].start for row in self.ranks))
+
+    @property
+    def ends(self) -> list[Real]:
+        """When each rank is done (where its next pass can start)."""
+        return [row[-1].end for row in self.ranks]
+
+    @property
+    def busy(self) -> list[Real]:
+        """Per rank, the time it computed."""
+        return [sum(i.end - i.start for i in row if i.kind == "compute") for row in self.ranks]
+
+
+def simulate_ring(cp: int, pair_time: Real, hop_time: Real, zigzag: bool = True,
+                  backward: bool = False, start: Real | Sequence[Real] = 0) -> RingTimeline:
+    """One pass of ring attention played with fixed costs (``pipeline.simulate``'s idea).
+
+    At step k rank r computes ``step_pairs`` × ``pair_time``. A hop — a block from rank r to
+    r + 1, ``hop_time`` long — starts when both ends have posted it (``batch_isend_irecv``, as
+    gloo and NCCL pair a send with its receive): the K, V block at the start of step k (steps
+    0 … cp − 2), in the backward pass also the dK, dV partial sums after the compute (steps
+    1 … cp − 1). Step k + 1 starts when rank r's compute and the hops it sends and receives at
+    step k are done. ``start``: when each rank begins (one number, or one per rank)."""
+    begin = list(start) if isinstance(start, Sequence) else [start] * cp
+    ranks: list[list[RingInterval]] = [[] for _ in range(cp)]
+    hops: list[list[tuple[Real, Real]]] = [[] for _ in range(cp)]
+    for step in range(cp):
+        done = [begin[r] + step_pairs(r, step, cp, zigzag) * pair_time for r in range(cp)]
+        posted = ([begin] if step < cp - 1 else []) + ([done] if backward and step > 0 else [])
+        ends = list(done)
+        for at in posted:
+            for r in range(cp):
+                nxt = (r + 1) % cp
+                sent = max(at[r], at[nxt])            # once the sender and the receiver posted
+                hops[r].append((sent, sent + hop_time))
+                ends[r], ends[nxt] = max(ends[r], sent + hop_time), max(ends[nxt], sent + hop_time)
+        for r in range(cp):
+            ranks[r].append(RingInterval(backward, step, "compute", begin[r], done[r]))
+            if step < cp - 1 or backward:
+                ranks[r].append(RingInterval(backward, step, "wait", done[r], ends[r]))
+        begin = ends
+    return RingTimeline(ranks, hops)

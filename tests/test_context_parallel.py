@@ -1,16 +1,23 @@
 """Context parallelism: ring attention at cp = 2 and 4 against the serial causal attention
-(output and dQ, dK, dV), the zig-zag split, the merge, and the bytes of the ring."""
+(output and dQ, dK, dV), the zig-zag split, the merge, the bytes of the ring, and its timeline
+(recorded, simulated, and the costs notebook 12 fits from one to draw the other)."""
+
+from itertools import pairwise
 
 import pytest
 import torch
 
 from megatron_edu import comm
 from megatron_edu.context_parallel import (
+    _pairs,
     causal_work,
     chunk_ids,
     merge,
+    record_ring,
     ring_attention,
+    simulate_ring,
     split,
+    step_pairs,
     unsplit,
 )
 from megatron_edu.launch import run
@@ -95,21 +102,95 @@ def test_merging_two_key_blocks_is_the_softmax_over_both():
     torch.testing.assert_close(lse, scores.logsumexp(-1, keepdim=True))
 
 
+# --- the ring's timeline: recorded and simulated ------------------------------------------------
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("zigzag", [True, False])
+def test_the_simulated_ring_computes_the_pairs_the_code_computes(cp, zigzag):
+    pairs = [[len(_pairs(chunk_ids(r, cp, zigzag), chunk_ids((r - k) % cp, cp, zigzag)))
+              for k in range(cp)] for r in range(cp)]
+    assert [[step_pairs(r, k, cp, zigzag) for k in range(cp)] for r in range(cp)] == pairs
+    # a diagonal pair is computed whole: two of them per rank, each ½ of causal_work's count
+    assert [sum(row) for row in pairs] == [causal_work(r, cp, zigzag) + 1 for r in range(cp)]
+    if zigzag:                                 # every rank alike at every step: 3, then 2s
+        assert all(row == [3] + [2] * (cp - 1) for row in pairs)
+    for backward in (False, True):
+        ring = simulate_ring(cp, pair_time=1, hop_time=0, zigzag=zigzag, backward=backward)
+        assert ring.busy == [sum(row) for row in pairs]
+        assert ring.makespan == max(ring.busy)           # free hops: the busiest rank paces it
+        assert max(ring.busy) == (2 * cp + 1 if zigzag else 4 * cp - 1)   # the last rank's
+    # a hop longer than a step's compute shows: forward max(3, h) + (cp − 2)·max(2, h) + 2
+    for hop in (1, 3):
+        ring = simulate_ring(cp, 1, hop, zigzag=True)
+        assert ring.makespan == max(3, hop) + (cp - 2) * max(2, hop) + 2
+
+
+def _recorded_rank(zigzag):
+    group = comm.world()
+    q, k, v, grad = (split(x, group.rank, group.size, zigzag, dim=2) for x in _inputs())
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    with record_ring() as log:
+        ring_attention(q, k, v, group, zigzag).backward(grad)
+    before = list(log.stamps)
+    ring_attention(q, k, v, group, zigzag).backward(grad)     # no block active: nothing noted
+    assert log.stamps == before
+    return log.intervals
+
+
+@pytest.mark.parametrize("zigzag", [True, False])
+def test_the_recorder_notes_each_step_of_both_passes_as_the_simulation_plays_them(zigzag):
+    cp = 2
+    for rank, intervals in enumerate(run(_recorded_rank, cp, zigzag)):
+        for backward in (False, True):
+            steps = {i.step for i in intervals if i.backward == backward}
+            assert steps == set(range(cp))
+        simulated = (simulate_ring(cp, 1, 0, zigzag).ranks[rank]
+                     + simulate_ring(cp, 1, 0, zigzag, backward=True).ranks[rank])
+        kinds = [(i.backward, i.step, i.kind) for i in intervals]
+        assert kinds == [(i.backward, i.step, i.kind) for i in simulated]
+        for i, j in pairwise(intervals):                    # in order, none overlapping
+            assert i.start <= i.end <= j.start
+
+
+def test_the_costs_fitted_from_a_timeline_are_those_it_was_simulated_with():
+    import matplotlib.pyplot as plt
+
+    from megatron_edu.course.viz.context_parallel import (
+        draw_ring_timelines,
+        fit_ring_costs,
+        simulate_ring_step,
+    )
+
+    plt.switch_backend("agg")
+    steps = {z: simulate_ring_step(4, 0.25, 0.5, 0.125, z) for z in (False, True)}
+    assert fit_ring_costs({z: t.ranks for z, t in steps.items()}) == (0.25, 0.5)
+    assert steps[True].makespan == 9 * 0.25 + 9 * 0.5 + 3 * 0.125   # the dK, dV hops exposed
+    fig = draw_ring_timelines({"zig-zag": steps[True].ranks}, {"zig-zag": steps[True]})
+    bars = [p.get_gid() for p in fig.axes[0].patches]
+    assert bars.count("backward compute 3") == 4 and bars.count("forward wait 3") == 0
+    plt.close(fig)
+
+
 # --- the GPT with a cp dimension ----------------------------------------------------------------
 
 
-def _gpt_rank(tp, cp, dropout, recompute):
+def _gpt_rank(tp, cp, dropout, recompute, sp=False):
     from megatron_edu.grid import Layout, ParallelGrid
     from megatron_edu.model import GPT
+    from megatron_edu.tensor_parallel.layers import sum_replicated_grads_
     from tests.helpers import batch, tiny_config
 
     grid = ParallelGrid(Layout(tp=tp, cp=cp))
-    config = tiny_config(dropout=dropout, recompute=recompute)
+    config = tiny_config(dropout=dropout, recompute=recompute, sequence_parallel=sp)
     model = GPT(config, grid).train()
     ids, labels = batch(config, b=2, s=16)
     ids, labels = (split(x, grid.cp_rank, cp) for x in (ids, labels))
     loss = model(ids, labels, dropout_key=KEY)
     loss.backward()
+    if sp:                                   # each tp rank's part of the replicated ones
+        sum_replicated_grads_([p.grad for p in model.parameters() if p.tp_dim is None],
+                              grid.tp_group)
     for p in model.parameters():             # each cp rank's gradient is of its tokens' mean
         comm.all_reduce_(p.grad, grid.cp_group)   # the mean of the cp ranks' means: the serial
         p.grad /= cp
@@ -117,15 +198,16 @@ def _gpt_rank(tp, cp, dropout, recompute):
     return loss, model.full_state_dict(grads=True)
 
 
-@pytest.mark.parametrize(("tp", "cp", "dropout", "recompute"),
-                         [(1, 2, 0.0, "none"), (1, 4, 0.1, "none"), (2, 2, 0.1, "selective"),
-                          (1, 2, 0.1, "full")])
-def test_a_context_parallel_gpt_equals_the_serial_gpt(tp, cp, dropout, recompute):
-    """Positions, the embedding's and residual dropouts of each rank's chunks, attention as a
-    ring: the loss and every gradient equal the model's at cp = 1 (the serial model at tp = 1;
-    dropout on: the same masks — at tp > 1 the attention masks are per tp rank, notebook 02)."""
+@pytest.mark.parametrize(("tp", "cp", "dropout", "recompute", "sp"),
+                         [(1, 2, 0.0, "none", False), (1, 4, 0.1, "none", False),
+                          (2, 2, 0.1, "selective", True), (1, 2, 0.1, "full", False)])
+def test_a_context_parallel_gpt_equals_the_serial_gpt(tp, cp, dropout, recompute, sp):
+    """Positions, the embedding's and residual dropouts of each rank's chunks (under sequence
+    parallelism each tp rank's part of them), attention as a ring: the loss and every gradient
+    equal the model's at cp = 1 (the serial model at tp = 1; dropout on: the same masks — at
+    tp > 1 the attention masks are per tp rank, notebook 02)."""
     serial = run(_gpt_rank, tp, tp, 1, dropout, "none")[0]
-    results = run(_gpt_rank, tp * cp, tp, cp, dropout, recompute)
+    results = run(_gpt_rank, tp * cp, tp, cp, dropout, recompute, sp)
     for loss, grads in results:
         torch.testing.assert_close(loss, serial[0], rtol=0, atol=1e-5)
         for name, grad in grads.items():

@@ -138,6 +138,27 @@ def test_a_layer_saves_no_more_than_megatron_cores_own(measured):
         assert measured[2][cell] <= theirs, cell
 
 
+def _context_parallel_measured():
+    grid = ParallelGrid(Layout(cp=2))
+    return {(rc, p): layer_activation_bytes(dataclasses.replace(SHAPE, recompute=rc, dropout=p),
+                                            grid.tp_group, 2, grid.cp_group)
+            for rc in ("none", "selective", "full") for p in (0.0, 0.1)}
+
+
+def test_a_context_parallel_layer_saves_exactly_what_the_formula_says():
+    """cp = 2 (2310.01889): each rank's [b, s/2, h] through a Block whose attention is the ring.
+    Measured, fp32, it is ``activation_bytes_per_layer(cp=2)`` to the byte — the ring's output
+    and log-sum-exp where the scores were, no [s, s] tensor at all (at cp = 1 the causal mask is
+    one more) — plus what the paper rounds away: each layer norm's per-token mean and 1/std
+    (2 fp32). Selective recomputation keeps the same (the ring keeps no scores to drop)."""
+    b, stats = 2, 2 * 2 * 2 * (SHAPE.seq_len // 2) * 4
+    for ranks in run(_context_parallel_measured, 2):
+        for (rc, p), got in ranks.items():
+            config = dataclasses.replace(SHAPE, recompute=rc, dropout=p)
+            formula = activation_bytes_per_layer(config, b, cp=2, bytes_per_value=4)
+            assert got == formula + (0 if rc == "full" else stats), (rc, p, got, formula)
+
+
 def test_each_technique_saves_memory(measured):
     m = measured[4]
     assert m["full", True] < m["full", False] < m["selective", True] < m["selective", False] \

@@ -21,7 +21,9 @@ from megatron_edu.model import BertConfig, GPTConfig, build_model
 from megatron_edu.perf import (
     A100_BF16_PEAK,
     DGX2H_V100,
+    DGX_H100,
     FP32,
+    GIB,
     MIXED,
     MIXED_FP32_GRADS,
     SELENE_A100,
@@ -366,10 +368,50 @@ def test_bytes_per_parameter(precision, per_param):
     assert total == per_param
 
 
-def test_zero1_shards_the_optimizer_over_dp():
-    plain = memory_per_rank(GPT_22B, Layout(tp=2, pp=2, dp=4, num_microbatches=16))
-    sharded = memory_per_rank(GPT_22B, Layout(tp=2, pp=2, dp=4, num_microbatches=16, zero1=True))
-    assert sharded.optimizer == math.ceil(plain.optimizer / 4)
+@pytest.mark.parametrize("cp", [1, 2])
+def test_zero1_shards_the_optimizer_over_the_dp_cp_ranks_that_hold_the_same_weights(cp):
+    layout = Layout(tp=2, pp=2, dp=4, num_microbatches=16, cp=cp)
+    plain, sharded = (memory_per_rank(GPT_22B, replace(layout, zero1=z)) for z in (False, True))
+    assert sharded.optimizer == math.ceil(plain.optimizer / (4 * cp))
+    assert (sharded.weights, sharded.grads) == (plain.weights, plain.grads)
+
+
+# ---- memory: context parallelism (2310.01889; megatron-core's CP) ----
+
+
+@pytest.mark.parametrize("t", [1, 8])
+@pytest.mark.parametrize("cp", [2, 4])
+def test_context_parallel_activations_are_a_cp_th_without_the_scores_plus_the_ring(cp, t):
+    """s/cp tokens per rank: every s·b·h term divides by cp; the 5·a·s²·b/t of the softmax, its
+    dropout mask and output are gone, and the ring keeps its output (1 sbh/t, 16-bit) and its
+    log-sum-exp (a·s·b/t fp32) instead — selective recomputation has nothing left to drop."""
+    s, b, h, a = 2048, 1, 6144, 64
+    config = replace(GPT_22B, dropout=0.1)
+    scores = 5 * a * s * s * b // t
+    ring = 2 * s * b * h // t + 4 * a * s * b // t
+    serial = activation_bytes_per_layer(config, b, tp=t)
+    expected = (serial - scores + ring) // cp
+    assert expected * cp == serial - scores + ring           # exact: no rounding anywhere
+    assert expected == s * b * h // cp * (10 + 24 // t) + ring // cp
+    for recompute in ("none", "selective"):
+        got = activation_bytes_per_layer(replace(config, recompute=recompute), b, tp=t, cp=cp)
+        assert got == expected, recompute
+    full = activation_bytes_per_layer(replace(config, recompute="full"), b, tp=t, cp=cp)
+    assert full == 2 * s * b * h // cp
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_a_pipeline_ranks_activations_fall_as_one_over_cp(recompute):
+    config = replace(GPT_22B, recompute=recompute, dropout=0.1)
+    layout = Layout(tp=2, pp=4, dp=2, schedule="interleaved", chunks=2, num_microbatches=8)
+    for stage in (0, 3):   # the embedding's rank and the output layer's
+        half, quarter = (activation_bytes_per_rank(config, replace(layout, cp=cp), stage)
+                         for cp in (2, 4))
+        assert half == 2 * quarter, stage
+        assert embedding_activation_bytes(config, 1, tp=2, cp=4) * 4 == \
+            embedding_activation_bytes(config, 1, tp=2)
+        assert output_layer_activation_bytes(config, 1, tp=2, cp=4) * 4 == \
+            output_layer_activation_bytes(config, 1, tp=2)
 
 
 # ---- memory: microbatches in flight, read off the schedule (2104.04473 §2.2, 2401.10241) ----
@@ -525,6 +567,68 @@ def test_the_advisor_sweeps_recomputation_and_sequence_parallelism_as_config_var
     assert {("selective", True), ("full", False)} <= variants
     assert all(replace(p.config, recompute="none", sequence_parallel=False) == model
                for _, p in ranked)
+
+
+# ---- context parallelism (2310.01889; megatron-core's CP) ----
+
+LONG_7B = gpt(layers=32, hidden=4096, heads=32, vocab=32000, seq_len=32768, recompute="selective")
+CPS = (1, 2, 4, 8)
+
+
+def _fastest_by_cp(config, batch, gpus, hw=DGX_H100) -> dict[int, float]:
+    best: dict[int, float] = {}
+    for layout, pred in advise(config, batch, gpus, hw, cp=CPS):  # fastest first
+        best.setdefault(layout.cp, pred.time.total)
+    return best
+
+
+def test_at_32k_tokens_the_advisor_proposes_context_parallelism():
+    """A 7B model at 32,768 tokens on 64 H100s: cp = 1 fits only at tp = 8 with its [s, s]
+    scores recomputed; splitting the tokens over a ring instead is faster (> 10 %). Under
+    60 GiB cp = 1 fits nowhere, cp > 1 does."""
+    best = _fastest_by_cp(LONG_7B, 64, 64)
+    assert min(best, key=best.get) > 1 and min(best.values()) < best[1] / 1.1
+    tight = replace(DGX_H100, memory_bytes=60 * GIB)
+    assert advise(LONG_7B, 64, 64, tight) == []
+    proposed = advise(LONG_7B, 64, 64, tight, cp=CPS)
+    assert proposed and all(lay.cp > 1 and p.memory.total <= tight.memory_bytes
+                            for lay, p in proposed)
+
+
+def test_at_2048_tokens_context_parallelism_gains_little():
+    """The same model at 2048 tokens, batch 512: every cp fits, and cp = 1 is fastest — the
+    ring's launches and bytes buy nothing when one sequence's activations fit anyway."""
+    best = _fastest_by_cp(replace(LONG_7B, seq_len=2048), 512, 64)
+    assert set(best) == set(CPS) and best[1] == min(best.values())
+
+
+def test_the_ring_shows_only_where_it_outlasts_the_attention_core():
+    """tp = 8 × cp = 8 on 64 H100s: the ring crosses nodes (each rank 1/8 of a node's adapters).
+    At 32k tokens the core hides it, at 2048 too (and over NVLink, tp = 1); on slower adapters
+    it shows, and beyond the core it costs exactly its bytes: cp − 1 hops of the
+    2·b·s·h/(t·cp) 16-bit K, V values forward, twice that backward, every layer and
+    microbatch."""
+    t, cp, b, m = 8, 8, 8, 2
+    layout, short = Layout(tp=t, microbatch=b, num_microbatches=m, cp=cp), replace(LONG_7B,
+                                                                                   seq_len=2048)
+    assert predict(LONG_7B, layout, DGX_H100).time.context_parallel == 0.0
+    assert predict(short, replace(layout, tp=1, dp=8), DGX_H100).time.context_parallel == 0.0
+    pred = predict(short, layout, DGX_H100)
+    parts = ("compute", "bubble", "tensor_parallel", "context_parallel", "pipeline_p2p",
+             "data_parallel", "optimizer")
+    assert pred.time.context_parallel == 0.0
+    assert pred.time.total == pytest.approx(sum(getattr(pred.time, x) for x in parts))
+    assert str(pred).startswith("tp=8 cp=8 pp=1 dp=1") and "cp=" not in str(
+        predict(short, replace(layout, dp=cp, cp=1), DGX_H100))
+    bandwidths = (8e9, 4e9)   # a node's adapters; both slow enough to expose every pass
+    slow = [predict(short, layout, replace(DGX_H100, inter_node_bandwidth=bw)).time
+            for bw in bandwidths]
+    block = 2 * b * 2048 * 4096 // (t * cp) * 2        # bytes of a rank's K, V block
+    hops = 3 * (cp - 1) * short.num_layers * m         # forward + backward, every layer and mb
+    per_rank = [bw / DGX_H100.gpus_per_node for bw in bandwidths]
+    grown = hops * block * (1 / per_rank[1] - 1 / per_rank[0])
+    assert 0 < slow[0].context_parallel
+    assert slow[1].context_parallel - slow[0].context_parallel == pytest.approx(grown)
 
 
 # ---- zero-bubble schedules (2401.10241) ----

@@ -1,8 +1,9 @@
 """The papers' cost model: FLOPs and parameter formulas, a memory model, a performance model
-and a configuration advisor (2104.04473 §3, §5.1; 1909.08053 §5; 2205.05198 §4).
+and a configuration advisor (2104.04473 §3, §5.1; 1909.08053 §5; 2205.05198 §4; context
+parallelism: 2310.01889 and megatron-core's CP).
 
 The model is a ``model.GPTConfig`` (its recomputation and sequence parallelism included), its
-split a ``grid.Layout``: the same two values a training run takes.
+split a ``grid.Layout`` (tp, cp, pp, dp, ...): the same two values a training run takes.
 
 flops.py     the papers' counting formulas: parameters, FLOPs, training time, utilization
 memory.py    weights, gradients, optimizer states and activations per GPU; the exact parameter

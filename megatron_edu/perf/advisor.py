@@ -8,12 +8,25 @@ References
 - Shoeybi et al. 2019, arXiv 1909.08053 §3: 2 all-reduces forward and 2 backward per layer.
 - Korthikanti et al. 2022, arXiv 2205.05198: sequence parallelism (elementwise work split by t).
 - Qi et al. 2023, arXiv 2401.10241: the zero-bubble schedules, whose W passes fill the bubble.
+- Liu et al. 2023, arXiv 2310.01889 (ring attention), and megatron-core's context parallelism:
+  each of cp ranks holds s/cp tokens of every sequence, attention is a ring (``context_parallel``).
 
 The model is a ``GPTConfig`` (its recomputation and sequence parallelism included) and its split a
-``grid.Layout`` (tp, pp, dp, schedule, chunks, microbatches, ZeRO-1): what a training run takes.
+``grid.Layout`` (tp, cp, pp, dp, schedule, chunks, microbatches, ZeRO-1): what a training run
+takes.
 
-Time per iteration = compute + bubble + tensor-parallel all-reduces + pipeline p2p
+Time per iteration = compute + bubble + tensor-parallel all-reduces + context-parallel ring (the
+                     part the attention core does not hide) + pipeline p2p
                      + data-parallel all-reduce (the part not overlapped) + optimizer step.
+
+Context parallelism (cp > 1): every operator of a rank sees b·s/cp tokens; the attention core
+computes its s/cp queries' scores against all s keys, chunk pair by chunk pair (the masked ones
+counted, as at cp = 1: ``_attention_core_ops``), and recomputes them in backward as flash
+attention does (costed as selective recomputation of the core). Its ring
+sends, per layer and microbatch, cp − 1 hops of the K, V block forward (2·b·s·h/(t·cp) 16-bit
+values each), twice that backward (K, V again and their gradients), once more under full
+recomputation; it runs while the core computes, so only max(0, ring − core) of it shows, per
+pass. Gradients are all-reduced over the dp·cp ranks that hold the same weights.
 
 The bubble is (p-1)/(v·m) of the ideal time for GPipe, 1F1B and interleaved (§2.2); a schedule
 that splits the backward into B and W is simulated (``pipeline.simulate``) with the stage's
@@ -112,14 +125,15 @@ class TimeBreakdown:
     compute: float
     bubble: float
     tensor_parallel: float
+    context_parallel: float  # the ring's time not hidden behind the attention core (cp > 1)
     pipeline_p2p: float
     data_parallel: float
     optimizer: float
 
     @property
     def total(self) -> float:
-        return (self.compute + self.bubble + self.tensor_parallel + self.pipeline_p2p
-                + self.data_parallel + self.optimizer)
+        return (self.compute + self.bubble + self.tensor_parallel + self.context_parallel
+                + self.pipeline_p2p + self.data_parallel + self.optimizer)
 
 
 @dataclass(frozen=True)
@@ -137,7 +151,8 @@ class Prediction:
     def __str__(self) -> str:
         lay = self.layout
         sched = lay.schedule + (f" v={lay.chunks}" if lay.chunks > 1 else "")
-        return (f"tp={lay.tp} pp={lay.pp} dp={lay.dp} b={lay.microbatch} {sched}: "
+        cp = f" cp={lay.cp}" if lay.cp > 1 else ""
+        return (f"tp={lay.tp}{cp} pp={lay.pp} dp={lay.dp} b={lay.microbatch} {sched}: "
                 f"{self.time.total:.2f} s/iter, {self.tflops_per_gpu:.0f} TFLOP/s per GPU "
                 f"({self.percent_of_peak:.0f}% of peak), {self.memory.total / GIB:.1f} GiB")
 
@@ -162,19 +177,35 @@ def _elementwise(values: float, bytes_per_value: float, core: bool = False) -> _
     return _Op(0.0, values * bytes_per_value, False, core)
 
 
-def _layer_ops(config: GPTConfig, b: int, t: int) -> list[_Op]:
-    """Forward operators of one transformer layer on one tensor rank (Megatron's fused kernels)."""
-    s, h, a = config.seq_len, config.hidden, config.num_heads
-    tokens, d, f = b * s, h // a, config.ffn_hidden
+def _attention_core_ops(config: GPTConfig, b: int, t: int, cp: int) -> list[_Op]:
+    """Q·Kᵀ, softmax, dropout and ·V on one tensor and context rank: [s, s] scores per head at
+    cp = 1; at cp > 1 the rank's s/cp queries against all s keys, 4·cp chunk pairs of
+    (s/(2·cp))², one pair after the other (each its own kernels). The causally masked scores
+    count as computed at every cp, as the calibration's fused softmax computes them (Table 1):
+    ``context_parallel``'s ring skips the later pairs, as flash attention skips them at cp = 1 —
+    crediting the skip to cp > 1 alone would make cp pay at any sequence length."""
+    s, d = config.seq_len, config.head_dim
+    q, pairs = (s, 1) if cp == 1 else (s // (2 * cp), 4 * cp)  # query (= key) rows per pair
+    heads = b * config.num_heads // t
+    scores = heads * q * q
+    return [
+        _gemm(q, q, d, batch=heads, core=True),  # Q·Kᵀ
+        _elementwise(scores, 2 * WORD, core=True),  # fused scale-mask-softmax
+        _elementwise(scores, 2 * WORD + 1, core=True),  # dropout: read, write, 1-byte mask
+        _gemm(q, d, q, batch=heads, core=True),  # softmax · V
+    ] * pairs
+
+
+def _layer_ops(config: GPTConfig, b: int, t: int, cp: int = 1) -> list[_Op]:
+    """Forward operators of one transformer layer on one tensor (and context) rank, Megatron's
+    fused kernels; under context parallelism on the rank's b·s/cp tokens."""
+    h = config.hidden
+    tokens, f = b * config.seq_len // cp, config.ffn_hidden
     replicated = tokens * h // (t if config.sequence_parallel else 1)  # split only under sp
-    scores = b * (a // t) * s * s  # [b, a/t, s, s]
     return [
         _elementwise(replicated, 2 * WORD),  # layer norm 1: read x, write y
         _gemm(tokens, 3 * h // t, h),  # QKV, column-parallel
-        _gemm(s, s, d, batch=b * a // t, core=True),  # Q·Kᵀ
-        _elementwise(scores, 2 * WORD, core=True),  # fused scale-mask-softmax
-        _elementwise(scores, 2 * WORD + 1, core=True),  # dropout: read, write, 1-byte mask
-        _gemm(s, d, s, batch=b * a // t, core=True),  # softmax · V
+        *_attention_core_ops(config, b, t, cp),
         _gemm(tokens, h, h // t),  # projection, row-parallel
         _elementwise(replicated, 3 * WORD + 1),  # bias-dropout-add: out, residual -> sum, mask
         _elementwise(replicated, 2 * WORD),  # layer norm 2
@@ -185,10 +216,10 @@ def _layer_ops(config: GPTConfig, b: int, t: int) -> list[_Op]:
     ]
 
 
-def _output_ops(config: GPTConfig, b: int, t: int) -> list[_Op]:
+def _output_ops(config: GPTConfig, b: int, t: int, cp: int = 1) -> list[_Op]:
     """Final layer norm, logits over the padded vocabulary and the vocabulary-parallel cross
-    entropy (last stage)."""
-    tokens, h, vocab = b * config.seq_len, config.hidden, config.padded_vocab(t)
+    entropy (last stage), on b·s/cp tokens."""
+    tokens, h, vocab = b * config.seq_len // cp, config.hidden, config.padded_vocab(t)
     return [
         _elementwise(tokens * h // (t if config.sequence_parallel else 1), 2 * WORD),
         _gemm(tokens, vocab // t, h),
@@ -222,15 +253,19 @@ class _Cost:
                      self.weight + other.weight, self.flops + other.flops)
 
 
-def _train_cost(ops: list[_Op], recompute: str, hw: Hardware, eta: float) -> _Cost:
+def _train_cost(ops: list[_Op], recompute: str, hw: Hardware, eta: float,
+                ring: bool = False) -> _Cost:
     """Forward, backward and recomputed forward of ``ops``, one microbatch. A GEMM's backward is
     BACKWARD_GEMMS forwards: the input gradient and, for a GEMM with weights, the weights' (W);
     the attention core's two products have no weights, both halves are the input gradient's.
-    An elementwise backward costs BACKWARD_ELEMENTWISE forwards; recomputation one more."""
+    An elementwise backward costs BACKWARD_ELEMENTWISE forwards; recomputation one more. Ring
+    attention (``ring``, cp > 1) recomputes its core in backward whatever ``recompute`` is
+    (flash attention's way; costed as selective recomputation of the core)."""
     forward = backward = weight = flops = 0.0
     for op in ops:
         seconds = _op_time(op, hw, eta)
-        recomputed = recompute == "full" or (recompute == "selective" and op.attention_core)
+        recomputed = (recompute == "full") + (op.attention_core
+                                              and (ring or recompute == "selective"))
         passes = BACKWARD_GEMMS if op.gemm else BACKWARD_ELEMENTWISE
         weight_half = op.gemm and not op.attention_core
         forward += seconds
@@ -244,7 +279,8 @@ def _train_cost(ops: list[_Op], recompute: str, hw: Hardware, eta: float) -> _Co
 
 
 def _group_bandwidth(hw: Hardware, size: int, stride: int) -> float:
-    """Per-rank bandwidth of a ring over `size` ranks `stride` apart (tp fastest, then dp, pp)."""
+    """Per-rank bandwidth of a ring over `size` ranks `stride` apart (tp fastest, then cp, dp,
+    pp)."""
     if size * stride <= hw.gpus_per_node:
         return hw.intra_node_bandwidth
     members_per_node = max(1, hw.gpus_per_node // stride)
@@ -269,11 +305,11 @@ def _tensor_parallel_time(config: GPTConfig, layout: Layout, hw: Hardware, layer
     The output layer adds its input gradient (b·s·h) and the cross entropy's three b·s-float
     all-reduces (max, sum of exponentials, target logit).
     """
-    t = layout.tp
-    activation = layout.microbatch * config.seq_len * config.hidden * WORD
+    t, s = layout.tp, config.seq_len // layout.cp  # a context rank's tokens
+    activation = layout.microbatch * s * config.hidden * WORD
     bandwidth = _group_bandwidth(hw, t, 1)
     per_layer = 6 if config.recompute == "full" else 4
-    loss_bytes = layout.microbatch * config.seq_len * 4
+    loss_bytes = layout.microbatch * s * 4
     return ((layers * per_layer + 1) * _all_reduce(activation, t, bandwidth, hw)
             + 3 * _all_reduce(loss_bytes, t, bandwidth, hw))
 
@@ -282,14 +318,14 @@ def _pipeline_p2p_time(config: GPTConfig, layout: Layout, hw: Hardware,
                        scatter_gather: bool) -> float:
     """Sends on a stage's critical path per microbatch: one forward + one backward per chunk.
 
-    The message is b·s·h values. Across nodes each tensor rank sends only 1/t of it over its own
-    adapter and the receivers all-gather it over NVLink (2104.04473 §4.1); under sequence
+    The message is b·(s/cp)·h values. Across nodes each tensor rank sends only 1/t of it over its
+    own adapter and the receivers all-gather it over NVLink (2104.04473 §4.1); under sequence
     parallelism the tensor is already split by t and needs no gathering.
     """
     t, sp = layout.tp, config.sequence_parallel
     if layout.pp == 1:
         return 0.0
-    message = layout.microbatch * config.seq_len * config.hidden * WORD
+    message = layout.microbatch * config.seq_len // layout.cp * config.hidden * WORD
     if layout.world_size <= hw.gpus_per_node:
         one_send = hw.latency + message / hw.intra_node_bandwidth
     else:
@@ -300,18 +336,37 @@ def _pipeline_p2p_time(config: GPTConfig, layout: Layout, hw: Hardware,
     return 2 * layout.chunks * one_send
 
 
+def _context_parallel_time(config: GPTConfig, layout: Layout, hw: Hardware,
+                           core: _Cost) -> float:
+    """The ring's seconds per layer and microbatch that the attention core (``core``) does not
+    hide: cp − 1 hops of the K, V block (2·b·s·h/(t·cp) 16-bit values) forward, twice that
+    backward (K, V and their gradients), one more forward under full recomputation; each pass
+    overlapped with the core's own (``core``: its forward and backward, one microbatch):
+    max(0, ring − core)."""
+    cp = layout.cp
+    if cp == 1:
+        return 0.0
+    block = 2 * layout.microbatch * config.seq_len * config.hidden // (layout.tp * cp) * WORD
+    hop = hw.latency + block / _group_bandwidth(hw, cp, layout.tp)
+    forwards = 2 if config.recompute == "full" else 1
+    return (forwards * max(0.0, (cp - 1) * hop - core.forward)
+            + max(0.0, 2 * (cp - 1) * hop - core.backward))
+
+
 def _data_parallel_time(config: GPTConfig, layout: Layout, hw: Hardware,
                         precision: Precision) -> float:
-    """Gradient all-reduce over dp (ZeRO-1's reduce-scatter + all-gather moves the same bytes)."""
+    """Gradient all-reduce over the dp·cp ranks holding the same weights, tp apart (ZeRO-1's
+    reduce-scatter + all-gather moves the same bytes)."""
     grad_bytes = parameters_per_rank(config, layout) * precision.grads
-    bandwidth = _group_bandwidth(hw, layout.dp, layout.tp)
-    return _all_reduce(grad_bytes, layout.dp, bandwidth, hw)
+    ranks = layout.dp * layout.cp
+    return _all_reduce(grad_bytes, ranks, _group_bandwidth(hw, ranks, layout.tp), hw)
 
 
 def _optimizer_time(config: GPTConfig, layout: Layout, hw: Hardware,
                     precision: Precision) -> float:
-    """Adam is memory-bound: read gradient, master weight and moments, write them back."""
-    states = (precision.master + precision.adam) / (layout.dp if layout.zero1 else 1)
+    """Adam is memory-bound: read gradient, master weight and moments, write them back (ZeRO-1:
+    a 1/(dp·cp) shard of the states)."""
+    states = (precision.master + precision.adam) / (layout.dp * layout.cp if layout.zero1 else 1)
     per_param = precision.grads + 2 * states + precision.weights
     return parameters_per_rank(config, layout) * per_param / hw.memory_bandwidth
 
@@ -358,26 +413,30 @@ def predict(
     reported, not enforced). A ValueError if it cannot (``Layout.check``).
 
     `precision` defaults to Megatron's: 16-bit weights, fp32 gradient accumulation, fp32 master
-    weights and Adam moments (18 bytes per parameter).
+    weights and Adam moments (18 bytes per parameter). ``flops_per_iteration`` sums every rank's:
+    each of the t·cp ranks of a replica computes its part of every microbatch.
     """
     layout.check(config)
-    b, t, eta = layout.microbatch, layout.tp, gemm_efficiency
+    b, t, cp, eta = layout.microbatch, layout.tp, layout.cp, gemm_efficiency
     m, layers = layout.num_microbatches, config.num_layers // layout.pp
-    layer = _train_cost(_layer_ops(config, b, t), config.recompute, hw, eta)
-    out = _train_cost(_output_ops(config, b, t), "none", hw, eta)
+    layer = _train_cost(_layer_ops(config, b, t, cp), config.recompute, hw, eta, cp > 1)
+    out = _train_cost(_output_ops(config, b, t, cp), "none", hw, eta)
     # the last stage paces the pipeline: its layers plus the logits and the loss
     stage = layer.times(layers).plus(out)
     tensor = _tensor_parallel_time(config, layout, hw, layers)
+    core = _train_cost(_attention_core_ops(config, b, t, cp), "none", hw, eta, cp > 1)
+    ring = layers * _context_parallel_time(config, layout, hw, core)
     p2p = _pipeline_p2p_time(config, layout, hw, scatter_gather)
     time = TimeBreakdown(
         compute=m * stage.seconds,
-        bubble=_bubble(layout, stage, tensor + p2p),
+        bubble=_bubble(layout, stage, tensor + ring + p2p),
         tensor_parallel=m * tensor,
+        context_parallel=m * ring,
         pipeline_p2p=m * p2p,
         data_parallel=(1 - dp_overlap) * _data_parallel_time(config, layout, hw, precision),
         optimizer=_optimizer_time(config, layout, hw, precision),
     )
-    flops = layout.global_batch // b * t * (config.num_layers * layer.flops + out.flops)
+    flops = layout.global_batch // b * t * cp * (config.num_layers * layer.flops + out.flops)
     achieved = flops / (layout.world_size * time.total)
     return Prediction(
         config=config,
@@ -438,25 +497,29 @@ def candidate_layouts(
     recompute: tuple[str, ...] | None = None,
     sequence_parallel: tuple[bool, ...] | None = None,
     zero1: bool = False,
+    cp: tuple[int, ...] = (1,),
 ) -> Iterator[tuple[GPTConfig, Layout]]:
-    """Every tp (within a node) × pp × dp = num_gpus, microbatch b (B = dp·m·b), schedule and
-    chunk count a ``Layout`` accepts, each with ``config`` made to recompute and split the
-    sequence as each of ``recompute`` × ``sequence_parallel`` asks (None: as the config does).
-    Not yet checked against the model, the node or the memory: ``rejection_reason`` does."""
+    """Every tp (within a node) × cp (each of ``cp``) × pp × dp = num_gpus, microbatch b
+    (B = dp·m·b), schedule and chunk count a ``Layout`` accepts, each with ``config`` made to
+    recompute and split the sequence as each of ``recompute`` × ``sequence_parallel`` asks
+    (None: as the config does). Not yet checked against the model, the node or the memory:
+    ``rejection_reason`` does."""
     modes = list(product(recompute or (config.recompute,),
                          sequence_parallel or (config.sequence_parallel,)))
     variants = {mode: replace(config, recompute=mode[0], sequence_parallel=mode[1])
                 for mode in modes}
-    for tp in _divisors(math.gcd(hw.gpus_per_node, num_gpus)):
-        for pp in _divisors(num_gpus // tp):
-            dp = num_gpus // (tp * pp)
+    for tp, c in product(_divisors(math.gcd(hw.gpus_per_node, num_gpus)), cp):
+        if num_gpus % (tp * c):
+            continue
+        for pp in _divisors(num_gpus // (tp * c)):
+            dp = num_gpus // (tp * c * pp)
             if global_batch % dp:
                 continue
             for b, schedule, mode in product(_divisors(global_batch // dp), schedules, modes):
                 for v in _chunk_options(config, pp, schedule):
                     try:
                         layout = Layout(tp, pp, dp, schedule, v, b, global_batch // (dp * b),
-                                        zero1)
+                                        zero1, c)
                     except ValueError:  # a schedule this pipeline cannot run
                         continue
                     yield variants[mode], layout
@@ -477,16 +540,18 @@ def advise(
     sequence_parallel: tuple[bool, ...] | None = None,
     gemm_efficiency: float = GEMM_EFFICIENCY,
     dp_overlap: float = DP_OVERLAP,
+    cp: tuple[int, ...] = (1,),
 ) -> list[tuple[Layout, Prediction]]:
     """Layouts that split the model and fit in memory, fastest first (ties: least memory), each
     with its prediction (whose ``config`` says how it recomputes and splits the sequence).
 
-    `tp` / `pp` pin those sizes. GPipe is left out by default: the same bubble as 1F1B with m
-    microbatches in flight instead of p (2104.04473 §2.2.1), so it never ranks higher.
+    `tp` / `pp` pin those sizes; `cp`: the context-parallel sizes to search (world =
+    tp·cp·pp·dp). GPipe is left out by default: the same bubble as 1F1B with m microbatches in
+    flight instead of p (2104.04473 §2.2.1), so it never ranks higher.
     """
     ranked = []
     for variant, layout in candidate_layouts(config, global_batch, num_gpus, hw, schedules,
-                                             recompute, sequence_parallel, zero1):
+                                             recompute, sequence_parallel, zero1, cp):
         if (tp and layout.tp != tp) or (pp and layout.pp != pp):
             continue
         if rejection_reason(variant, layout, num_gpus, hw, precision=precision):

@@ -89,18 +89,21 @@ def saved_bytes(fn: Callable[[], object], exclude: Iterable[torch.Tensor] = ()) 
     return sum(kept.values())
 
 
-def layer_activation_bytes(config, group: CommGroup, microbatch: int) -> int:
+def layer_activation_bytes(config, group: CommGroup, microbatch: int,
+                           cp_group: CommGroup | None = None) -> int:
     """What one transformer layer of ``config`` keeps for backward on this tp rank, measured: a
     training-mode forward of a ``Block`` on a [b, s, h] input ([b, s/t, h] under sequence
-    parallelism), wrapped like the model wraps it under ``config.recompute``."""
+    parallelism; this context rank's [b, s/cp, h] with a ``cp_group``, attention by the ring),
+    wrapped like the model wraps it under ``config.recompute``."""
     from megatron_edu.model.transformer import Block
     from megatron_edu.tensor_parallel.init import init_parameters
     from megatron_edu.tensor_parallel.random import DropoutKey, checkpoint
 
     block = Block(replace(config, recompute="none" if config.recompute == "full"
-                          else config.recompute), group)
+                          else config.recompute), group, 0, cp_group)
     init_parameters(block, config.seed, group)
     parts = group.size if config.sequence_parallel and group.size > 1 else 1
+    parts *= 1 if cp_group is None else cp_group.size
     x = torch.randn(microbatch, config.seq_len // parts, config.hidden, requires_grad=True)
     key = DropoutKey.first(microbatch)
     if config.recompute == "full":   # 2104.04473 §3.5: the model keeps only the layer's input

@@ -11,10 +11,18 @@ References
   forward stores its activations, the backward frees them — or, when the schedule splits the
   backward, the weight-gradient pass W does (GPipe m, 1F1B p − rank, ZB-H1 p, ZB-H2 2p − 1).
 - Rajbhandari et al. 2019, ZeRO (arXiv 1910.02054) §3: 2 + 2 + 12 = 16 bytes per parameter in
-  mixed precision; stage 1 (Megatron's distributed optimizer) shards the optimizer over dp.
+  mixed precision; stage 1 (Megatron's distributed optimizer) shards the optimizer over the ranks
+  that hold the same weights: dp, and under context parallelism dp·cp (megatron-core's).
+- Liu et al. 2023, ring attention (arXiv 2310.01889), and megatron-core's context parallelism:
+  a cp rank holds s/cp tokens of every sequence, so every s·b·h and s·b·V term is (s/cp)·b·h and
+  (s/cp)·b·V. The attention core is a ring (``context_parallel.ring_attention``) that never
+  stores the [s, s] scores: instead of the 5·a·s²·b/t of the softmax, its dropout mask and
+  output it keeps its output (s/cp)·b·h/t and the log-sum-exp a·(s/cp)·b/t (fp32), recomputing
+  the scores and the masks block by block in backward (flash attention's way). Selective
+  recomputation has nothing left to drop there; full recomputation keeps the layer input.
 
 The model's sizes, its recomputation and sequence parallelism come from the config, the split
-(tp, pp, dp, schedule, chunks, microbatches, ZeRO-1) from the layout, and whether the layout can
+(tp, cp, pp, dp, schedule, chunks, microbatches, ZeRO-1) from the layout, and whether the layout can
 split the model is the layout's rule (``Layout.check``), asked once. Bytes are exact integers;
 ``str(estimate)`` reads in GiB.
 """
@@ -97,6 +105,7 @@ def parameters_per_rank(config: GPTConfig, layout: Layout, stage: int = 0) -> in
 
 _KEPT_UNLESS_FULL = ("none", "selective")  # full recomputation reruns the whole layer
 _ATTENTION_CORE = ("none",)  # selective recomputation reruns softmax, its dropout and ·V
+_ANY, _SCORES, _RING = "any", "scores", "ring"  # the rows of any cp, of cp = 1, of cp > 1
 
 
 @dataclass(frozen=True)
@@ -104,21 +113,25 @@ class _Saved:
     """A tensor autograd keeps for the backward pass (2205.05198 §4.1)."""
 
     what: str
-    count: int  # how many units of `unit`
-    unit: str  # "sbh", "as2b" (attention scores) or "sbV" (logits)
+    count: int  # how many units of `unit` (s: the s/cp tokens of a context-parallel rank)
+    unit: str  # "sbh", "as2b" (attention scores), "asb" (one per head and token), "sbV" (logits)
     split: str  # "tp": split over tensor ranks; "seq": split only under sequence parallelism
     dtype: str  # "value" (activation bytes), "mask" (1 byte), "fp32" (4 bytes)
     kept_with: tuple[str, ...] = RECOMPUTE  # recompute modes under which it stays saved
     needs_dropout: bool = False
+    attention: str = _ANY  # _SCORES: saved by the op-by-op core (cp = 1); _RING: by the ring
 
 
 _LAYER = (  # one transformer layer; 16-bit: 10·sbh replicated + 24·sbh/t + 5·as²b/t
     _Saved("layer norm 1 input (= layer input)", 1, "sbh", "seq", "value"),
     _Saved("QKV input", 1, "sbh", "seq", "value", _KEPT_UNLESS_FULL),
     _Saved("Q and K", 2, "sbh", "tp", "value", _KEPT_UNLESS_FULL),
-    _Saved("softmax output", 1, "as2b", "tp", "value", _ATTENTION_CORE),
-    _Saved("attention dropout mask", 1, "as2b", "tp", "mask", _ATTENTION_CORE, True),
-    _Saved("attention dropout output", 1, "as2b", "tp", "value", _ATTENTION_CORE, True),
+    _Saved("softmax output", 1, "as2b", "tp", "value", _ATTENTION_CORE, attention=_SCORES),
+    _Saved("attention dropout mask", 1, "as2b", "tp", "mask", _ATTENTION_CORE, True, _SCORES),
+    _Saved("attention dropout output", 1, "as2b", "tp", "value", _ATTENTION_CORE, True, _SCORES),
+    _Saved("ring attention output", 1, "sbh", "tp", "value", _KEPT_UNLESS_FULL, attention=_RING),
+    _Saved("ring attention log-sum-exp", 1, "asb", "tp", "fp32", _KEPT_UNLESS_FULL,
+           attention=_RING),
     _Saved("V", 1, "sbh", "tp", "value", _KEPT_UNLESS_FULL),
     _Saved("projection input", 1, "sbh", "tp", "value", _KEPT_UNLESS_FULL),
     _Saved("projection dropout mask", 1, "sbh", "seq", "mask", _KEPT_UNLESS_FULL, True),
@@ -137,15 +150,20 @@ _OUTPUT = (  # 2205.05198 §4.3: 4·sbh/t·(1 + V/h) with sequence parallelism
 
 
 def _saved_bytes(table: tuple[_Saved, ...], config: GPTConfig, microbatch: int, tp: int,
-                 recompute: str, bytes_per_value: int, dropout: bool | None) -> int:
-    """Bytes of the tensors of ``table`` that stay saved under ``recompute``, per tensor rank."""
-    s, b, h, a = config.seq_len, microbatch, config.hidden, config.num_heads
-    units = {"sbh": s * b * h, "as2b": a * s * s * b, "sbV": s * b * config.padded_vocab(tp)}
+                 recompute: str, bytes_per_value: int, dropout: bool | None, cp: int) -> int:
+    """Bytes of the tensors of ``table`` that stay saved under ``recompute``, per tensor and
+    context rank: s is the s/cp tokens a cp rank holds; the attention core's rows are the
+    scores' at cp = 1, the ring's at cp > 1."""
+    s, b, h, a = config.seq_len // cp, microbatch, config.hidden, config.num_heads
+    units = {"sbh": s * b * h, "as2b": a * s * s * b, "asb": a * s * b,
+             "sbV": s * b * config.padded_vocab(tp)}
     dtype_bytes = {"value": bytes_per_value, "mask": 1, "fp32": 4}
     dropout = config.dropout > 0 if dropout is None else dropout
+    core = _RING if cp > 1 else _SCORES
     total = 0
     for x in table:
-        if recompute not in x.kept_with or (x.needs_dropout and not dropout):
+        if (recompute not in x.kept_with or (x.needs_dropout and not dropout)
+                or x.attention not in (_ANY, core)):
             continue
         shards = tp if x.split == "tp" or config.sequence_parallel else 1
         total += x.count * units[x.unit] // shards * dtype_bytes[x.dtype]
@@ -153,25 +171,28 @@ def _saved_bytes(table: tuple[_Saved, ...], config: GPTConfig, microbatch: int, 
 
 
 def activation_bytes_per_layer(config: GPTConfig, microbatch: int, *, tp: int = 1,
-                               bytes_per_value: int = 2, dropout: bool | None = None) -> int:
+                               bytes_per_value: int = 2, dropout: bool | None = None,
+                               cp: int = 1) -> int:
     """Bytes one transformer layer saves for its backward, per tensor rank (2205.05198 §4), under
     ``config.recompute`` and ``config.sequence_parallel``; ``dropout`` None: whether the config
-    has dropout (its 1-byte masks are saved)."""
+    has dropout (its 1-byte masks are saved). At ``cp`` > 1, per context rank: s/cp tokens,
+    and ring attention's output and log-sum-exp where the scores were (2310.01889)."""
     return _saved_bytes(_LAYER, config, microbatch, tp, config.recompute, bytes_per_value,
-                        dropout)
+                        dropout, cp)
 
 
 def output_layer_activation_bytes(config: GPTConfig, microbatch: int, *, tp: int = 1,
-                                  bytes_per_value: int = 2) -> int:
+                                  bytes_per_value: int = 2, cp: int = 1) -> int:
     """Final layer norm, output layer and the fp32 logits over the padded vocabulary (never
-    recomputed; 2205.05198 §4.3)."""
-    return _saved_bytes(_OUTPUT, config, microbatch, tp, "none", bytes_per_value, False)
+    recomputed; 2205.05198 §4.3), of the s/cp tokens of a context rank."""
+    return _saved_bytes(_OUTPUT, config, microbatch, tp, "none", bytes_per_value, False, cp)
 
 
 def embedding_activation_bytes(config: GPTConfig, microbatch: int, *, tp: int = 1,
-                               dropout: bool | None = None) -> int:
-    """The embedding's dropout mask (2205.05198 §4.3); the lookup itself saves only indices."""
-    return _saved_bytes(_EMBEDDING, config, microbatch, tp, "none", 1, dropout)
+                               dropout: bool | None = None, cp: int = 1) -> int:
+    """The embedding's dropout mask (2205.05198 §4.3) of the s/cp tokens of a context rank; the
+    lookup itself saves only indices."""
+    return _saved_bytes(_EMBEDDING, config, microbatch, tp, "none", 1, dropout, cp)
 
 
 # ---- activations, per pipeline rank: read off the schedule --------------------------------------
@@ -222,18 +243,19 @@ def forwards_in_flight(layout: Layout, stage: int = 0) -> list[int]:
 
 def activation_bytes_per_rank(config: GPTConfig, layout: Layout, stage: int = 0, *,
                               bytes_per_value: int = 2, dropout: bool | None = None) -> int:
-    """Activations a GPU of pipeline rank ``stage`` holds at its peak.
+    """Activations a GPU of pipeline rank ``stage`` holds at its peak (of its s/cp tokens under
+    context parallelism, ``layout.cp``).
 
     Each chunk's microbatch weighs its layers' bytes, plus the embedding's on the chunk of the
     first stage and the output layer's on the chunk of the last; the peak is the heaviest moment
     of the schedule (right after a forward). While one layer runs its backward, what
     recomputation rebuilt for it is alive too.
     """
-    b, t, stages = layout.microbatch, layout.tp, layout.stages
+    b, t, cp, stages = layout.microbatch, layout.tp, layout.cp, layout.stages
 
     def layer(keeping: GPTConfig) -> int:
         return activation_bytes_per_layer(keeping, b, tp=t, bytes_per_value=bytes_per_value,
-                                          dropout=dropout)
+                                          dropout=dropout, cp=cp)
 
     kept = layer(config)
     per_chunk = []
@@ -241,10 +263,10 @@ def activation_bytes_per_rank(config: GPTConfig, layout: Layout, stage: int = 0,
         held = stages.stage(stage, chunk)
         weight = config.num_layers // stages.num_stages * kept
         if held == 0:
-            weight += embedding_activation_bytes(config, b, tp=t, dropout=dropout)
+            weight += embedding_activation_bytes(config, b, tp=t, dropout=dropout, cp=cp)
         if held == stages.num_stages - 1:
             weight += output_layer_activation_bytes(config, b, tp=t,
-                                                    bytes_per_value=bytes_per_value)
+                                                    bytes_per_value=bytes_per_value, cp=cp)
         per_chunk.append(weight)
     peak = int((_held(layout, stage) @ np.array(per_chunk, dtype=np.int64)).max())
     # while one layer runs its backward, what recomputation rebuilt for it is alive too
@@ -256,8 +278,9 @@ def memory_per_rank(config: GPTConfig, layout: Layout, *, precision: Precision =
                     dropout: bool | None = None, stage: int | None = None) -> MemoryEstimate:
     """Peak bytes on one GPU of pipeline rank ``stage``; by default the fuller of the ranks that
     hold the first and the last stage (middle ranks hold the same layers, no embedding and no
-    more microbatches). ``layout.zero1`` shards the master weights and Adam's moments over dp.
-    A ValueError if ``layout`` cannot split ``config``'s model (``Layout.check``)."""
+    more microbatches). ``layout.zero1`` shards the master weights and Adam's moments over the
+    dp·cp ranks that hold the same weights. A ValueError if ``layout`` cannot split ``config``'s
+    model (``Layout.check``)."""
     layout.check(config)
     if stage is None:
         ends = sorted({layout.stages.first_rank, layout.stages.last_rank})
@@ -266,7 +289,7 @@ def memory_per_rank(config: GPTConfig, layout: Layout, *, precision: Precision =
     params = parameters_per_rank(config, layout, stage)
     optimizer = params * (precision.master + precision.adam)
     if layout.zero1:
-        optimizer = -(-optimizer // layout.dp)  # ceil: the last shard may be padded
+        optimizer = -(-optimizer // (layout.dp * layout.cp))  # ceil: the last shard padded
     activations = activation_bytes_per_rank(config, layout, stage,
                                             bytes_per_value=precision.activation, dropout=dropout)
     return MemoryEstimate(params * precision.weights, params * precision.grads, optimizer,
