@@ -115,7 +115,7 @@ def save_checkpoint(out_dir: str | Path, step: int, trainer: PTDP,
         meta = {"format": FORMAT, "step": step, "config": vars(trainer.config),
                 "layout": {"tp": grid.tp, "pp": grid.pp, "dp": grid.dp,
                            **({"cp": grid.cp} if grid.cp > 1 else {}),
-                           "num_chunks": trainer.layout.chunks, "zero1": trainer.layout.zero1},
+                           "num_chunks": trainer.layout.chunks, "zero": trainer.layout.zero},
                 "state": state or {},
                 "tokenizer": TOKENIZER if tokenizer is not None else None,
                 **_describe(staging, grid.pp),
@@ -129,10 +129,11 @@ def save_checkpoint(out_dir: str | Path, step: int, trainer: PTDP,
     try:
         phases.run(prepare, grid.rank == 0)
         place = f"tp{grid.tp_rank}_pp{grid.pp_rank}"
-        shards = _local_shards(trainer)
+        with trainer.gathered():                       # ZeRO-3: whole for a moment
+            shards = _local_shards(trainer)
         phases.run(lambda: torch.save(shards, staging / f"model_{place}.pt"),
                    grid.dp_rank == grid.cp_rank == 0)      # the cp ranks hold the same weights
-        if trainer.layout.zero1:
+        if trainer.layout.zero:
             pieces = _optimizer_pieces(trainer)
             owner = grid.dp_cp_group.rank             # ZeRO-1 shards over dp × cp
             phases.run(lambda: torch.save(pieces, staging / f"optim_{place}_dp{owner}.pt"), True)
@@ -151,7 +152,7 @@ class NonFiniteError(CheckpointError):
 def _finite(trainer: PTDP) -> bool:
     """Are this rank's weights and AdamW moments (under ZeRO-1 its shard of them) finite?"""
     states = trainer.optimizer.state.values()
-    tensors = [*trainer.parameters(), *(s[k] for s in states for k in MOMENTS if k in s)]
+    tensors = [*trainer.ddp.held_params(), *(s[k] for s in states for k in MOMENTS if k in s)]
     return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
@@ -233,7 +234,7 @@ def _local_shards(trainer: PTDP) -> dict[str, Any]:
     """This rank's parameter shards by name (vocabulary padding included), and — unless ZeRO-1
     shards them over dp (``_optimizer_pieces``) — their AdamW moments, each copied to the CPU
     on its own."""
-    states = {} if trainer.layout.zero1 else trainer.optimizer.state
+    states = {} if trainer.layout.zero else trainer.optimizer.state
     params, moments, tp_dims = {}, {}, {}
     for chunk in trainer.chunks:
         for name, p in chunk.named_parameters():
@@ -261,7 +262,7 @@ def _adam_step(trainer: PTDP) -> float:
     """AdamW's step count (0 before the first step). Under ZeRO-1 a dp rank may own no piece,
     hence no state: the count comes from the ranks that have one (a collective over dp × cp)."""
     steps = [float(s["step"]) for s in trainer.optimizer.state.values() if "step" in s]
-    if not trainer.layout.zero1:
+    if not trainer.layout.zero:
         return max(steps, default=0.0)
     mine = torch.tensor([float(bool(steps)), max(steps, default=0.0)], dtype=torch.float64,
                         device=trainer.grid.device)
@@ -385,7 +386,8 @@ class _Shards:
         self.path, self.vocab = Path(meta["path"]), meta["config"]["vocab_size"]
         self.tp, pp = meta["layout"]["tp"], meta["layout"]["pp"]
         layout = meta["layout"]
-        self.zero1 = layout.get("zero1", False)    # then so many optim_… files per place:
+        self.zero = layout.get("zero", int(layout.get("zero1", False)))  # then so many optim_…
+                                                   # files per place:
         self.owners = layout["dp"] * layout.get("cp", 1)   # the ranks sharing the optimizer
         described = meta if "index" in meta else _describe(self.path, pp)
         self.index, self.adam_step = described["index"], described["adam_step"]
@@ -449,7 +451,7 @@ class _Shards:
                             saved.numel()))
 
     def _saved(self, file: str, name: str, kind: str) -> torch.Tensor:
-        if kind != "param" and self.zero1:
+        if kind != "param" and self.zero:
             return self._assembled(file, name, kind)
         try:
             saved = self._file(file)
@@ -492,8 +494,9 @@ def load_checkpoint(path: str | Path, trainer: PTDP) -> dict[str, Any]:
     """
     meta = read_metadata(path)
     check_model(meta, trainer.config)
-    by_param = _read_chunks(_Shards(meta, trainer.grid), trainer.chunks, trainer.grid,
-                            moments=True)
+    with trainer.gathered():                           # ZeRO-3: each keeps its shard
+        by_param = _read_chunks(_Shards(meta, trainer.grid), trainer.chunks, trainer.grid,
+                                moments=True)
     _load_optimizer(trainer, by_param)
     trainer.iteration = meta["step"]
     return meta
@@ -530,7 +533,7 @@ def _read_chunks(shards: _Shards, chunks, grid: ParallelGrid,
 def _load_optimizer(trainer: PTDP, by_param: dict) -> None:
     if not by_param:
         return                                   # saved before the first step
-    if trainer.layout.zero1:
+    if trainer.layout.zero:
         trainer.optimizer.load_param_states(by_param)
     else:
         for p, state in by_param.items():

@@ -50,8 +50,9 @@ class Layout:
     """How one run is split: tp × pp × dp ranks; the pipeline ``schedule`` (a name of
     ``pipeline.schedules.SCHEDULES``) with ``chunks`` model chunks per rank (None: the
     schedule's own — 2 for ZB-V, else 1); ``num_microbatches`` m of ``microbatch`` b sequences
-    per replica and step; ``zero1``: the optimizer state sharded over dp × cp (the ranks that hold
-    the same weights); ``cp``: context-parallel ranks per replica. A ValueError naming the
+    per replica and step; ``zero``: the ZeRO stage — 1 shards the optimizer state over the dp × cp
+    ranks that hold the same weights, 2 the gradients too, 3 the parameters too
+    (``data_parallel``); ``cp``: context-parallel ranks per replica. A ValueError naming the
     numbers if any of it cannot work."""
 
     tp: int = 1
@@ -61,7 +62,7 @@ class Layout:
     chunks: int | None = None
     microbatch: int = 1
     num_microbatches: int = 1
-    zero1: bool = False
+    zero: int = 0
     cp: int = 1
 
     def __post_init__(self) -> None:
@@ -69,6 +70,8 @@ class Layout:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"zero is a ZeRO stage 0, 1, 2 or 3, got {self.zero!r}")
         v = check_layout(self.schedule, self.pp, self.num_microbatches, self.chunks)
         if v > 1 and self.pp == 1:
             raise ValueError(f"{v} model chunks per rank need a pipeline (pp ≥ 2): with one "
@@ -97,6 +100,12 @@ class Layout:
         """Raise a ValueError naming the numbers if ``config``'s model cannot be split this way:
         tp must divide the heads and the MLP, the pp · v stages the layers."""
         config.validate(self.tp, self.pp, self.chunks, self.cp)
+        if self.zero >= 2 and (self.pp > 1 or self.make_schedule().splits_backward):
+            raise ValueError(f"ZeRO-{self.zero} reduce-scatters the gradients in every backward "
+                             f"pass (and ZeRO-3 gathers the weights for each): with pp = "
+                             f"{self.pp} and the {self.schedule} schedule that is every "
+                             "microbatch's; Megatron pairs pipelines with ZeRO-1 (2104.04473 §3), "
+                             "as DeepSpeed does: use zero = 1, or pp = 1 with 1f1b")
         if config.async_tp and self.make_schedule().splits_backward:  # B and W: one node here
             raise ValueError(f"async_tp computes dX and dW in one node: {self.schedule}'s B/W "
                              "split would run it, and its collectives, twice")

@@ -47,6 +47,7 @@ Started from the same seed, every layout takes the serial model's steps (tests/t
 from __future__ import annotations
 
 import math
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -108,18 +109,24 @@ class PTDP:
         # the last stage's copy: its original, on the first stage, is the one the norm counts
         self.tied_copies = [c.embedding.word.weight for c in self.chunks
                             if c.last and not c.first and self.tied]
+        zero = self.layout.zero
         self.ddp = DataParallel(self.chunks, grid.dp_cp_group, options.bucket_mb, options.overlap,
-                                sharded=self.layout.zero1, average=False,
-                                alone=self.tied if self.layout.zero1 else ())
+                                zero=zero, average=False, alone=self.tied if zero else (),
+                                units=[b for c in self.chunks for b in c.blocks.values()])
         groups = build_param_groups(self.chunks, options.weight_decay)
         adamw = dict(lr=options.lr, betas=options.betas, eps=options.eps)
         self.optimizer = (DistributedOptimizer(groups, self.ddp, torch.optim.AdamW, **adamw)
-                          if self.layout.zero1 else torch.optim.AdamW(groups, **adamw))
+                          if zero else torch.optim.AdamW(groups, **adamw))
         self.loss_scale = DynamicLossScale() if options.loss_scaling else None
         self.sequence_parts = grid.tp if config.sequence_parallel else 1
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return [p for chunk in self.chunks for p in chunk.parameters()]
+
+    def gathered(self) -> AbstractContextManager:
+        """Inside, every parameter is whole (ZeRO-3 gathers them, and keeps what is written
+        into them; otherwise they are): to save, load or sample from the model."""
+        return self.ddp.sharding.gathered() if self.ddp.sharding is not None else nullcontext()
 
     def train_step(self, input_ids: torch.Tensor, labels: torch.Tensor, lr: float) -> StepResult:
         """One optimizer step on this replica's slice [b/dp, s] of the global batch."""
@@ -132,8 +139,7 @@ class PTDP:
         self._sum_tied_embedding_grads()
         self._sum_sequence_parallel_grads()
         if scale != 1.0:
-            for bucket in self.ddp.buckets:              # every gradient lives in a bucket
-                bucket.grad_data.mul_(1.0 / scale)
+            torch._foreach_mul_(self.ddp.held_grads(), 1.0 / scale)  # all live in buckets
         grad_norm = self._clip()
         skipped = not math.isfinite(grad_norm)
         if not skipped:
@@ -175,23 +181,18 @@ class PTDP:
         local, and nothing is sent."""
         if not self.tied:
             return
-        grads = [self._owned_grad(p) if self.layout.zero1 else p.grad for p in self.tied]
+        grads = [self.ddp.bucket_of(p).grad_shard if self.layout.zero else p.grad
+                 for p in self.tied]                       # ZeRO: the shard this rank owns
         total = comm.all_reduce(sum(grads), self.grid.embedding_group, "embedding grads")
         for grad in grads:
             grad.copy_(total)
-
-    def _owned_grad(self, param: torch.nn.Parameter) -> torch.Tensor:
-        """ZeRO-1: the part of ``param``'s bucket whose update this rank of dp × cp owns."""
-        bucket = self.ddp.bucket_of(param)
-        start, end = bucket.shard(self.ddp.group.rank)
-        return bucket.grad_data[start:end]
 
     def _sum_sequence_parallel_grads(self) -> None:
         """Sequence parallelism: each tp rank has the replicated parameters' gradients of its
         part of the sequence only; sum them over tp (under ZeRO-1, the shard this rank holds)."""
         if self.sequence_parts == 1:
             return
-        if self.layout.zero1:
+        if self.layout.zero:
             grads = [piece.tensor.grad for piece in self.optimizer.pieces
                      if piece.param.tp_dim is None]
         else:
@@ -200,7 +201,7 @@ class PTDP:
 
     def _clip(self) -> float:
         max_norm = self.options.clip if self.options.clip > 0 else float("inf")
-        if self.layout.zero1:
+        if self.layout.zero:
             return self.optimizer.clip_grad_norm_(max_norm, self.grid, self.tied_copies)
         return clip_grad_norm_(self.parameters(), max_norm, self.grid, self.tied_copies)
 

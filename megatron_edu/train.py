@@ -115,7 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
     layout.add_argument("--chunks", type=positive_int, help="model chunks per pipeline rank v "
                         "(the interleaved schedule needs it; default: the schedule's own, zb-v 2, "
                         "others 1)")
-    layout.add_argument("--zero1", action="store_true", help="shard optimizer state over dp")
+    layout.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0,
+                        help="ZeRO stage: 1 shards the optimizer state over dp (× cp), 2 the "
+                        "gradients too, 3 the weights too (FSDP); 2 and 3 need pp = 1")
+    layout.add_argument("--zero1", action="store_const", dest="zero", const=1,
+                        help="the same as --zero 1")
     layout.add_argument("--no-scatter-gather", action="store_true",
                         help="send whole activations between stages (§4.1 off)")
     model = p.add_argument_group("model")
@@ -232,7 +236,7 @@ def validate(args: argparse.Namespace, world_size: int | None = None) -> Plan:
         raise ValueError(f"global batch {args.global_batch} is not divisible by dp·micro-batch "
                          f"= {args.dp}·{args.micro_batch}: each replica runs whole microbatches")
     layout = Layout(args.tp, args.pp, args.dp, args.schedule, args.chunks, args.micro_batch,
-                    args.global_batch // (args.dp * args.micro_batch), args.zero1, args.cp)
+                    args.global_batch // (args.dp * args.micro_batch), args.zero, args.cp)
     layout.check_world(world)
     config = model_config(args)
     layout.check(config)
@@ -571,14 +575,15 @@ def _sample(args, trainer: PTDP, prompt: list[int]) -> list[int]:
     if min(args.sample_tokens, room) <= 0:
         return []
     from megatron_edu.generate import generate
-    chunks = trainer.chunks
-    if trainer.config.sequence_parallel:
-        chunks = build_chunks(replace(trainer.config, sequence_parallel=False), trainer.grid,
-                              trainer.schedule.stages)
-        for twin, chunk in zip(chunks, trainer.chunks, strict=True):
-            twin.load_state_dict(chunk.state_dict())
-    return generate(chunks, trainer.grid, prompt, min(args.sample_tokens, room), top_k=20,
-                    seed=args.seed)
+    with trainer.gathered():                          # ZeRO-3: the whole weights, for a moment
+        chunks = trainer.chunks
+        if trainer.config.sequence_parallel:
+            chunks = build_chunks(replace(trainer.config, sequence_parallel=False), trainer.grid,
+                                  trainer.schedule.stages)
+            for twin, chunk in zip(chunks, trainer.chunks, strict=True):
+                twin.load_state_dict(chunk.state_dict())
+        return generate(chunks, trainer.grid, prompt, min(args.sample_tokens, room), top_k=20,
+                        seed=args.seed)
 
 
 def _perplexity(loss: float) -> float:

@@ -28,13 +28,13 @@ CONFIG = GPTConfig(vocab_size=200, seq_len=8, num_layers=4, hidden=32, num_heads
 KINDS = ("param", *MOMENTS)
 
 
-def _trainer(tp, pp, dp=1, zero1=False):
-    return PTDP(CONFIG, ParallelGrid(Layout(tp, pp, dp, zero1=zero1)), PTDPOptions(lr=1e-2))
+def _trainer(tp, pp, dp=1, zero=0):
+    return PTDP(CONFIG, ParallelGrid(Layout(tp, pp, dp, zero=zero)), PTDPOptions(lr=1e-2))
 
 
-def _save(out, tp, pp, dp, zero1):
+def _save(out, tp, pp, dp, zero):
     """In a rank: one optimizer step (so that there are moments), then a checkpoint."""
-    trainer = _trainer(tp, pp, dp, zero1)
+    trainer = _trainer(tp, pp, dp, zero)
     ids = torch.randint(0, CONFIG.vocab_size, (4, CONFIG.seq_len + 1),
                         generator=torch.Generator().manual_seed(0))
     mine = slice(trainer.grid.dp_rank * 4 // dp, (trainer.grid.dp_rank + 1) * 4 // dp)
@@ -50,7 +50,7 @@ def _whole_path(path):
     whole = {kind: {} for kind in KINDS}
     for stage in range(layout["pp"]):
         files = [torch.load(path / f"model_tp{t}_pp{stage}.pt") for t in range(layout["tp"])]
-        if layout["zero1"]:    # the moments: every dp rank's pieces of each shard, in place
+        if layout["zero"]:     # the moments: every dp rank's pieces of each shard, in place
             for t, f in enumerate(files):
                 f["moments"] = {name: {k: torch.zeros_like(p) for k in MOMENTS}
                                 for name, p in f["params"].items()}
@@ -83,25 +83,26 @@ def _held(name, p, tp_rank):
     return p.shape[1] * len(range(tp_rank * rows, min((tp_rank + 1) * rows, CONFIG.vocab_size)))
 
 
-def _load(path, tp, pp, dp, zero1):
+def _load(path, tp, pp, dp, zero):
     """In a rank: load into a trainer whose weights are NaN; what it read, what differs from
-    the whole-tensor path, and what it holds."""
-    trainer = _trainer(tp, pp, dp, zero1)
-    with torch.no_grad():
+    the whole-tensor path, and what it holds (ZeRO-3: gathered to be read and written)."""
+    trainer = _trainer(tp, pp, dp, zero)
+    with torch.no_grad(), trainer.gathered():
         for p in trainer.parameters():
             p.fill_(float("nan"))
     with checkpoint._record_reads() as reads:
         checkpoint.load_checkpoint(path, trainer)
-    states = trainer.optimizer.param_states() if zero1 else trainer.optimizer.state
+    states = trainer.optimizer.param_states() if zero else trainer.optimizer.state
     whole, group = _whole_path(path), trainer.grid.tp_group
     wrong, held = [], {}
-    for chunk in trainer.chunks:
-        for name, p in chunk.named_parameters():
-            held[name] = _held(name, p, group.rank)
-            got = {"param": p, **{k: states[p][k] for k in MOMENTS}}
-            wrong += [(name, kind) for kind in KINDS
-                      if not torch.equal(got[kind], _cut(whole[kind][name], name, p, group))]
-            wrong += [(name, "step")] if float(states[p]["step"]) != 1.0 else []
+    with trainer.gathered():
+        for chunk in trainer.chunks:
+            for name, p in chunk.named_parameters():
+                held[name] = _held(name, p, group.rank)
+                got = {"param": p, **{k: states[p][k] for k in MOMENTS}}
+                wrong += [(name, kind) for kind in KINDS
+                          if not torch.equal(got[kind], _cut(whole[kind][name], name, p, group))]
+                wrong += [(name, "step")] if float(states[p]["step"]) != 1.0 else []
     return {"reads": reads, "wrong": wrong, "held": held,
             "coords": (trainer.grid.tp_rank, trainer.grid.pp_rank)}
 
@@ -109,7 +110,7 @@ def _load(path, tp, pp, dp, zero1):
 @pytest.fixture(scope="module")
 def layouts(tmp_path_factory):
     """saved(layout) -> checkpoint folder; loaded(saved layout, new layout) -> rank results.
-    A layout is (tp, pp, dp, zero1); each is saved and each pair loaded once."""
+    A layout is (tp, pp, dp, ZeRO stage); each is saved and each pair loaded once."""
     root, folders, results = tmp_path_factory.mktemp("checkpoints"), {}, {}
 
     def saved(layout):
@@ -128,7 +129,7 @@ def layouts(tmp_path_factory):
     return saved, loaded
 
 
-TP2PP2 = (2, 2, 1, False)
+TP2PP2 = (2, 2, 1, 0)
 
 
 def _read(result):
@@ -155,7 +156,7 @@ def test_a_rank_of_the_same_layout_reads_exactly_its_own_file(layouts):
 
 def test_a_stage_of_another_pipeline_reads_only_its_names(layouts):
     _, loaded = layouts
-    for result in loaded(TP2PP2, (1, 4, 1, False)):
+    for result in loaded(TP2PP2, (1, 4, 1, 0)):
         stage = result["coords"][1]             # its layers are in saved stage stage // 2
         assert {r.name for r in result["reads"]} == set(result["held"])
         assert {r.file for r in result["reads"]} == {                 # the embedding included
@@ -165,7 +166,7 @@ def test_a_stage_of_another_pipeline_reads_only_its_names(layouts):
 
 def test_a_tp4_rank_reads_only_its_quarter_of_each_split_tensor(layouts):
     _, loaded = layouts
-    results = loaded(TP2PP2, (4, 1, 1, False))
+    results = loaded(TP2PP2, (4, 1, 1, 0))
     for result in results:
         tp_rank = result["coords"][0]           # its quarter lies in saved half tp_rank // 2
         assert {r.file for r in result["reads"] if r.name != WORD_EMBEDDING} == {
@@ -181,13 +182,15 @@ def test_a_tp4_rank_reads_only_its_quarter_of_each_split_tensor(layouts):
 
 
 @pytest.mark.parametrize(("source", "target"), [
-    (TP2PP2, (1, 4, 1, False)),
-    (TP2PP2, (4, 1, 1, False)),
-    (TP2PP2, (1, 1, 1, False)),
-    ((1, 4, 1, False), TP2PP2),
-    ((4, 1, 1, False), (1, 2, 2, True)),
-    ((2, 1, 2, True), (4, 1, 1, False)),
-    ((1, 1, 1, False), TP2PP2),
+    (TP2PP2, (1, 4, 1, 0)),
+    (TP2PP2, (4, 1, 1, 0)),
+    (TP2PP2, (1, 1, 1, 0)),
+    ((1, 4, 1, 0), TP2PP2),
+    ((4, 1, 1, 0), (1, 2, 2, 1)),
+    ((2, 1, 2, 1), (4, 1, 1, 0)),
+    ((1, 1, 1, 0), TP2PP2),
+    ((1, 1, 4, 3), (2, 1, 2, 1)),           # ZeRO-3 at dp = 4 read as ZeRO-1 at dp = 2
+    ((2, 1, 2, 1), (2, 1, 2, 3)),
 ])
 def test_loaded_values_equal_the_whole_tensor_path(layouts, source, target):
     _, loaded = layouts
@@ -199,7 +202,7 @@ def test_under_zero1_each_dp_rank_saves_its_own_shard_of_the_moments(layouts):
     """Nothing gathers the whole optimizer state: the model file holds no moments, and the dp
     ranks' files hold each moment element once, half each at dp = 2."""
     saved, _ = layouts
-    path = saved((2, 1, 2, True))
+    path = saved((2, 1, 2, 1))
     for t in range(2):
         model = torch.load(path / f"model_tp{t}_pp0.pt")
         assert model["moments"] == {} and model["adam_step"] == 1.0
@@ -227,7 +230,7 @@ def test_a_checkpoint_saved_before_the_first_step_loads_without_moments(tmp_path
 
 def test_load_full_model_state_is_the_whole_tensor_path(layouts):
     saved, _ = layouts
-    for layout in (TP2PP2, (4, 1, 1, False)):
+    for layout in (TP2PP2, (4, 1, 1, 0)):
         full, expected = load_full_model_state(saved(layout)), _whole_path(saved(layout))["param"]
         assert full.keys() == expected.keys()
         assert all(torch.equal(full[name], expected[name]) for name in full)
@@ -240,7 +243,7 @@ def test_a_checkpoint_without_the_index_still_loads(layouts, tmp_path):
     meta = json.loads((old / "meta.json").read_text())
     del meta["index"], meta["adam_step"]                  # as format 1 wrote it at first
     (old / "meta.json").write_text(json.dumps(meta))
-    assert [result["wrong"] for result in run(_load, 4, old, 1, 4, 1, False)] == [[]] * 4
+    assert [result["wrong"] for result in run(_load, 4, old, 1, 4, 1, 0)] == [[]] * 4
 
 
 # --- saving tells the truth ----------------------------------------------------------------------

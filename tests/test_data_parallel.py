@@ -1,5 +1,5 @@
-"""Data parallelism against the serial model: averaged gradients, buckets, accumulation, ZeRO-1,
-and the global gradient norm under tp × pp (small MLPs defined here, fp32, gloo)."""
+"""Data parallelism against the serial model: averaged gradients, buckets, accumulation, ZeRO's
+three stages, and the global gradient norm under tp × pp (small MLPs defined here, fp32, gloo)."""
 
 import functools
 import math
@@ -89,8 +89,7 @@ def _every_training(dp):
     grid = ParallelGrid(dp=dp)
     return {"overlapped": _dp_training(grid, LAYER_MB, overlap=True),
             "one bucket after backward": _dp_training(grid, 1000.0, overlap=False),
-            "plain": _zero_vs_plain(grid, sharded=False),
-            "zero1": _zero_vs_plain(grid, sharded=True)}
+            **{f"zero{stage}": _zero_vs_plain(grid, stage) for stage in ZERO_STAGES}}
 
 
 @functools.cache
@@ -169,7 +168,7 @@ def test_accumulated_gradients_equal_the_serial_global_batch_gradient(dp):
 
 def _bucket_sizes(alone) -> list[int]:
     model = _mlp()
-    ddp = DataParallel(model, comm.CommGroup("dp", (0,)), bucket_mb=1000.0, sharded=True,
+    ddp = DataParallel(model, comm.CommGroup("dp", (0,)), bucket_mb=1000.0, zero=1,
                        alone=[model[i].weight for i in alone])
     return [len(b.params) for b in ddp.buckets]
 
@@ -240,22 +239,23 @@ class _Partly(nn.Module):
         return self.last(h)
 
 
-def _partly_used_step(grid, sharded):
+def _partly_used_step(grid, zero):
     model = _Partly()
-    ddp = DataParallel(model, grid.dp_group, bucket_mb=1e-6, sharded=sharded)
+    ddp = DataParallel(model, grid.dp_group, bucket_mb=1e-6, zero=zero)
     out = model(torch.ones(2, 4) * (grid.dp_rank + 1), use_sometimes=grid.dp_rank == 0)
     out.pow(2).mean().backward()
     ddp.finish_grad_sync()
-    if sharded:
+    if zero:
         DistributedOptimizer(model.parameters(), ddp, lr=0.1).step()
     return model
 
 
 def _unused_params():
+    """(ZeRO-3 needs every rank to run the same units: a unit's gather is a collective.)"""
     grid = ParallelGrid(dp=2)
-    plain = _partly_used_step(grid, sharded=False)
-    zero1 = _partly_used_step(grid, sharded=True)
-    return plain.sometimes.weight.grad, plain.never.weight.grad, _flat(zero1.parameters())
+    plain = _partly_used_step(grid, zero=0)
+    sharded = [_flat(_partly_used_step(grid, zero).parameters()) for zero in (1, 2)]
+    return plain.sometimes.weight.grad, plain.never.weight.grad, sharded
 
 
 @functools.cache
@@ -272,26 +272,30 @@ def test_a_parameter_unused_on_every_rank_gets_a_zero_gradient():
     assert [never.abs().sum().item() for _, never, _ in _unused_runs()] == [0.0, 0.0]
 
 
-def test_zero1_with_unused_parameters_keeps_the_replicas_equal():
+def test_zero1_and_2_with_unused_parameters_keep_the_replicas_equal():
     (_, _, rank0), (_, _, rank1) = _unused_runs()
-    assert torch.equal(rank0, rank1)
+    for mine, theirs in zip(rank0, rank1, strict=True):
+        assert torch.equal(mine, theirs)
 
 
-# --- 5. ZeRO-1 equals plain data parallelism ------------------------------------------------------
+# --- 5. ZeRO-1, 2 and 3 equal plain data parallelism -------------------------------------------
 
 ODD = (63, 65, 64, 3)   # 8,579 parameters, not divisible by dp: padding, parameters split by shards
 ODD_BUCKET_MB = 8000 / 2**20                     # two buckets: layers 2–1 and layer 0
 MAX_NORM = 0.05
+ZERO_STAGES = (0, 1, 2, 3)
 
 
-def _zero_vs_plain(grid, sharded):
-    """3 steps of AdamW with decay groups, warm-up/cosine lr and clipping; plain DP or ZeRO-1.
-    Returns the parameters, the global norm of each step, the optimizer state bytes and the
-    number of buckets."""
+def _zero_vs_plain(grid, zero):
+    """3 steps of AdamW with decay groups, warm-up/cosine lr and clipping, plain DP or ZeRO-1–3
+    (ZeRO-3: each Linear a unit). Returns the parameters, the global norm of each step, the
+    optimizer state bytes, the number of buckets, the bytes each rank holds between steps of
+    parameters and gradients, and the comm log of the last step."""
     model = _mlp(ODD)
-    ddp = DataParallel(model, grid.dp_group, bucket_mb=ODD_BUCKET_MB, sharded=sharded)
+    ddp = DataParallel(model, grid.dp_group, bucket_mb=ODD_BUCKET_MB, zero=zero,
+                       units=[m for m in model if isinstance(m, nn.Linear)])
     groups = build_param_groups(model, weight_decay=0.1)
-    if sharded:
+    if zero:
         opt = DistributedOptimizer(groups, ddp, lr=0.0, betas=(0.9, 0.95))
     else:
         opt = torch.optim.AdamW(groups, lr=0.0, betas=(0.9, 0.95))
@@ -300,41 +304,82 @@ def _zero_vs_plain(grid, sharded):
         for group in opt.param_groups:
             group["lr"] = warmup_cosine(step, warmup=1, total=STEPS, lr=3e-3, min_lr=3e-4)
         x, y = _batch(step, ODD[0], ODD[-1])
-        F.mse_loss(model(_my_slice(x, grid)), _my_slice(y, grid)).backward()
-        ddp.finish_grad_sync()
-        if sharded:
-            norms.append(opt.clip_grad_norm_(MAX_NORM, grid))
-        else:
-            norms.append(clip_grad_norm_(model.parameters(), MAX_NORM, grid))
-        opt.step()
+        with comm.record() as log:
+            F.mse_loss(model(_my_slice(x, grid)), _my_slice(y, grid)).backward()
+            ddp.finish_grad_sync()
+            if zero:
+                norms.append(opt.clip_grad_norm_(MAX_NORM, grid))
+            else:
+                norms.append(clip_grad_norm_(model.parameters(), MAX_NORM, grid))
+            opt.step()
         ddp.zero_grad()
-    return _flat(model.parameters()), norms, optimizer_state_bytes(opt), len(ddp.buckets)
+    held = {"params": _storage_bytes([*model.parameters(),
+                                      *(b.param_shard for b in ddp.buckets)]),
+            "grads": _storage_bytes([*ddp.held_grads(), *(b.grad_data for b in ddp.buckets)])}
+    if ddp.sharding is not None:
+        with ddp.sharding.gathered():
+            params = _flat(model.parameters())
+    else:
+        params = _flat(model.parameters())
+    return params, norms, optimizer_state_bytes(opt), len(ddp.buckets), held, log
 
 
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages of ``tensors`` (None and empty ones: nothing)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in tensors if t is not None and t.numel()}
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
 @pytest.mark.parametrize("dp", [1, 2, 4])
-def test_zero1_training_equals_plain_dp_with_decay_schedule_and_clipping(dp):
-    plain = _trainings(dp)[0]["plain"][0]
+def test_zero_training_equals_plain_dp_with_decay_schedule_and_clipping(dp, zero):
+    plain = _trainings(dp)[0]["zero0"][0]
     for ranks in _trainings(dp):
-        assert (ranks["zero1"][0] - plain).abs().max().item() < TOL
+        assert (ranks[f"zero{zero}"][0] - plain).abs().max().item() < TOL
 
 
 @pytest.mark.parametrize("dp", [2, 4])
-def test_zero1_global_norm_equals_plain_dp_and_clipping_was_active(dp):
-    plain_norms = _trainings(dp)[0]["plain"][1]
+def test_zero_global_norm_equals_plain_dp_and_clipping_was_active(dp):
+    plain_norms = _trainings(dp)[0]["zero0"][1]
     for ranks in _trainings(dp):
-        assert ranks["zero1"][1] == pytest.approx(plain_norms, rel=TOL)
+        for zero in (1, 2, 3):
+            assert ranks[f"zero{zero}"][1] == pytest.approx(plain_norms, rel=TOL)
         assert min(ranks["zero1"][1]) > MAX_NORM
 
 
-def test_the_odd_model_fills_two_buckets():
-    assert _trainings(2)[0]["zero1"][3] == 2
+def test_the_odd_model_fills_two_buckets_and_zero3_one_per_linear():
+    assert [_trainings(2)[0][f"zero{z}"][3] for z in ZERO_STAGES] == [2, 2, 2, 3]
 
 
 @pytest.mark.parametrize("dp", [2, 4])
-def test_zero1_optimizer_state_per_rank_is_one_dp_th_of_plain(dp):
-    plain = _trainings(dp)[0]["plain"][2]
+def test_each_stage_shards_what_the_zero_paper_says(dp):
+    """Between steps, per rank, Ψ the fp32 bytes of the parameters: Adam's two moments, 2Ψ,
+    /dp from stage 1; the gradients, Ψ, /dp from stage 2; the parameters, Ψ, /dp at stage 3
+    (Rajbhandari et al. 2020, Figure 1; the flat buffers' padding is within 1 %)."""
     for ranks in _trainings(dp):
-        assert ranks["zero1"][2] * dp / plain == pytest.approx(1.0, abs=0.01)
+        psi = ranks["zero0"][4]["params"]
+        for zero in ZERO_STAGES:
+            _, _, state, _, held, _ = ranks[f"zero{zero}"]
+            assert state * (dp if zero else 1) == pytest.approx(2 * psi, rel=0.01), zero
+            assert held["grads"] * (dp if zero >= 2 else 1) == pytest.approx(psi, rel=0.01)
+            assert held["params"] * (dp if zero == 3 else 1) == pytest.approx(psi, rel=0.01)
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+def test_each_stage_sends_what_the_zero_paper_says(dp):
+    """Wire bytes per rank and step: the all-reduce's 2(d−1)/d·Ψ for stages 0–2 (ZeRO-1 and 2 as
+    a reduce-scatter and an all-gather), 3(d−1)/d·Ψ for stage 3 — every unit gathered twice and
+    reduce-scattered once: 1.5× (the ZeRO paper's §7)."""
+    for ranks in _trainings(dp):
+        psi = ranks["zero0"][4]["params"]
+        for zero, ops, factor in ((0, {"all_reduce"}, 2), (1, {"reduce_scatter", "all_gather"}, 2),
+                                  (2, {"reduce_scatter", "all_gather"}, 2),
+                                  (3, {"reduce_scatter", "all_gather"}, 3)):
+            events = [e for e in ranks[f"zero{zero}"][5].events if e.label.startswith("dp ")]
+            assert {e.op for e in events} == ops, zero
+            wire = sum(e.wire_bytes for e in events)
+            assert wire == pytest.approx(factor * (dp - 1) / dp * psi, rel=0.01), zero
 
 
 def _state_of_a_tiny_model(dp, sharded):
@@ -343,7 +388,7 @@ def _state_of_a_tiny_model(dp, sharded):
     grid = ParallelGrid(dp=dp)
     torch.manual_seed(0)
     model = nn.Linear(2, 1)
-    ddp = DataParallel(model, grid.dp_group, sharded=sharded)
+    ddp = DataParallel(model, grid.dp_group, zero=int(sharded))
     opt = (DistributedOptimizer(model.parameters(), ddp, lr=0.1) if sharded else
            torch.optim.AdamW(model.parameters(), lr=0.1))
     model(torch.ones(4, 2)).sum().backward()

@@ -371,7 +371,7 @@ def test_bytes_per_parameter(precision, per_param):
 @pytest.mark.parametrize("cp", [1, 2])
 def test_zero1_shards_the_optimizer_over_the_dp_cp_ranks_that_hold_the_same_weights(cp):
     layout = Layout(tp=2, pp=2, dp=4, num_microbatches=16, cp=cp)
-    plain, sharded = (memory_per_rank(GPT_22B, replace(layout, zero1=z)) for z in (False, True))
+    plain, sharded = (memory_per_rank(GPT_22B, replace(layout, zero=z)) for z in (0, 1))
     assert sharded.optimizer == math.ceil(plain.optimizer / (4 * cp))
     assert (sharded.weights, sharded.grads) == (plain.weights, plain.grads)
 

@@ -64,8 +64,9 @@ def _ptdp(layout, options, config=CONFIG, masked=False):
             losses.append(result.loss)
             norms.append(result.grad_norm)
     params = {}
-    for chunk in trainer.chunks:
-        params.update(chunk.full_state_dict())
+    with trainer.gathered():                     # ZeRO-3: the whole weights, for a moment
+        for chunk in trainer.chunks:
+            params.update(chunk.full_state_dict())
     return losses, norms, params, log
 
 
@@ -91,7 +92,7 @@ def _check_equal_to_serial(serial, out):
     assert held == serial_params.keys()
 
 
-LAYOUT_FIELDS = {"schedule", "chunks", "num_microbatches", "zero1", "cp"}
+LAYOUT_FIELDS = {"schedule", "chunks", "num_microbatches", "zero", "cp"}
 
 
 def _split(tp, pp, dp, **overrides):
@@ -111,19 +112,25 @@ def test_every_layout_of_8_ranks_takes_the_serial_steps(serial, layout):
 @pytest.mark.parametrize(("tp", "pp", "dp", "overrides"), [
     (1, 2, 2, dict(schedule="interleaved", chunks=2)),
     (2, 2, 1, dict(schedule="gpipe")),
-    (1, 1, 4, dict(zero1=True)),
-    (2, 1, 2, dict(zero1=True)),
-    (1, 2, 2, dict(zero1=True, bucket_mb=0.01)),
+    (2, 1, 2, dict(zero=1)),
+    (1, 2, 2, dict(zero=1, bucket_mb=0.01)),
+    (1, 1, 4, dict(zero=2, bucket_mb=0.01)),
+    (2, 1, 2, dict(zero=2)),
+    (1, 1, 4, dict(zero=3)),
+    (2, 1, 2, dict(zero=3)),
     (1, 2, 2, dict(overlap=False, bucket_mb=1e6)),
-], ids=["interleaved", "gpipe-tp", "zero1-dp4", "zero1-tp2", "zero1-buckets", "one-bucket"])
-def test_schedules_zero1_and_buckets_take_the_serial_steps(serial, tp, pp, dp, overrides):
+], ids=["interleaved", "gpipe-tp", "zero1-tp2", "zero1-buckets", "zero2-dp4", "zero2-tp2",
+        "zero3-dp4", "zero3-tp2", "one-bucket"])
+def test_schedules_zero_stages_and_buckets_take_the_serial_steps(serial, tp, pp, dp, overrides):
+    """Two microbatches a step (gradient accumulation: ZeRO-2 and 3 reduce-scatter both) and
+    clipping; ZeRO-3 gathers every block for its forward and again for its backward."""
     out = run(_ptdp, tp * pp * dp, *_split(tp, pp, dp, **overrides))
     _check_equal_to_serial(serial, out)
 
 
 @pytest.mark.parametrize(("tp", "pp", "dp", "overrides"), [
     (1, 1, 1, {}), (2, 1, 1, {}), (1, 2, 1, {}), (1, 1, 2, {}),
-    (1, 2, 1, dict(zero1=True)), (2, 1, 1, dict(sequence_parallel=True)),
+    (1, 2, 1, dict(zero=1)), (2, 1, 1, dict(sequence_parallel=True)),
 ], ids=["cp2", "tp2-cp2", "pp2-cp2", "dp2-cp2", "pp2-cp2-zero1", "tp2-cp2-sp"])
 def test_context_parallel_layouts_take_the_serial_steps(serial, tp, pp, dp, overrides):
     """Each cp rank runs its zig-zag chunks of the replica's sequences; the token count, the
@@ -134,6 +141,17 @@ def test_context_parallel_layouts_take_the_serial_steps(serial, tp, pp, dp, over
     config = dataclasses.replace(CONFIG, sequence_parallel=overrides.pop("sequence_parallel",
                                                                           False))
     out = run(_ptdp, tp * pp * dp * 2, *_split(tp, pp, dp, cp=2, **overrides), config)
+    _check_equal_to_serial(serial, out)
+
+
+@pytest.mark.parametrize("changes", [dict(recompute="full"),
+                                     dict(sequence_parallel=True, recompute="selective")],
+                         ids=["full-recompute", "sp-selective"])
+def test_zero3_with_recomputation_and_sequence_parallelism_takes_the_serial_steps(serial,
+                                                                                  changes):
+    """Full recomputation runs a block's forward again inside backward: ZeRO-3 must keep it
+    gathered there; sequence parallelism sums the layer norms' gradient shards over tp."""
+    out = run(_ptdp, 4, *_split(2, 1, 2, zero=3), dataclasses.replace(CONFIG, **changes))
     _check_equal_to_serial(serial, out)
 
 
@@ -164,8 +182,10 @@ def serial_with_dropout():
 
 @pytest.mark.parametrize(("pp", "dp", "overrides"), [
     (1, 1, {}), (2, 1, {}), (4, 1, {}), (2, 1, dict(schedule="interleaved", chunks=2)),
-    (1, 2, {}), (1, 4, {}), (2, 2, dict(zero1=True)), (1, 1, dict(cp=4)),
-], ids=["serial-ptdp", "pp2", "pp4", "interleaved", "dp2", "dp4", "pp2-dp2-zero1", "cp4"])
+    (1, 2, {}), (1, 4, {}), (2, 2, dict(zero=1)), (1, 1, dict(cp=4)), (1, 2, dict(zero=2)),
+    (1, 4, dict(zero=3)),
+], ids=["serial-ptdp", "pp2", "pp4", "interleaved", "dp2", "dp4", "pp2-dp2-zero1", "cp4",
+        "dp2-zero2", "dp4-zero3"])
 def test_with_dropout_every_tp1_layout_takes_the_serial_steps(serial_with_dropout, pp, dp,
                                                               overrides):
     out = run(_ptdp, pp * dp * overrides.get("cp", 1), *_split(1, pp, dp, **overrides), DROPOUT)
@@ -190,7 +210,7 @@ def test_a_masked_batch_gives_the_global_token_mean_on_every_layout(tp, pp, dp, 
 # --- a non-finite gradient skips the step on every rank -----------------------------------------
 
 def _inf_on_one_rank(tp, pp, dp, zero1, bad_rank):
-    layout, options = _split(tp, pp, dp, zero1=zero1)
+    layout, options = _split(tp, pp, dp, zero=int(zero1))
     grid = ParallelGrid(layout)
     trainer = PTDP(CONFIG, grid, options)
     (ids, labels), *_ = _batches()
@@ -227,7 +247,7 @@ def test_an_inf_gradient_on_one_rank_skips_the_step_on_every_rank(tp, pp, dp, ze
 
 def test_zero1_sums_a_dp_th_of_the_tied_embedding():
     def embedding_bytes(zero1):
-        return run(_ptdp, 4, *_split(1, 2, 2, zero1=zero1))[0][3].total_bytes(
+        return run(_ptdp, 4, *_split(1, 2, 2, zero=int(zero1)))[0][3].total_bytes(
             label="embedding grads")
 
     assert embedding_bytes(True) * 2 == embedding_bytes(False) > 0

@@ -18,9 +18,9 @@ from megatron_edu.ptdp import PTDP, PTDPOptions
 @pytest.mark.parametrize(("tp", "pp", "dp", "overrides"), [
     (1, 2, 2, dict(schedule="zb-h1", num_microbatches=4)),
     (2, 2, 1, dict(schedule="zb-h2", num_microbatches=4)),
-    (1, 2, 2, dict(schedule="zb-h1", zero1=True, bucket_mb=0.01)),
+    (1, 2, 2, dict(schedule="zb-h1", zero=1, bucket_mb=0.01)),
     (2, 2, 1, dict(schedule="zb-v", num_microbatches=4)),
-    (1, 2, 2, dict(schedule="zb-v", num_microbatches=4, zero1=True)),
+    (1, 2, 2, dict(schedule="zb-v", num_microbatches=4, zero=1)),
 ], ids=["zb-h1-dp2", "zb-h2-tp2", "zb-h1-zero1-buckets", "zb-v-tp2", "zb-v-zero1"])
 def test_zero_bubble_schedules_take_the_serial_steps(serial, tp, pp, dp, overrides):  # noqa: F811
     out = run(_ptdp, tp * pp * dp, *_split(tp, pp, dp, **overrides))

@@ -131,6 +131,19 @@ def test_a_context_parallel_run_resumes_at_other_cp(tmp_path, cache):
         assert resumed[4] == pytest.approx(whole[4], abs=1e-5)
 
 
+def test_a_zero3_run_resumes_as_zero1_at_another_dp(tmp_path, cache):
+    """ZeRO-3 at dp = 4 (every block gathered for its forward and its backward, each rank
+    saving its pieces of the weights' moments) resumed as ZeRO-1 at dp = 2: the same next
+    loss — the stage and the dp size are how a step is run, not what a checkpoint holds."""
+    steps = ["--steps", "4", "--save-interval", "3", "--eval-interval", "100", "--dropout", "0.1"]
+    whole = _losses(_train(tmp_path / "zero3", cache, "--nproc", "4", "--zero", "3", *steps))
+    saved = tmp_path / "zero3" / "checkpoints" / "step_000003"
+    assert len(list(saved.glob("optim_*"))) == 4
+    resumed = _losses(_train(tmp_path / "zero1", cache, "--nproc", "2", "--zero1", *steps,
+                             "--resume", str(saved)))
+    assert resumed[4] == pytest.approx(whole[4], abs=1e-5)
+
+
 def test_a_corrupt_checkpoint_is_named(tmp_path, cache, capsys):
     _train(tmp_path, cache, "--nproc", "1", "--steps", "1")
     shard = tmp_path / "checkpoints" / "step_000001" / "model_tp0_pp0.pt"
@@ -179,6 +192,9 @@ def _a_rank_fails(*args, **kwargs):
     (["--nproc", "4", "--tp", "2", "--cp", "2", "--sequence-parallel", "--seq-len", "12"],
      "each into tp = 2 parts by sequence parallelism: seq_len = 12 is not divisible by 8"),
     (["--nproc", "4", "--tp", "2", "--pp", "2", "--dp", "2"], "2·2·2 = 8 ranks, but the world"),
+    (["--zero", "4"], "--zero must be one of 0, 1, 2, 3, got 4"),
+    (["--nproc", "2", "--pp", "2", "--zero", "3"], "ZeRO-3 reduce-scatters the gradients in "
+                                                   "every backward pass"),
     (["--tp", "3"], "num_heads = 4 is not divisible by the tensor-parallel size tp = 3"),
     (["--pp", "3", "--nproc", "3"], "num_layers = 4 is not divisible by pp·chunks"),
     (["--nproc", "2", "--global-batch", "6"], "global batch 6 is not divisible by dp·micro"),

@@ -1,8 +1,9 @@
-"""Data parallelism: averaged gradients in overlapped buckets, and the ZeRO-1 sharded optimizer.
+"""Data parallelism: averaged gradients in overlapped buckets, and ZeRO's three stages of sharding.
 
 References: Narayanan et al. 2021 (arXiv 2104.04473) §2.1 and §3.3; Rajbhandari et al. 2020,
-*ZeRO: Memory Optimizations Toward Training Trillion Parameter Models*, stage 1 ("P_os", which
-Megatron-LM calls the *distributed optimizer*); Li et al. 2020, *PyTorch Distributed* (buckets).
+*ZeRO: Memory Optimizations Toward Training Trillion Parameter Models*, stages 1–3 ("P_os",
+which Megatron-LM calls the *distributed optimizer*; "P_os+g"; "P_os+g+p"); Li et al. 2020,
+*PyTorch Distributed* (buckets); Zhao et al. 2023, *PyTorch FSDP* (ZeRO-3's units, prefetch).
 
 Every one of the dp replicas holds the same weights and runs its own slice of the global batch.
 If each replica's loss is the mean over its slice, the mean of the replicas' gradients is the
@@ -20,7 +21,10 @@ Read in this order:
   step however many microbatches accumulate (``with ddp.sync(is_last_microbatch)``).
 * ``zero1.py`` — ``DistributedOptimizer``: ZeRO-1. Gradients are reduce-scattered, each rank
   steps only its 1/dp shard of every bucket (so holds 1/dp of Adam's moments), and the updated
-  shards are all-gathered back: the same traffic as one all-reduce.
+  shards are all-gathered back: the same traffic as one all-reduce. ZeRO-2 (``zero=2``) frees
+  the whole gradients after each bucket's reduce-scatter (``ddp.py``); the same optimizer.
+* ``zero3.py`` — ``ParameterSharding``: ZeRO-3 / FSDP. The parameters too are sharded at rest,
+  gathered per unit (a transformer block) just before its forward and its backward, freed after.
 * ``megatron_edu/timing.py``'s ``BucketTimer`` — when each bucket was ready, launched and done:
   what notebook 06 draws. Kept beside the algorithm, not inside it.
 
@@ -37,7 +41,8 @@ Per optimizer step (a pipeline engine, or any training loop)::
 from megatron_edu.data_parallel.buckets import Bucket, make_buckets
 from megatron_edu.data_parallel.ddp import DataParallel
 from megatron_edu.data_parallel.zero1 import DistributedOptimizer, Piece
+from megatron_edu.data_parallel.zero3 import ParameterSharding
 from megatron_edu.timing import BucketTimer, BucketTiming
 
 __all__ = ["Bucket", "make_buckets", "DataParallel", "BucketTimer", "BucketTiming",
-           "DistributedOptimizer", "Piece"]
+           "DistributedOptimizer", "Piece", "ParameterSharding"]

@@ -1,11 +1,14 @@
 """ZeRO stage 1 (Rajbhandari et al. 2020; Megatron-LM's distributed optimizer): the optimizer
-state sharded over the dp ranks.
+state sharded over the dp ranks — and the optimizer of stages 2 and 3.
 
-With ``DataParallel(..., sharded=True)`` each dp rank owns 1/dp of every bucket: backward
+With ``DataParallel(..., zero=1)`` each dp rank owns 1/dp of every bucket: backward
 reduce-scatters the gradients (a rank receives only its shard's sum), the optimizer — and so its
 Adam moments — exists for that shard only, and the updated shards are all-gathered back into
 every replica's weights. The traffic equals one all-reduce (= reduce-scatter + all-gather); the
-optimizer state per rank falls to 1/dp.
+optimizer state per rank falls to 1/dp. Under ZeRO-2 the gradient shards are all a rank holds of
+the gradients, and under ZeRO-3 the parameter shards all it holds of the weights: the optimizer
+steps the same shards (``Bucket.param_shard``, ``grad_shard``); ZeRO-3 gathers nothing after
+the step — the next forward does (``zero3.py``).
 
 "The dp ranks" are the ranks of ``ddp.group``: under context parallelism PTD-P gives it the
 dp × cp ranks that hold the same weights (``grid.dp_cp_group``), so the state falls to 1/(dp·cp),
@@ -47,7 +50,7 @@ class DistributedOptimizer:
     bucket, then the shards are all-gathered.
 
     ``params``: parameters or param groups (as for ``torch.optim``; e.g. ``build_param_groups``),
-    covering exactly the parameters of ``ddp``, which must be ``sharded=True``.
+    covering exactly the parameters of ``ddp``, whose ``zero`` stage must be 1, 2 or 3.
     ``optimizer_cls(**defaults)`` is built over the ``Piece`` tensors of this rank, each in its
     parameter's group. Element-wise update rules (SGD, Adam, AdamW) give exactly the unsharded
     result; rules that need a whole tensor (LAMB's trust ratio, Adafactor) would not. Parameters
@@ -58,8 +61,8 @@ class DistributedOptimizer:
     def __init__(self, params: Iterable, ddp: DataParallel,
                  optimizer_cls: type[torch.optim.Optimizer] = torch.optim.AdamW,
                  **defaults) -> None:
-        if not ddp.sharded:
-            raise ValueError("DistributedOptimizer needs DataParallel(..., sharded=True): its "
+        if ddp.zero == 0:
+            raise ValueError("DistributedOptimizer needs DataParallel(..., zero=1, 2 or 3): its "
                              "gradients must be reduce-scattered, not all-reduced")
         if any(p.dtype != torch.float32 for p in ddp.params):
             raise ValueError("DistributedOptimizer keeps fp32 parameters (use autocast for "
@@ -138,11 +141,16 @@ class DistributedOptimizer:
 
     @torch.no_grad()
     def step(self) -> None:
-        self.optimizer.step()                    # on this rank's shard of each bucket only
-        for bucket in self.ddp.buckets:          # then every rank gets every updated shard
-            start, end = bucket.shard(self.group.rank)
-            bucket.param_data.copy_(comm.all_gather(bucket.param_data[start:end], self.group,
-                                                    dim=0, label="dp params"))
+        """Step this rank's shard of each bucket; then every rank gets every updated shard
+        (ZeRO-1, 2) — or, under ZeRO-3, keeps its shard until the next forward gathers it."""
+        if self.ddp.sharding is not None:
+            self.ddp.sharding.free_all()         # no gathered copy outlives the update
+        self.optimizer.step()
+        if self.ddp.zero == 3:
+            return
+        for bucket in self.ddp.buckets:
+            bucket.param_data.copy_(comm.all_gather(bucket.param_shard, self.group, dim=0,
+                                                    label="dp params"))
 
 
 def _state_keys(optimizer_cls, defaults) -> tuple[list[str], list[str]]:
@@ -179,13 +187,14 @@ def _shard_pieces(ddp: DataParallel, groups: list[dict]) -> list[Piece]:
         g["params"] = []
     pieces = []
     for bucket in ddp.buckets:
-        lo, hi = bucket.shard(ddp.group.rank)
-        for p, start in zip(bucket.params, bucket.offsets, strict=False):
-            a, b = max(lo, start), min(hi, start + p.numel())
+        lo, hi = bucket.start, bucket.end                 # this rank's shard of the buffer
+        for p, start, stop in zip(bucket.params, bucket.offsets, bucket.offsets[1:],
+                                  strict=False):
+            a, b = max(lo, start), min(hi, stop)
             if a >= b:
                 continue
-            piece = Piece(bucket.param_data[a:b], p, a - start)
-            piece.tensor.grad = bucket.grad_data[a:b]
+            piece = Piece(bucket.param_shard[a - lo:b - lo], p, a - start)
+            piece.tensor.grad = bucket.grad_shard[a - lo:b - lo]
             groups[group_of[id(p)]]["params"].append(piece.tensor)
             pieces.append(piece)
     return pieces

@@ -12,8 +12,8 @@ References
   each of cp ranks holds s/cp tokens of every sequence, attention is a ring (``context_parallel``).
 
 The model is a ``GPTConfig`` (its recomputation and sequence parallelism included) and its split a
-``grid.Layout`` (tp, cp, pp, dp, schedule, chunks, microbatches, ZeRO-1): what a training run
-takes.
+``grid.Layout`` (tp, cp, pp, dp, schedule, chunks, microbatches, ZeRO stage): what a training
+run takes.
 
 Time per iteration = compute + bubble + tensor-parallel all-reduces + context-parallel ring (the
                      part the attention core does not hide) + pipeline p2p
@@ -355,18 +355,22 @@ def _context_parallel_time(config: GPTConfig, layout: Layout, hw: Hardware,
 
 def _data_parallel_time(config: GPTConfig, layout: Layout, hw: Hardware,
                         precision: Precision) -> float:
-    """Gradient all-reduce over the dp·cp ranks holding the same weights, tp apart (ZeRO-1's
-    reduce-scatter + all-gather moves the same bytes)."""
+    """Gradient all-reduce over the dp·cp ranks holding the same weights, tp apart: a
+    reduce-scatter and an all-gather, each half its time (ZeRO-1 runs exactly those). ZeRO-2
+    reduce-scatters every microbatch's gradients, m of them, and gathers once; ZeRO-3 gathers
+    the weights twice and reduce-scatters for every microbatch: 3m halves, 1.5× at m = 1 (the
+    ZeRO paper's §7). Every message is counted at the gradients' width."""
     grad_bytes = parameters_per_rank(config, layout) * precision.grads
-    ranks = layout.dp * layout.cp
-    return _all_reduce(grad_bytes, ranks, _group_bandwidth(hw, ranks, layout.tp), hw)
+    ranks, m = layout.dp * layout.cp, layout.num_microbatches
+    half = _all_reduce(grad_bytes, ranks, _group_bandwidth(hw, ranks, layout.tp), hw) / 2
+    return {0: 2, 1: 2, 2: m + 1, 3: 3 * m}[layout.zero] * half
 
 
 def _optimizer_time(config: GPTConfig, layout: Layout, hw: Hardware,
                     precision: Precision) -> float:
     """Adam is memory-bound: read gradient, master weight and moments, write them back (ZeRO-1:
     a 1/(dp·cp) shard of the states)."""
-    states = (precision.master + precision.adam) / (layout.dp * layout.cp if layout.zero1 else 1)
+    states = (precision.master + precision.adam) / (layout.dp * layout.cp if layout.zero else 1)
     per_param = precision.grads + 2 * states + precision.weights
     return parameters_per_rank(config, layout) * per_param / hw.memory_bandwidth
 
@@ -496,7 +500,7 @@ def candidate_layouts(
     schedules: tuple[str, ...] = ("1f1b", "interleaved"),
     recompute: tuple[str, ...] | None = None,
     sequence_parallel: tuple[bool, ...] | None = None,
-    zero1: bool = False,
+    zero: int = 0,
     cp: tuple[int, ...] = (1,),
 ) -> Iterator[tuple[GPTConfig, Layout]]:
     """Every tp (within a node) × cp (each of ``cp``) × pp × dp = num_gpus, microbatch b
@@ -519,7 +523,7 @@ def candidate_layouts(
                 for v in _chunk_options(config, pp, schedule):
                     try:
                         layout = Layout(tp, pp, dp, schedule, v, b, global_batch // (dp * b),
-                                        zero1, c)
+                                        zero, c)
                     except ValueError:  # a schedule this pipeline cannot run
                         continue
                     yield variants[mode], layout
@@ -534,7 +538,7 @@ def advise(
     tp: int | None = None,
     pp: int | None = None,
     precision: Precision = MIXED_FP32_GRADS,
-    zero1: bool = False,
+    zero: int = 0,
     schedules: tuple[str, ...] = ("1f1b", "interleaved"),
     recompute: tuple[str, ...] | None = None,
     sequence_parallel: tuple[bool, ...] | None = None,
@@ -551,7 +555,7 @@ def advise(
     """
     ranked = []
     for variant, layout in candidate_layouts(config, global_batch, num_gpus, hw, schedules,
-                                             recompute, sequence_parallel, zero1, cp):
+                                             recompute, sequence_parallel, zero, cp):
         if (tp and layout.tp != tp) or (pp and layout.pp != pp):
             continue
         if rejection_reason(variant, layout, num_gpus, hw, precision=precision):

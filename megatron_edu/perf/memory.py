@@ -12,7 +12,8 @@ References
   backward, the weight-gradient pass W does (GPipe m, 1F1B p − rank, ZB-H1 p, ZB-H2 2p − 1).
 - Rajbhandari et al. 2019, ZeRO (arXiv 1910.02054) §3: 2 + 2 + 12 = 16 bytes per parameter in
   mixed precision; stage 1 (Megatron's distributed optimizer) shards the optimizer over the ranks
-  that hold the same weights: dp, and under context parallelism dp·cp (megatron-core's).
+  that hold the same weights: dp, and under context parallelism dp·cp (megatron-core's); stage 2
+  the gradients too, stage 3 (FSDP) the weights too.
 - Liu et al. 2023, ring attention (arXiv 2310.01889), and megatron-core's context parallelism:
   a cp rank holds s/cp tokens of every sequence, so every s·b·h and s·b·V term is (s/cp)·b·h and
   (s/cp)·b·V. The attention core is a ring (``context_parallel.ring_attention``) that never
@@ -22,9 +23,9 @@ References
   recomputation has nothing left to drop there; full recomputation keeps the layer input.
 
 The model's sizes, its recomputation and sequence parallelism come from the config, the split
-(tp, cp, pp, dp, schedule, chunks, microbatches, ZeRO-1) from the layout, and whether the layout can
-split the model is the layout's rule (``Layout.check``), asked once. Bytes are exact integers;
-``str(estimate)`` reads in GiB.
+(tp, cp, pp, dp, schedule, chunks, microbatches, ZeRO stage) from the layout, and whether the
+layout can split the model is the layout's rule (``Layout.check``), asked once. Bytes are exact
+integers; ``str(estimate)`` reads in GiB.
 """
 
 from __future__ import annotations
@@ -278,19 +279,25 @@ def memory_per_rank(config: GPTConfig, layout: Layout, *, precision: Precision =
                     dropout: bool | None = None, stage: int | None = None) -> MemoryEstimate:
     """Peak bytes on one GPU of pipeline rank ``stage``; by default the fuller of the ranks that
     hold the first and the last stage (middle ranks hold the same layers, no embedding and no
-    more microbatches). ``layout.zero1`` shards the master weights and Adam's moments over the
-    dp·cp ranks that hold the same weights. A ValueError if ``layout`` cannot split ``config``'s
-    model (``Layout.check``)."""
+    more microbatches). ZeRO (``layout.zero``, 1910.02054 Figure 1) shards over the dp·cp ranks
+    that hold the same weights: stage 1 the master weights and Adam's moments, stage 2 the
+    gradients too, stage 3 the weights too — the paper's model, without the whole copies of
+    the one or two units a rank is computing at a moment (ZeRO-3's gathered blocks, a
+    gradient bucket before its reduce-scatter). A ValueError if ``layout`` cannot split
+    ``config``'s model (``Layout.check``)."""
     layout.check(config)
     if stage is None:
         ends = sorted({layout.stages.first_rank, layout.stages.last_rank})
         return max((memory_per_rank(config, layout, precision=precision, dropout=dropout,
                                     stage=rank) for rank in ends), key=lambda e: e.total)
     params = parameters_per_rank(config, layout, stage)
-    optimizer = params * (precision.master + precision.adam)
-    if layout.zero1:
-        optimizer = -(-optimizer // (layout.dp * layout.cp))  # ceil: the last shard padded
+    owners = layout.dp * layout.cp
+
+    def sharded(nbytes: int, from_stage: int) -> int:
+        return -(-nbytes // owners) if layout.zero >= from_stage else nbytes  # ceil: padding
+
+    optimizer = sharded(params * (precision.master + precision.adam), 1)
     activations = activation_bytes_per_rank(config, layout, stage,
                                             bytes_per_value=precision.activation, dropout=dropout)
-    return MemoryEstimate(params * precision.weights, params * precision.grads, optimizer,
-                          activations)
+    return MemoryEstimate(sharded(params * precision.weights, 3),
+                          sharded(params * precision.grads, 2), optimizer, activations)

@@ -144,7 +144,7 @@ def show_zero1_memory(config: GPTConfig, tp: int, pp: int, dps: Sequence[int],
     for dp in dps:
         for zero1 in (False, True):
             layout = Layout(tp=tp, pp=pp, dp=dp, num_microbatches=global_batch // dp,
-                            zero1=zero1)
+                            zero=int(zero1))
             label = f"dp={dp}\n{'ZeRO-1' if zero1 else 'plain'}"
             estimates[label] = memory_per_rank(config, layout)
     draw_memory_per_rank(estimates, capacity, group_size=2,

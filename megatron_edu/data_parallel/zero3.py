@@ -1,0 +1,163 @@
+"""ZeRO stage 3 (Rajbhandari et al. 2020, §5.3; PyTorch's FSDP, Zhao et al. 2023): the parameters
+sharded over the dp ranks too, gathered only where they are used.
+
+At rest a dp rank holds 1/dp of every parameter — its shard of each unit's flat buffer
+(``Bucket.param_shard``, which the ``DistributedOptimizer`` steps). A *unit* is a transformer
+block, or the rest of a model chunk (embeddings, final layer norm); each is one bucket of the
+``DataParallel`` (``units=``). Around every use of a unit:
+
+1. forward: all-gather it just before its forward — the next unit's gather already on its way
+   (prefetch: communication overlaps the current unit's compute) — and free it after;
+2. backward: gather it again when backward reaches its output (the previous unit prefetched),
+   and free it, and its whole gradients, once they are reduce-scattered (``DataParallel``).
+
+The rest of a chunk (the root) stays gathered from its forward to its backward: it is needed at
+both ends (the tied embedding reads the words in and scores them out), as FSDP2 keeps its root.
+
+Traffic per step, Ψ a unit's bytes, d ranks: two all-gathers and one reduce-scatter of
+(d − 1)/d · Ψ each — 3(d − 1)/d · Ψ, 1.5× data parallelism's all-reduce (the ZeRO paper's §7).
+With m microbatches, m times (each backward needs the parameters again): the reason Megatron
+pairs pipelines, which run many microbatches, with ZeRO-1 only (2104.04473 §3), and DeepSpeed
+refuses ZeRO-2/3 inside a pipeline.
+
+How a parameter is emptied: it stays a view of its unit's flat buffer, whose storage is resized
+to nothing at rest and back when gathered (``Bucket.free_params``, ``fill_params``; FSDP's own
+mechanism). Shapes stay intact (an optimizer, a checkpoint can still read them), and whatever
+autograd saved of a parameter for backward reads the refilled storage there. Under full
+recomputation a block's forward runs again inside
+backward: its hooks see that (``_in_backward``) and neither free nor prefetch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from megatron_edu import comm
+from megatron_edu.comm import CommGroup
+from megatron_edu.data_parallel.buckets import Bucket
+
+__all__ = ["ParameterSharding"]
+
+
+def _in_backward() -> bool:
+    """Is autograd running a backward pass right now (a recomputed forward)?"""
+    return torch._C._current_graph_task_id() != -1
+
+
+class ParameterSharding:
+    """The gathers and frees of ZeRO-3 over ``group`` for a ``DataParallel``'s ``buckets``:
+    ``modules`` are the bucketed modules in forward order (each root — a model chunk —, then
+    its units), as ``DataParallel`` lists them."""
+
+    def __init__(self, buckets: list[Bucket], group: CommGroup, roots: list[nn.Module],
+                 modules: list[nn.Module]) -> None:
+        self.group = group
+        roots = {id(m) for m in roots}
+        owner: dict[int, nn.Module] = {}                 # each parameter's innermost unit
+        for module in modules:
+            for p in module.parameters():
+                owner[id(p)] = module
+        self.units: list[tuple[nn.Module, list[Bucket]]] = []
+        for module in modules:
+            mine = list({id(b): b for b in buckets for p in b.params
+                         if owner[id(p)] is module}.values())
+            if mine:
+                self.units.append((module, mine))
+        self._index = {id(m): i for i, (m, _) in enumerate(self.units)}
+        self._keep_after_forward = {id(m) for m, _ in self.units if id(m) in roots}
+        # backward's next unit: the one before, but a root's is the last unit of its chunk
+        self._backward_next = list(range(-1, len(self.units) - 1))
+        starts = [i for i, (m, _) in enumerate(self.units) if id(m) in roots]
+        for start, end in zip(starts, [*starts[1:], len(self.units)], strict=False):
+            self._backward_next[start] = end - 1 if end - 1 > start else -1
+        self._pending: dict[int, tuple[torch.distributed.Work, torch.Tensor]] = {}
+        for module, _ in self.units:
+            module.register_forward_pre_hook(self._before_forward)
+            module.register_forward_hook(self._after_forward)
+
+    # --- the hooks -------------------------------------------------------------------------
+
+    def _before_forward(self, module: nn.Module, args) -> None:
+        i = self._index[id(module)]
+        self._gather(i)
+        if not _in_backward():
+            self._prefetch(i + 1)                        # the next unit, during this one
+
+    def _after_forward(self, module: nn.Module, args, output) -> None:
+        if _in_backward():                               # recomputed: backward needs it now
+            return
+        i = self._index[id(module)]
+        training = torch.is_grad_enabled()
+        if not training or id(module) not in self._keep_after_forward:
+            self._free(i)
+        if training and isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(lambda grad, i=i: self._before_backward(i))
+
+    def _before_backward(self, i: int) -> None:
+        self._gather(i)
+        self._prefetch(self._backward_next[i])           # backward runs the units in reverse
+
+    # --- called by DataParallel ------------------------------------------------------------
+
+    def after_backward(self, bucket: Bucket) -> None:
+        """The bucket's gradients are reduce-scattered: nothing needs its parameters now."""
+        if bucket.params_gathered:
+            bucket.free_params()
+
+    def free_all(self) -> None:
+        """Free every gathered unit (before an optimizer step: no stale copy survives it)."""
+        for work, _ in self._pending.values():
+            work.wait()
+        self._pending.clear()
+        for i in range(len(self.units)):
+            self._free(i)
+
+    @contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Inside, every parameter is whole — to read, save or load them: the whole model on
+        every rank for a moment; a collective, every rank enters it. What is written into them
+        stays: each rank keeps its shard of it on leaving."""
+        for i in range(len(self.units)):
+            self._gather(i)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for _, buckets in self.units:
+                    for bucket in buckets:
+                        bucket.param_shard.copy_(bucket.param_data[bucket.start:bucket.end])
+            self.free_all()
+
+    # --- gathering -------------------------------------------------------------------------
+
+    def _prefetch(self, i: int) -> None:
+        if 0 <= i < len(self.units):
+            for bucket in self.units[i][1]:
+                self._start(bucket)
+
+    def _start(self, bucket: Bucket) -> None:
+        """Launch the all-gather of ``bucket``'s shards, unless it is gathered or on its way."""
+        if bucket.params_gathered or bucket.index in self._pending:
+            return
+        if self.group.size == 1:
+            bucket.fill_params(bucket.param_shard)
+            return
+        self._pending[bucket.index] = comm.all_gather(bucket.param_shard, self.group, dim=0,
+                                                      label="dp params gather", async_op=True)
+
+    def _gather(self, i: int) -> None:
+        for bucket in self.units[i][1]:
+            self._start(bucket)
+            if bucket.index in self._pending:
+                work, whole = self._pending.pop(bucket.index)
+                work.wait()
+                bucket.fill_params(whole)
+
+    def _free(self, i: int) -> None:
+        for bucket in self.units[i][1]:
+            if bucket.params_gathered:
+                bucket.free_params()
