@@ -290,7 +290,7 @@ def _zero_vs_plain(grid, zero):
     """3 steps of AdamW with decay groups, warm-up/cosine lr and clipping, plain DP or ZeRO-1–3
     (ZeRO-3: each Linear a unit). Returns the parameters, the global norm of each step, the
     optimizer state bytes, the number of buckets, the bytes each rank holds between steps of
-    parameters and gradients, and the comm log of the last step."""
+    parameters and gradients, the comm log and ZeRO-3's unit timeline of the last step."""
     model = _mlp(ODD)
     ddp = DataParallel(model, grid.dp_group, bucket_mb=ODD_BUCKET_MB, zero=zero,
                        units=[m for m in model if isinstance(m, nn.Linear)])
@@ -321,7 +321,8 @@ def _zero_vs_plain(grid, zero):
             params = _flat(model.parameters())
     else:
         params = _flat(model.parameters())
-    return params, norms, optimizer_state_bytes(opt), len(ddp.buckets), held, log
+    return (params, norms, optimizer_state_bytes(opt), len(ddp.buckets), held, log,
+            ddp.unit_timeline)
 
 
 def _storage_bytes(tensors) -> int:
@@ -360,7 +361,7 @@ def test_each_stage_shards_what_the_zero_paper_says(dp):
     for ranks in _trainings(dp):
         psi = ranks["zero0"][4]["params"]
         for zero in ZERO_STAGES:
-            _, _, state, _, held, _ = ranks[f"zero{zero}"]
+            _, _, state, _, held, *_ = ranks[f"zero{zero}"]
             assert state * (dp if zero else 1) == pytest.approx(2 * psi, rel=0.01), zero
             assert held["grads"] * (dp if zero >= 2 else 1) == pytest.approx(psi, rel=0.01)
             assert held["params"] * (dp if zero == 3 else 1) == pytest.approx(psi, rel=0.01)
@@ -483,3 +484,23 @@ def test_cosine_is_halfway_at_mid_decay_and_min_lr_at_the_end():
     assert warmup_cosine(12, 4, 20, 1.0, 0.1) == pytest.approx(0.55)
     assert warmup_cosine(20, 4, 20, 1.0, 0.1) == 0.1
     assert warmup_cosine(99, 4, 20, 1.0, 0.1) == 0.1
+
+
+def test_zero3_gathers_each_unit_twice_and_prefetches_the_next():
+    """Each Linear (a unit) is gathered for its forward and again for its backward; units run
+    forward in order and backward in reverse, and while one computes the next one's gather is
+    already on its way (launched before the unit's pass ends): FSDP's prefetch."""
+    events = _trainings(2)[0]["zero3"][6]
+    units = sorted({e.unit for e in events})
+    for u in units:
+        assert sorted(e.kind for e in events if e.unit == u) == ["backward", "forward",
+                                                                 "gather", "gather"]
+    passes = {kind: [e for e in events if e.kind == kind] for kind in ("forward", "backward")}
+    assert [e.unit for e in passes["forward"]] == units
+    assert [e.unit for e in passes["backward"]] == units[::-1]
+    gathers = {u: sorted(e.start for e in events if e.kind == "gather" and e.unit == u)
+               for u in units}                   # launched: [for the forward, the backward]
+    for which, (kind, order) in enumerate((("forward", units), ("backward", units[::-1]))):
+        for unit, nxt in zip(order, order[1:], strict=False):
+            current = next(e for e in passes[kind] if e.unit == unit)
+            assert gathers[nxt][which] < current.end, (kind, unit)   # not after it: prefetched

@@ -32,7 +32,7 @@ from torch import nn
 from megatron_edu import comm
 from megatron_edu.comm import CommGroup
 from megatron_edu.data_parallel.buckets import Bucket, make_buckets
-from megatron_edu.data_parallel.zero3 import ParameterSharding
+from megatron_edu.data_parallel.zero3 import ParameterSharding, UnitEvent
 from megatron_edu.timing import BucketTimer, BucketTiming
 
 __all__ = ["DataParallel"]
@@ -81,6 +81,7 @@ class DataParallel:
         self._works: dict[int, torch.distributed.Work | None] = {}
         self.timer = BucketTimer(self.params[0].device) if self.params else None
         self.timeline: list[BucketTiming] = []  # the last step's, for notebooks and tests
+        self.unit_timeline: list[UnitEvent] = []  # ZeRO-3: the units' gathers and passes
         with torch.no_grad():
             for p in self.params:
                 comm.broadcast(p.data, group.ranks[0], group, "dp params init")
@@ -139,6 +140,8 @@ class DataParallel:
         self._launch_rest()
         if self.timer is not None:
             self.timeline = self.timer.collect([b.bytes for b in self.buckets])
+        if self.sharding is not None:
+            self.unit_timeline = self.sharding.collect()
 
     def _launch_rest(self) -> None:
         for bucket in self.buckets[self._next:]:

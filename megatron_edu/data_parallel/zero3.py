@@ -24,14 +24,19 @@ How a parameter is emptied: it stays a view of its unit's flat buffer, whose sto
 to nothing at rest and back when gathered (``Bucket.free_params``, ``fill_params``; FSDP's own
 mechanism). Shapes stay intact (an optimizer, a checkpoint can still read them), and whatever
 autograd saved of a parameter for backward reads the refilled storage there. Under full
-recomputation a block's forward runs again inside
-backward: its hooks see that (``_in_backward``) and neither free nor prefetch.
+recomputation a block's forward runs again inside backward: its hooks see that
+(``_in_backward``) and neither free nor prefetch.
+
+**Timeline.** Beside the algorithm, as ``timing.BucketTimer`` is beside the buckets: each unit's
+gathers (launched → waited for), its forward and its backward (``collect``, one step's, read off
+at ``DataParallel.finish_grad_sync``; the reduce-scatters are the buckets' own timeline).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -39,13 +44,25 @@ from torch import nn
 from megatron_edu import comm
 from megatron_edu.comm import CommGroup
 from megatron_edu.data_parallel.buckets import Bucket
+from megatron_edu.timing import Clock, Stamp
 
-__all__ = ["ParameterSharding"]
+__all__ = ["ParameterSharding", "UnitEvent"]
 
 
 def _in_backward() -> bool:
     """Is autograd running a backward pass right now (a recomputed forward)?"""
     return torch._C._current_graph_task_id() != -1
+
+
+@dataclass(frozen=True)
+class UnitEvent:
+    """When unit ``unit`` (its index in forward order; 0: the chunk's root) did ``kind``:
+    "gather" (launched → waited for), "forward" or "backward" (perf_counter seconds)."""
+
+    unit: int
+    kind: str
+    start: float
+    end: float
 
 
 class ParameterSharding:
@@ -75,6 +92,10 @@ class ParameterSharding:
         for start, end in zip(starts, [*starts[1:], len(self.units)], strict=False):
             self._backward_next[start] = end - 1 if end - 1 > start else -1
         self._pending: dict[int, tuple[torch.distributed.Work, torch.Tensor]] = {}
+        self._unit_of = {b.index: i for i, (_, bs) in enumerate(self.units) for b in bs}
+        self.clock = Clock(buckets[0].device if buckets else "cpu")
+        self._stamps: list[tuple[int, str, Stamp, Stamp]] = []
+        self._began: dict[tuple[str, int], Stamp] = {}       # (kind, unit or bucket) -> start
         for module, _ in self.units:
             module.register_forward_pre_hook(self._before_forward)
             module.register_forward_hook(self._after_forward)
@@ -86,11 +107,13 @@ class ParameterSharding:
         self._gather(i)
         if not _in_backward():
             self._prefetch(i + 1)                        # the next unit, during this one
+            self._began["forward", i] = self.clock.stamp()
 
     def _after_forward(self, module: nn.Module, args, output) -> None:
         if _in_backward():                               # recomputed: backward needs it now
             return
         i = self._index[id(module)]
+        self._note(i, "forward")
         training = torch.is_grad_enabled()
         if not training or id(module) not in self._keep_after_forward:
             self._free(i)
@@ -100,13 +123,27 @@ class ParameterSharding:
     def _before_backward(self, i: int) -> None:
         self._gather(i)
         self._prefetch(self._backward_next[i])           # backward runs the units in reverse
+        self._began["backward", i] = self.clock.stamp()
 
     # --- called by DataParallel ------------------------------------------------------------
 
     def after_backward(self, bucket: Bucket) -> None:
         """The bucket's gradients are reduce-scattered: nothing needs its parameters now."""
+        self._note(self._unit_of[bucket.index], "backward")
         if bucket.params_gathered:
             bucket.free_params()
+
+    def collect(self) -> list[UnitEvent]:
+        """The events noted since the last call, in perf_counter seconds (then forgotten)."""
+        events = [UnitEvent(i, kind, self.clock.seconds(a), self.clock.seconds(b))
+                  for i, kind, a, b in self._stamps]
+        self._stamps, self._began = [], {}
+        return events
+
+    def _note(self, i: int, kind: str) -> None:
+        began = self._began.pop((kind, i), None)
+        if began is not None:                            # (a unit's other buckets: noted)
+            self._stamps.append((i, kind, began, self.clock.stamp()))
 
     def free_all(self) -> None:
         """Free every gathered unit (before an optimizer step: no stale copy survives it)."""
@@ -148,6 +185,7 @@ class ParameterSharding:
             return
         self._pending[bucket.index] = comm.all_gather(bucket.param_shard, self.group, dim=0,
                                                       label="dp params gather", async_op=True)
+        self._began["gather", bucket.index] = self.clock.stamp()
 
     def _gather(self, i: int) -> None:
         for bucket in self.units[i][1]:
@@ -156,6 +194,8 @@ class ParameterSharding:
                 work, whole = self._pending.pop(bucket.index)
                 work.wait()
                 bucket.fill_params(whole)
+                began = self._began.pop(("gather", bucket.index))
+                self._stamps.append((i, "gather", began, self.clock.stamp()))
 
     def _free(self, i: int) -> None:
         for bucket in self.units[i][1]:
