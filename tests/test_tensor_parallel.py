@@ -429,14 +429,19 @@ def test_a_batch_mask_is_one_chain_of_kernels_whatever_the_batch():
 
 
 def test_the_gpus_compiled_mask_is_one_kernel_with_the_chains_bits():
-    from torch._inductor import metrics  # what a GPU runs (keep_mask on CUDA), compiled for the CPU
+    """What a GPU runs for keep_mask and for keep_at (context parallelism's blocks of the
+    scores), compiled for the CPU: one kernel, the chain's bits."""
+    from torch._inductor import metrics
 
     for b, start, n in [(2, 0, 3000), (3, 777, 40000)]:  # a sample; a part, on the CPU in 4 blocks
         keys = torch.randint(0, 2**32, (b, 2), generator=torch.Generator().manual_seed(b))
         metrics.reset()
-        compiled = random._mask_kernel()(keys, start, n, 0.1)
+        compiled = random._keep_kernel()(keys, torch.arange(start, start + n), 0.1)
         assert metrics.generated_kernel_count == 1
         assert torch.equal(compiled, keep_mask(keys, start, n, 0.1))
+        scattered = torch.randint(0, 2**32, (n,), generator=torch.Generator().manual_seed(n))
+        assert torch.equal(random._keep_kernel()(keys, scattered, 0.1),
+                           random._keep(keys, scattered, 0.1))
 
 
 def test_dropout_in_training_needs_a_key_for_its_rows():

@@ -91,8 +91,9 @@ def _keep_mask(keys: torch.Tensor, start: int, n: int, p: float) -> torch.Tensor
 
 
 @cache
-def _mask_kernel() -> Callable[..., torch.Tensor]:
-    return torch.compile(_keep_mask, dynamic=True, fullgraph=True)
+def _keep_kernel() -> Callable[..., torch.Tensor]:
+    """``_keep`` as one fused kernel (a GPU's: its ~23 elementwise passes in one)."""
+    return torch.compile(_keep, dynamic=True, fullgraph=True)
 
 
 def keep_mask(keys: torch.Tensor, start: int, n: int, p: float) -> torch.Tensor:
@@ -100,7 +101,7 @@ def keep_mask(keys: torch.Tensor, start: int, n: int, p: float) -> torch.Tensor:
     a row of ``keys`` [b, 2] (int64, 32-bit words). A GPU runs one compiled kernel (the same bits,
     tested); a CPU the chain on blocks of 2¹⁵ elements, whose ~23 passes stay in cache (2.4×)."""
     if keys.is_cuda:
-        return _mask_kernel()(keys, start, n, p)
+        return _keep_kernel()(keys, torch.arange(start, start + n, device=keys.device), p)
     cols = max(1, 2**15 // len(keys))
     blocks = [_keep_mask(keys, start + c, min(cols, n - c), p) for c in range(0, n, cols)]
     return blocks[0] if len(blocks) == 1 else torch.cat(blocks, 1)
@@ -135,7 +136,8 @@ class Dropout(nn.Module):
     def keep_at(self, key: DropoutKey, index: torch.Tensor) -> torch.Tensor:
         """[b, *index.shape]: the mask at the elements ``index`` (int64, < 2³²) of each sample's
         whole mask — ``keep``'s bits there (a context-parallel rank's blocks of the scores)."""
-        mask = _keep(self._keys(key, index.device), index.flatten(), self.p)
+        keep = _keep_kernel() if index.is_cuda else _keep    # the GPU's kernel, as ``keep``'s
+        mask = keep(self._keys(key, index.device), index.flatten(), self.p)
         return mask.view(len(key.samples), *index.shape)
 
     def _keys(self, key: DropoutKey | None, device: torch.device) -> torch.Tensor:
