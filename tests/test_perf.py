@@ -369,11 +369,34 @@ def test_bytes_per_parameter(precision, per_param):
 
 
 @pytest.mark.parametrize("cp", [1, 2])
-def test_zero1_shards_the_optimizer_over_the_dp_cp_ranks_that_hold_the_same_weights(cp):
-    layout = Layout(tp=2, pp=2, dp=4, num_microbatches=16, cp=cp)
-    plain, sharded = (memory_per_rank(GPT_22B, replace(layout, zero=z)) for z in (0, 1))
-    assert sharded.optimizer == math.ceil(plain.optimizer / (4 * cp))
-    assert (sharded.weights, sharded.grads) == (plain.weights, plain.grads)
+def test_zero_stages_shard_over_the_dp_cp_ranks_that_hold_the_same_weights(cp):
+    """1910.02054 Figure 1: stage 1 the optimizer, 2 the gradients too, 3 the weights too —
+    over the dp·cp ranks that hold the same weights; activations untouched."""
+    layout = Layout(tp=2, pp=1 if cp == 1 else 2, dp=4, num_microbatches=16, cp=cp)
+    stages = range(4) if layout.pp == 1 else range(2)   # ZeRO-2 and 3 run without a pipeline
+    plain, *sharded = (memory_per_rank(GPT_22B, replace(layout, zero=z)) for z in stages)
+    for zero, estimate in enumerate(sharded, start=1):
+        for part, from_stage in (("optimizer", 1), ("grads", 2), ("weights", 3)):
+            whole = getattr(plain, part)
+            assert getattr(estimate, part) == (math.ceil(whole / (4 * cp)) if zero >= from_stage
+                                               else whole), (zero, part)
+        assert estimate.activations == plain.activations
+
+
+def test_zero_stages_cost_the_bytes_of_the_zero_paper_per_step():
+    """ZeRO-1 moves an all-reduce's bytes; ZeRO-2 reduce-scatters each of m microbatches and
+    gathers once ((m + 1)/2 of it); ZeRO-3 gathers twice and reduce-scatters per microbatch
+    (3m/2: 1.5× at m = 1, the paper's §7)."""
+    model = replace(GPT_22B, num_layers=8)
+
+    def dp_time(zero, m):
+        layout = Layout(tp=8, dp=8, num_microbatches=m, zero=zero)
+        return predict(model, layout, DGX_H100).time.data_parallel
+
+    for m in (1, 4):
+        assert dp_time(1, m) == pytest.approx(dp_time(0, m))
+        assert dp_time(2, m) == pytest.approx((m + 1) / 2 * dp_time(0, m))
+        assert dp_time(3, m) == pytest.approx(3 * m / 2 * dp_time(0, m))
 
 
 # ---- memory: context parallelism (2310.01889; megatron-core's CP) ----
