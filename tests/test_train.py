@@ -133,10 +133,14 @@ def test_a_context_parallel_run_resumes_at_other_cp(tmp_path, cache):
 
 def test_a_zero3_run_resumes_as_zero1_at_another_dp(tmp_path, cache):
     """ZeRO-3 at dp = 4 (every block gathered for its forward and its backward, each rank
-    saving its pieces of the weights' moments) resumed as ZeRO-1 at dp = 2: the same next
-    loss — the stage and the dp size are how a step is run, not what a checkpoint holds."""
+    saving its pieces of the weights' moments; evaluation and the closing sample gather for
+    forwards alone) resumed as ZeRO-1 at dp = 2: the same next loss — the stage and the dp size
+    are how a step is run, not what a checkpoint holds."""
     steps = ["--steps", "4", "--save-interval", "3", "--eval-interval", "100", "--dropout", "0.1"]
-    whole = _losses(_train(tmp_path / "zero3", cache, "--nproc", "4", "--zero", "3", *steps))
+    records = _train(tmp_path / "zero3", cache, "--nproc", "4", "--zero", "3", *steps,
+                     "--eval-interval", "2", "--sample-tokens", "4")   # forwards without backward
+    assert any("val_loss" in r for r in records)
+    whole = _losses(records)
     saved = tmp_path / "zero3" / "checkpoints" / "step_000003"
     assert len(list(saved.glob("optim_*"))) == 4
     resumed = _losses(_train(tmp_path / "zero1", cache, "--nproc", "2", "--zero1", *steps,

@@ -96,6 +96,7 @@ class ParameterSharding:
         self.clock = Clock(buckets[0].device if buckets else "cpu")
         self._stamps: list[tuple[int, str, Stamp, Stamp]] = []
         self._began: dict[tuple[str, int], Stamp] = {}       # (kind, unit or bucket) -> start
+        self._pinned = False                                 # inside ``gathered``
         for module, _ in self.units:
             module.register_forward_pre_hook(self._before_forward)
             module.register_forward_hook(self._after_forward)
@@ -130,8 +131,7 @@ class ParameterSharding:
     def after_backward(self, bucket: Bucket) -> None:
         """The bucket's gradients are reduce-scattered: nothing needs its parameters now."""
         self._note(self._unit_of[bucket.index], "backward")
-        if bucket.params_gathered:
-            bucket.free_params()
+        self._free(self._unit_of[bucket.index], bucket)
 
     def collect(self) -> list[UnitEvent]:
         """The events noted since the last call, in perf_counter seconds (then forgotten)."""
@@ -160,6 +160,7 @@ class ParameterSharding:
         stays: each rank keeps its shard of it on leaving."""
         for i in range(len(self.units)):
             self._gather(i)
+        self._pinned = True                              # the hooks inside free nothing
         try:
             yield
         finally:
@@ -167,6 +168,7 @@ class ParameterSharding:
                 for _, buckets in self.units:
                     for bucket in buckets:
                         bucket.param_shard.copy_(bucket.param_data[bucket.start:bucket.end])
+            self._pinned = False
             self.free_all()
 
     # --- gathering -------------------------------------------------------------------------
@@ -197,7 +199,8 @@ class ParameterSharding:
                 began = self._began.pop(("gather", bucket.index))
                 self._stamps.append((i, "gather", began, self.clock.stamp()))
 
-    def _free(self, i: int) -> None:
-        for bucket in self.units[i][1]:
-            if bucket.params_gathered:
+    def _free(self, i: int, only: Bucket | None = None) -> None:
+        """Free unit ``i``'s buckets (``only`` one of them), unless ``gathered`` pins them."""
+        for bucket in self.units[i][1] if only is None else [only]:
+            if bucket.params_gathered and not self._pinned:
                 bucket.free_params()
