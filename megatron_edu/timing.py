@@ -84,6 +84,13 @@ class BucketTimer:
         """Bucket ``index``'s collective started (``work`` None: it ran synchronously)."""
         self.launched[index] = (self.clock.stamp(), _completion_time(work, self.clock))
 
+    def on_wait(self, index: int) -> None:
+        """Bucket ``index``'s collective was waited for: its completion, if its work has no
+        future to tell it (gloo's reduce-scatter)."""
+        launched, done = self.launched[index]
+        if done is None:
+            self.launched[index] = (launched, _completion_time(None, self.clock))
+
     def collect(self, sizes: list[int]) -> list[BucketTiming]:
         """Every bucket's timing (call after waiting for all); resets for the next step."""
         timings = []
@@ -96,7 +103,7 @@ class BucketTimer:
         return timings
 
 
-def _completion_time(work: dist.Work | None, clock: Clock) -> torch.futures.Future:
+def _completion_time(work: dist.Work | None, clock: Clock) -> torch.futures.Future | None:
     """A future whose value stamps the collective's completion (now, if it ran synchronously).
 
     On NCCL the future completes when the work is *queued*, not done, and its callback runs on
@@ -108,4 +115,8 @@ def _completion_time(work: dist.Work | None, clock: Clock) -> torch.futures.Futu
         done = torch.futures.Future()
         done.set_result(clock.stamp())
         return done
-    return work.get_future().then(lambda _: clock.stamp())
+    try:
+        future = work.get_future()
+    except RuntimeError:   # a work without a future: stamped when waited for (``on_wait``)
+        return None
+    return future.then(lambda _: clock.stamp())

@@ -11,7 +11,8 @@ buckets whose all-reduces overlap the rest of backward (2104.04473 §2.1; PyTorc
   gradient is late or missing (a mismatch would hang). A parameter that got no gradient counts
   as zero.
 * **Sharded** (``zero`` ≥ 1, for the ``DistributedOptimizer``): reduce-scatter instead of
-  all-reduce — each rank receives only its shard's sum (ZeRO-1). ZeRO-2 also frees the whole
+  all-reduce — each rank receives only its shard's sum (ZeRO-1), launched as asynchronously and
+  kept when it is waited for (Megatron-LM's ``overlap_grad_reduce``). ZeRO-2 also frees the whole
   gradients: a bucket's buffer exists from its first gradient of a backward to its reduce-scatter,
   which therefore runs in *every* backward, accumulating into the rank's shard (as DeepSpeed's
   ZeRO-2 and FSDP do; with m microbatches per step that is m reduce-scatters, the price of never
@@ -23,7 +24,7 @@ buckets whose all-reduces overlap the rest of backward (2104.04473 §2.1; PyTorc
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -78,7 +79,8 @@ class DataParallel:
         self._arrived: dict[int, set[int]] = {b.index: set() for b in self.buckets}
         self._sync = True
         self._next = 0                       # the next bucket to launch (always in order)
-        self._works: dict[int, torch.distributed.Work | None] = {}
+        # launched buckets: (their collective, what to do once it is done)
+        self._works: dict[int, tuple[torch.distributed.Work | None, Callable | None]] = {}
         self.timer = BucketTimer(self.params[0].device) if self.params else None
         self.timeline: list[BucketTiming] = []  # the last step's, for notebooks and tests
         self.unit_timeline: list[UnitEvent] = []  # ZeRO-3: the units' gathers and passes
@@ -146,18 +148,25 @@ class DataParallel:
     def _launch_rest(self) -> None:
         for bucket in self.buckets[self._next:]:
             self._launch(bucket)
-        for work in self._works.values():
-            if work is not None:
-                work.wait()
-        self._works.clear()
+        self._wait_launched()
         self._arrived = {b.index: set() for b in self.buckets}
         self._next = 0
+
+    def _wait_launched(self) -> None:
+        """Wait for the collectives in flight, and keep what they brought."""
+        for index, (work, done) in self._works.items():
+            if work is not None:
+                work.wait()
+            self.timer.on_wait(index)
+            if done is not None:
+                done()
+        self._works.clear()
 
     # --- inside backward ---------------------------------------------------------------------
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         bucket = self.bucket_of(param)
-        if bucket.index in self._works:
+        if bucket.index < self._next:
             raise RuntimeError(
                 f"a gradient arrived for bucket {bucket.index}, whose communication already "
                 "started: run the backward of every microbatch but the last inside "
@@ -177,27 +186,35 @@ class DataParallel:
     @torch.no_grad()
     def _launch(self, bucket: Bucket) -> None:
         if self.zero >= 2:
-            bucket.open_grads()                      # zeros if no gradient arrived
-        else:
+            self._wait_launched()                    # one reduce-scatter in flight at a time:
+            bucket.open_grads()                      # two whole buckets at most; zeros if no
+        else:                                        # gradient arrived
             for p, view in bucket.views(bucket.grad_data):
                 _adopt_grad(p, view)
         if self.average:
             bucket.grad_data.div_(self.group.size)  # Σ_r g_r / dp: the gradient of the mean
-        work = None
         if self.zero == 0:
             work = comm.all_reduce_(bucket.grad_data, self.group, "dp grads", async_op=True)
-        else:                                       # keep only this rank's shard's sum
-            mine = comm.reduce_scatter(bucket.grad_data, self.group, dim=0, label="dp grads")
-            if self.zero == 1:
-                bucket.grad_shard.copy_(mine)
-            else:                                   # accumulate; the whole buffer is freed
-                bucket.grad_shard.add_(mine)
-                bucket.grad_data = None
+            self._works[bucket.index] = (work, None)
+        else:                                       # only this rank's shard's sum, once here
+            work, mine = (comm.reduce_scatter(bucket.grad_data, self.group, dim=0,
+                                              label="dp grads", async_op=True)
+                          if self.group.size > 1 else (None, bucket.grad_data))
+            self._works[bucket.index] = (work, lambda: self._keep_shard(bucket, mine))
         if self.sharding is not None:
-            self.sharding.after_backward(bucket)
-        self._works[bucket.index] = work
+            self.sharding.after_backward(bucket)     # its gradients are all in: free the unit
         self.timer.on_launch(bucket.index, work)
         self._next = bucket.index + 1
+
+    @torch.no_grad()
+    def _keep_shard(self, bucket: Bucket, mine: torch.Tensor) -> None:
+        """A bucket's reduce-scatter is done: its sum becomes the shard (ZeRO-1), or adds to it
+        (ZeRO-2, 3: accumulated over microbatches) and the whole buffer goes."""
+        if self.zero == 1:
+            bucket.grad_shard.copy_(mine)
+        else:
+            bucket.grad_shard.add_(mine)
+            bucket.grad_data = None
 
 
 def _add_grad(param: nn.Parameter, view: torch.Tensor) -> None:

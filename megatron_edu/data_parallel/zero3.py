@@ -129,7 +129,8 @@ class ParameterSharding:
     # --- called by DataParallel ------------------------------------------------------------
 
     def after_backward(self, bucket: Bucket) -> None:
-        """The bucket's gradients are reduce-scattered: nothing needs its parameters now."""
+        """All the bucket's gradients are in (its reduce-scatter launched): nothing needs its
+        parameters now."""
         self._note(self._unit_of[bucket.index], "backward")
         self._free(self._unit_of[bucket.index], bucket)
 
