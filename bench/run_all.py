@@ -1,6 +1,6 @@
 """Run every benchmark, one after the other, and print a summary table.
 
-    python -m bench                          # (a)-(e), (g), (h) on this machine's CPU, ~6 minutes
+    python -m bench                          # (a)-(e), (g)-(i) on this machine's CPU, ~7 minutes
     python bench/run_all.py                  # the same
     python -m bench --only a e               # a subset
     python -m bench --device cuda --dtype bf16   # (a), (e), (g) on one GPU (a 350M GPT)
@@ -25,11 +25,13 @@ from bench import (  # noqa: E402
     pp_pipelining,
     ring_attention,
     tp_dtensor,
+    zero3_fsdp,
 )
 
 SINGLE_PROCESS = {"a": overhead, "e": mfu, "g": fused}  # these take --device/--dtype/--threads
 # gloo, several processes:
-CPU_ONLY = {"b": tp_dtensor, "c": pp_pipelining, "d": bubble, "h": ring_attention}
+CPU_ONLY = {"b": tp_dtensor, "c": pp_pipelining, "d": bubble, "h": ring_attention,
+            "i": zero3_fsdp}
 MET = {True: "yes", False: "NO", None: "-"}
 
 
