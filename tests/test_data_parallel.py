@@ -120,10 +120,11 @@ def _bucket_names(ddp: DataParallel, chunks) -> list[list[str]]:
     return [[names[id(p)] for p in b.params] for b in ddp.buckets]
 
 
-def _accumulated_step(dp, microbatches, bucket_mb):
+def _accumulated_step(dp, microbatches, bucket_mb, zero=0):
     grid = ParallelGrid(dp=dp)
     chunks = _chunks()
-    ddp = DataParallel(chunks, grid.dp_group, bucket_mb=bucket_mb)
+    ddp = DataParallel(chunks, grid.dp_group, bucket_mb=bucket_mb, zero=zero,
+                       units=[m for c in chunks for m in c if isinstance(m, nn.Linear)])
     x, y = (_my_slice(t, grid) for t in _batch(0))
     with comm.record() as log:
         for i, (xm, ym) in enumerate(zip(x.chunk(microbatches), y.chunk(microbatches),
@@ -131,6 +132,8 @@ def _accumulated_step(dp, microbatches, bucket_mb):
             with ddp.sync(i == microbatches - 1):
                 (F.mse_loss(chunks[1](chunks[0](xm)), ym) / microbatches).backward()
         ddp.finish_grad_sync()
+    if zero:
+        return len(ddp.buckets), log.count("reduce_scatter", "dp", "dp grads")
     grads = _flat(p.grad for c in chunks for p in c.parameters())
     return _bucket_names(ddp, chunks), log.count("all_reduce", "dp", "dp grads"), grads
 
@@ -157,6 +160,15 @@ def test_a_bucket_never_spans_two_model_chunks():
 def test_accumulation_all_reduces_each_bucket_once_per_step(dp):
     for names, all_reduces, _ in run(_accumulated_step, dp, dp, 2, LAYER_MB):
         assert all_reduces == len(names) == 4
+
+
+@pytest.mark.parametrize(("zero", "per_microbatch"), [(1, False), (2, True), (3, True)])
+def test_zero_reduce_scatters_once_a_step_or_once_a_microbatch(zero, per_microbatch):
+    """ZeRO-1 keeps whole gradients and reduce-scatters each bucket once per step; ZeRO-2 and 3
+    hold none between backwards: each of the 2 microbatches' backward reduce-scatters every
+    bucket, exactly once (the last one's left to finish_grad_sync)."""
+    for buckets, reduce_scatters in run(_accumulated_step, 2, 2, 2, LAYER_MB, zero):
+        assert reduce_scatters == buckets * (2 if per_microbatch else 1)
 
 
 @pytest.mark.parametrize("dp", [2, 4])

@@ -102,13 +102,14 @@ class DataParallel:
     @contextmanager
     def sync(self, enabled: bool = True) -> Iterator[None]:
         """Inside, backward communicates (``enabled``: the last microbatch) or only accumulates.
-        ZeRO-2, 3 hold no whole gradients: every backward communicates, ended on leaving."""
+        ZeRO-2, 3 hold no whole gradients: every backward communicates — one not the last is
+        finished on leaving, the last by ``finish_grad_sync``."""
         previous, self._sync = self._sync, enabled or self.zero >= 2
         try:
             yield
         finally:
             self._sync = previous
-        if self.zero >= 2:
+        if self.zero >= 2 and not enabled:
             self._launch_rest()
 
     def zero_grad(self) -> None:
