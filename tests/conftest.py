@@ -13,6 +13,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 @pytest.fixture(scope="session")
+def data_cache(tmp_path_factory: pytest.TempPathFactory):
+    """One --cache-dir for every test that trains from the command line: the built-in corpus's
+    tokenizer and token files are made once per vocabulary size, not once per test file."""
+    return tmp_path_factory.mktemp("data_cache")
+
+
+@pytest.fixture(scope="session")
 def device(request: pytest.FixtureRequest) -> str:
     """The ``--device`` asked for; a test that takes it skips when cuda is asked but absent."""
     name = request.config.getoption("--device")

@@ -88,6 +88,10 @@ def coords_tp_dp_pp(rank, tp, pp, dp):
     return rank % tp, (rank // tp) % dp, rank // (tp * dp)
 
 
+def coords_pp_stride_tp_pp(rank, tp, pp, dp):
+    return rank % tp, rank // (tp * pp), (rank // tp) % dp
+
+
 def test_00_2_the_solution_passes():
     verdict("00.2", coords, "tp fastest, then dp, then pp", passed=True)
 
@@ -95,8 +99,9 @@ def test_00_2_the_solution_passes():
 @pytest.mark.parametrize("answer, phrases", [
     (coords_dp_fastest, ["dp fastest, then tp, then pp", "rank = pp_rank·(dp·tp)"]),
     (coords_tp_dp_pp, ["in the order (tp_rank, dp_rank, pp_rank)"]),
+    (coords_pp_stride_tp_pp, ["your pp_rank is rank // tp·pp", "pp_rank = rank // tp·dp"]),
     (stub, ["not done yet"]),
-], ids=["dp-fastest", "tuple-order", "stub"])
+], ids=["dp-fastest", "tuple-order", "pp-stride", "stub"])
 def test_00_2_typical_mistakes_get_their_hint(answer, phrases):
     verdict("00.2", answer, *phrases)
 

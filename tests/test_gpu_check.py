@@ -51,9 +51,9 @@ def test_make_gpu_check_runs_it(tmp_path):
     assert (done.returncode, done.stdout) == (0, NO_GPU)
 
 
-def test_the_training_check_reads_tokens_per_s_and_mfu_from_the_log(tmp_path):
+def test_the_training_check_reads_tokens_per_s_and_mfu_from_the_log(data_cache):
     row = gpu_check.check_training(sys.executable, 1, 240, None, model=TINY, steps=8,
-                                   extra=("--cache-dir", str(tmp_path)))
+                                   extra=("--cache-dir", str(data_cache)))
     assert row.ok, row.figures
     assert "tokens/s, MFU" in row.figures and "(median of steps 6-8)" in row.figures
 

@@ -24,8 +24,8 @@ TINY = ["--layers", "4", "--hidden", "64", "--heads", "4", "--seq-len", "32",
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("cache")
+def cache(data_cache):
+    return data_cache
 
 
 def _train(out, cache, *extra):

@@ -87,8 +87,9 @@ def on_ranks(world_size: int, rank_fn: Callable[..., Any], *args: Any,
     # A checker's rank function travels by value, as the learner's does: a rank then never
     # imports megatron_edu.course.exercises (every checker module and what it imports) to run it.
     cloudpickle.register_pickle_by_value(sys.modules[rank_fn.__module__])
-    try:
-        return run(rank_fn, world_size, *args, backend="gloo", timeout=timeout)
+    try:  # the collectives' own timeout later than the launcher's: a stuck rank is one report
+        return run(rank_fn, world_size, *args, backend="gloo", timeout=timeout,
+                   collective_timeout=2 * timeout)
     except TimeoutError as err:
         ranks = re.search(r"ranks (\[[\d, ]*\])", str(err))
         raise Hint(f"ranks {ranks.group(1) if ranks else '?'} did not finish within "

@@ -128,6 +128,27 @@ def _coords_in_order(layout: Layout, rank: int, fastest_first: tuple[str, ...]) 
     return tuple(coords[a] for a in _AXES)
 
 
+def _wrong_stride(layout: Layout, got: list[tuple]) -> str | None:
+    """A hint if one coordinate is computed right but for its stride: rank // s (mod its size or
+    not) with s another product of the sizes than its own (tp 1, dp tp, pp tp·dp)."""
+    sizes = {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp}
+    own = {"tp": ("1", 1), "dp": ("tp", layout.tp), "pp": ("tp·dp", layout.tp * layout.dp)}
+    strides = {"1": 1, "tp": layout.tp, "pp": layout.pp, "dp": layout.dp,
+               "tp·pp": layout.tp * layout.pp, "tp·dp": layout.tp * layout.dp,
+               "pp·dp": layout.pp * layout.dp}
+    ranks = range(layout.world_size)
+    for i, axis in enumerate(_AXES):
+        mine = [answer[i] for answer in got]
+        for name, s in strides.items():
+            if s != own[axis][1] and mine in ([r // s for r in ranks],
+                                               [r // s % sizes[axis] for r in ranks]):
+                return (f"your {axis}_rank is rank // {name}: the ranks of one {axis} coordinate "
+                        f"are {own[axis][0]} apart, so {axis}_rank = rank // {own[axis][0]}"
+                        + ("" if axis == "pp" else f" % {axis}") + " — rank = pp_rank·(dp·tp) "
+                        "+ dp_rank·tp + tp_rank")
+    return None
+
+
 @exercise("00.2", "the grid's coordinates of a rank")
 def _grid_coords(fn) -> str:
     for layout in _LAYOUTS:
@@ -155,6 +176,9 @@ def _grid_coords(fn) -> str:
                 names = ", ".join(f"{_AXES[i]}_rank" for i in perm)
                 raise Hint(f"the coordinates are right but in the order ({names}): return "
                            f"(tp_rank, pp_rank, dp_rank), as Layout.coords does")
+        stride = _wrong_stride(layout, got)
+        if stride:
+            raise Hint(f"with {where} {stride}")
         for rank, answer in enumerate(got):
             for axis, c in zip(_AXES, answer, strict=True):
                 if not 0 <= c < sizes[axis]:
