@@ -2,7 +2,6 @@
 measured beside the model, bytes per step against m, and a ZeRO-3 step's timeline (drawing only,
 from made-up numbers)."""
 
-import matplotlib.pyplot as plt
 import pytest
 
 from megatron_edu.course.viz.zero import (
@@ -17,18 +16,8 @@ from megatron_edu.course.viz.zero import (
 )
 from megatron_edu.data_parallel import BucketTiming
 from megatron_edu.data_parallel.zero3 import UnitEvent
-
-
-@pytest.fixture(autouse=True)
-def _agg_backend():
-    plt.switch_backend("agg")  # draw only, no window
-    yield
-    plt.close("all")
-
-
-def _patches(ax, gid):
-    return [p for p in ax.patches if p.get_gid() == gid]
-
+from tests.test_viz_dp import _agg_backend  # noqa: F401  (autouse: draw only, no window)
+from tests.test_viz_dp import _bars as _patches
 
 # --- what each rank holds -------------------------------------------------------------------------
 
