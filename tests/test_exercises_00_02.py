@@ -171,8 +171,8 @@ def test_00_3_typical_mistakes_get_their_hint(answer, phrases):
 
 
 def test_00_3_a_ring_of_blocking_sends_is_named_a_deadlock(monkeypatch):
-    monkeypatch.setattr(nb00, "RING_TIMEOUT", 5.0)
-    verdict("00.3", ring_blocking, "did not finish within 5 s", "a deadlock",
+    monkeypatch.setattr(nb00, "RING_TIMEOUT", 3.0)
+    verdict("00.3", ring_blocking, "did not finish within 3 s", "a deadlock",
             "start the send with comm.isend")
 
 

@@ -211,8 +211,8 @@ def test_03_3_mistakes_get_their_hint(fn, words):
 
 
 def test_03_3_a_collective_on_one_rank_only_is_named_a_deadlock(monkeypatch):
-    monkeypatch.setattr(nb03, "TIMEOUT", 6.0)
-    _hints("03.3", loss_deadlocking, "did not finish within 6 s", "deadlock")
+    monkeypatch.setattr(nb03, "TIMEOUT", 3.0)
+    _hints("03.3", loss_deadlocking, "did not finish within 3 s", "deadlock")
 
 
 # --- 04.1 the peak of 1F1B --------------------------------------------------------------------

@@ -209,8 +209,8 @@ def test_06_3_a_typical_mistake_gets_its_hint(wrong, words):
 
 
 def test_06_3_a_deadlock_is_named(monkeypatch):
-    monkeypatch.setattr(nb06, "TIMEOUT", 8.0)
-    _verdict("06.3", gathers_on_rank_0_only, "did not finish within 8 s: a deadlock?")
+    monkeypatch.setattr(nb06, "TIMEOUT", 4.0)
+    _verdict("06.3", gathers_on_rank_0_only, "did not finish within 4 s: a deadlock?")
 
 
 # --- 07.1 the rank grid --------------------------------------------------------------------------
@@ -322,7 +322,7 @@ def test_07_2_a_typical_mistake_gets_its_hint(wrong, words):
 
 
 def test_07_2_an_all_reduce_one_copy_never_joins_is_a_named_deadlock(monkeypatch):
-    monkeypatch.setattr(nb07, "TIMEOUT", 8.0)
+    monkeypatch.setattr(nb07, "TIMEOUT", 4.0)
     _verdict("07.2", sums_on_the_first_stage_only, "a deadlock?", "grid.embedding_group")
 
 

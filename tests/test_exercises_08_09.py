@@ -243,5 +243,5 @@ def receive_what_nobody_sends(checkpoint, tp, pp, run):
 
 
 def test_09_2_a_deadlock_is_named(monkeypatch):
-    monkeypatch.setattr(nb09_module, "RESUME_TIMEOUT", 8.0)
+    monkeypatch.setattr(nb09_module, "RESUME_TIMEOUT", 4.0)
     assert failed(check("09.2", receive_what_nobody_sends), "did not finish", "deadlock")
