@@ -143,11 +143,11 @@ class DistributedOptimizer:
     def step(self) -> None:
         """Step this rank's shard of each bucket; then every rank gets every updated shard
         (ZeRO-1, 2) — or, under ZeRO-3, keeps its shard until the next forward gathers it."""
-        if self.ddp.sharding is not None:
+        if self.ddp.sharding is not None:        # ZeRO-3
             self.ddp.sharding.free_all()         # no gathered copy outlives the update
-        self.optimizer.step()
-        if self.ddp.zero == 3:
+            self.optimizer.step()
             return
+        self.optimizer.step()
         for bucket in self.ddp.buckets:
             bucket.param_data.copy_(comm.all_gather(bucket.param_shard, self.group, dim=0,
                                                     label="dp params"))

@@ -73,7 +73,7 @@ class ParameterSharding:
     def __init__(self, buckets: list[Bucket], group: CommGroup, roots: list[nn.Module],
                  modules: list[nn.Module]) -> None:
         self.group = group
-        roots = {id(m) for m in roots}
+        self._roots = roots = {id(m) for m in roots}      # kept gathered forward → backward
         owner: dict[int, nn.Module] = {}                 # each parameter's innermost unit
         for module in modules:
             for p in module.parameters():
@@ -85,7 +85,6 @@ class ParameterSharding:
             if mine:
                 self.units.append((module, mine))
         self._index = {id(m): i for i, (m, _) in enumerate(self.units)}
-        self._keep_after_forward = {id(m) for m, _ in self.units if id(m) in roots}
         # backward's next unit: the one before, but a root's is the last unit of its chunk
         self._backward_next = list(range(-1, len(self.units) - 1))
         starts = [i for i, (m, _) in enumerate(self.units) if id(m) in roots]
@@ -116,7 +115,7 @@ class ParameterSharding:
         i = self._index[id(module)]
         self._note(i, "forward")
         training = torch.is_grad_enabled()
-        if not training or id(module) not in self._keep_after_forward:
+        if not training or id(module) not in self._roots:
             self._free(i)
         if training and isinstance(output, torch.Tensor) and output.requires_grad:
             output.register_hook(lambda grad, i=i: self._before_backward(i))
