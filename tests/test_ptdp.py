@@ -104,122 +104,12 @@ def _split(tp, pp, dp, **overrides):
             PTDPOptions(**{"lr": LR, "clip": CLIP, "eps": EPS, **options}))
 
 
-def _every_layout_of_8():
-    """Each rank trains under every layout of 8 ranks in turn, in one launch (8 processes
-    started once, not once per layout)."""
-    return [_ptdp(*_split(layout.tp, layout.pp, layout.dp)) for layout in all_layouts(8)]
-
-
-@functools.cache
-def _every_layout_run():
-    return run(_every_layout_of_8, 8)
-
-
-@pytest.mark.parametrize("index", range(len(all_layouts(8))),
-                         ids=[f"tp{g.tp}-pp{g.pp}-dp{g.dp}" for g in all_layouts(8)])
-def test_every_layout_of_8_ranks_takes_the_serial_steps(serial, index):
-    _check_equal_to_serial(serial, [rank[index] for rank in _every_layout_run()])
-
-
-@pytest.mark.parametrize(("tp", "pp", "dp", "overrides"), [
-    (1, 2, 2, dict(schedule="interleaved", chunks=2)),
-    (2, 2, 1, dict(schedule="gpipe")),
-    (2, 1, 2, dict(zero=1)),
-    (1, 2, 2, dict(zero=1, bucket_mb=0.01)),
-    (1, 1, 4, dict(zero=2, bucket_mb=0.01)),
-    (2, 1, 2, dict(zero=2)),
-    (1, 1, 4, dict(zero=3)),
-    (2, 1, 2, dict(zero=3)),
-    (1, 2, 2, dict(overlap=False, bucket_mb=1e6)),
-], ids=["interleaved", "gpipe-tp", "zero1-tp2", "zero1-buckets", "zero2-dp4", "zero2-tp2",
-        "zero3-dp4", "zero3-tp2", "one-bucket"])
-def test_schedules_zero_stages_and_buckets_take_the_serial_steps(serial, tp, pp, dp, overrides):
-    """Two microbatches a step (gradient accumulation: ZeRO-2 and 3 reduce-scatter both) and
-    clipping; ZeRO-3 gathers every block for its forward and again for its backward."""
-    out = run(_ptdp, tp * pp * dp, *_split(tp, pp, dp, **overrides))
-    _check_equal_to_serial(serial, out)
-
-
-@pytest.mark.parametrize(("tp", "pp", "dp", "overrides"), [
-    (1, 1, 1, {}), (2, 1, 1, {}), (1, 2, 1, {}), (1, 1, 2, {}),
-    (1, 2, 1, dict(zero=1)), (2, 1, 1, dict(sequence_parallel=True)),
-], ids=["cp2", "tp2-cp2", "pp2-cp2", "dp2-cp2", "pp2-cp2-zero1", "tp2-cp2-sp"])
-def test_context_parallel_layouts_take_the_serial_steps(serial, tp, pp, dp, overrides):
-    """Each cp rank runs its zig-zag chunks of the replica's sequences; the token count, the
-    loss and the gradients are summed over dp × cp, ZeRO-1 shards over dp × cp (here over the
-    two cp ranks, the tied embedding's shard included), and sequence parallelism splits each cp
-    rank's chunks over tp."""
-    overrides = dict(overrides)
-    config = dataclasses.replace(CONFIG, sequence_parallel=overrides.pop("sequence_parallel",
-                                                                          False))
-    out = run(_ptdp, tp * pp * dp * 2, *_split(tp, pp, dp, cp=2, **overrides), config)
-    _check_equal_to_serial(serial, out)
-
-
-@pytest.mark.parametrize("changes", [dict(recompute="full"),
-                                     dict(sequence_parallel=True, recompute="selective")],
-                         ids=["full-recompute", "sp-selective"])
-def test_zero3_with_recomputation_and_sequence_parallelism_takes_the_serial_steps(serial,
-                                                                                  changes):
-    """Full recomputation runs a block's forward again inside backward: ZeRO-3 must keep it
-    gathered there; sequence parallelism sums the layer norms' gradient shards over tp."""
-    out = run(_ptdp, 4, *_split(2, 1, 2, zero=3), dataclasses.replace(CONFIG, **changes))
-    _check_equal_to_serial(serial, out)
-
-
-def test_dp_gradients_are_all_reduced_once_per_step_not_per_microbatch():
-    out = run(_ptdp, 4, *_split(1, 2, 2, num_microbatches=4, bucket_mb=1e6))
-    for *_, log in out:
-        assert log.count("all_reduce", group="dp", label="dp grads") == STEPS  # one bucket
-        assert log.count(label="embedding grads") == STEPS  # pp=2: both stages hold a copy
-
-
-def test_scatter_gather_divides_the_bytes_between_stages_by_tp():
-    plain = run(_ptdp, 4, *_split(2, 2, 1, scatter_gather=False))
-    split = run(_ptdp, 4, *_split(2, 2, 1, scatter_gather=True))
-    for (losses_a, *_, log_a), (losses_b, *_, log_b) in zip(plain, split, strict=True):
-        assert losses_a == pytest.approx(losses_b, abs=1e-6)
-        assert log_a.total_bytes("send") == 2 * log_b.total_bytes("send") > 0
-
-
-# --- dropout on: every tp = 1 layout draws the serial model's masks -----------------------------
-
 DROPOUT = dataclasses.replace(CONFIG, dropout=0.1)
 
 
-@pytest.fixture(scope="module")
-def serial_with_dropout():
-    return run(_serial, 1, DROPOUT)[0]
+def _every_layout_of_8():
+    return [_ptdp(*_split(layout.tp, layout.pp, layout.dp)) for layout in all_layouts(8)]
 
-
-@pytest.mark.parametrize(("pp", "dp", "overrides"), [
-    (1, 1, {}), (2, 1, {}), (4, 1, {}), (2, 1, dict(schedule="interleaved", chunks=2)),
-    (1, 2, {}), (1, 4, {}), (2, 2, dict(zero=1)), (1, 1, dict(cp=4)), (1, 2, dict(zero=2)),
-    (1, 4, dict(zero=3)),
-], ids=["serial-ptdp", "pp2", "pp4", "interleaved", "dp2", "dp4", "pp2-dp2-zero1", "cp4",
-        "dp2-zero2", "dp4-zero3"])
-def test_with_dropout_every_tp1_layout_takes_the_serial_steps(serial_with_dropout, pp, dp,
-                                                              overrides):
-    out = run(_ptdp, pp * dp * overrides.get("cp", 1), *_split(1, pp, dp, **overrides), DROPOUT)
-    _check_equal_to_serial(serial_with_dropout, out)
-
-
-def test_dropout_changes_the_steps(serial, serial_with_dropout):
-    assert serial[0][0] != pytest.approx(serial_with_dropout[0][0], abs=1e-3)
-
-
-# --- the loss is the mean over the global batch's target tokens ---------------------------------
-
-@pytest.mark.parametrize(("tp", "pp", "dp", "cp"), [(1, 2, 2, 1), (2, 1, 2, 1), (1, 1, 4, 1),
-                                                   (1, 1, 2, 2)])
-def test_a_masked_batch_gives_the_global_token_mean_on_every_layout(tp, pp, dp, cp):
-    """cp = 2: each cp rank's chunks hold different numbers of target tokens."""
-    serial = run(_serial, 1, CONFIG, True)[0]
-    out = run(_ptdp, tp * pp * dp * cp, *_split(tp, pp, dp, cp=cp), CONFIG, True)
-    _check_equal_to_serial(serial, out)
-
-
-# --- a non-finite gradient skips the step on every rank -----------------------------------------
 
 def _inf_on_one_rank(tp, pp, dp, zero1, bad_rank):
     layout, options = _split(tp, pp, dp, zero=int(zero1))
@@ -247,19 +137,163 @@ def _inf_on_one_rank(tp, pp, dp, zero1, bad_rank):
     return result.skipped, unchanged, after.skipped, trainer.iteration
 
 
-@pytest.mark.parametrize(("tp", "pp", "dp", "zero1", "bad_rank"), [
-    (1, 2, 2, False, 3), (2, 1, 2, True, 1), (1, 1, 4, False, 2)])
-def test_an_inf_gradient_on_one_rank_skips_the_step_on_every_rank(tp, pp, dp, zero1, bad_rank):
-    for skipped, unchanged, next_skipped, iteration in run(_inf_on_one_rank, tp * pp * dp, tp,
-                                                           pp, dp, zero1, bad_rank):
+def _training(tp, pp, dp, config=CONFIG, masked=False, **overrides):
+    """A PTD-P run's case: (world size, the function each rank runs, its arguments)."""
+    return (tp * pp * dp * overrides.get("cp", 1), _ptdp,
+            (*_split(tp, pp, dp, **overrides), config, masked))
+
+
+SP = dataclasses.replace(CONFIG, sequence_parallel=True)
+CASES = {  # name -> (world size, function, arguments); every case of one size in one launch
+    "interleaved": _training(1, 2, 2, schedule="interleaved", chunks=2),
+    "gpipe-tp": _training(2, 2, 1, schedule="gpipe"),
+    "zero1-tp2": _training(2, 1, 2, zero=1),
+    "zero1-buckets": _training(1, 2, 2, zero=1, bucket_mb=0.01),
+    "zero2-dp4": _training(1, 1, 4, zero=2, bucket_mb=0.01),
+    "zero2-tp2": _training(2, 1, 2, zero=2),
+    "zero3-dp4": _training(1, 1, 4, zero=3),
+    "zero3-tp2": _training(2, 1, 2, zero=3),
+    "one-bucket": _training(1, 2, 2, overlap=False, bucket_mb=1e6),
+    "cp2": _training(1, 1, 1, cp=2),
+    "tp2-cp2": _training(2, 1, 1, cp=2),
+    "pp2-cp2": _training(1, 2, 1, cp=2),
+    "dp2-cp2": _training(1, 1, 2, cp=2),
+    "pp2-cp2-zero1": _training(1, 2, 1, cp=2, zero=1),
+    "tp2-cp2-sp": _training(2, 1, 1, SP, cp=2),
+    "zero3-full-recompute": _training(2, 1, 2, dataclasses.replace(CONFIG, recompute="full"),
+                                      zero=3),
+    "zero3-sp-selective": _training(2, 1, 2, dataclasses.replace(SP, recompute="selective"),
+                                    zero=3),
+    "accumulate-4": _training(1, 2, 2, num_microbatches=4, bucket_mb=1e6),
+    "scatter-gather-off": _training(2, 2, 1, scatter_gather=False),
+    "scatter-gather-on": _training(2, 2, 1, scatter_gather=True),
+    "dropout-serial-ptdp": _training(1, 1, 1, DROPOUT),
+    "dropout-pp2": _training(1, 2, 1, DROPOUT),
+    "dropout-pp4": _training(1, 4, 1, DROPOUT),
+    "dropout-interleaved": _training(1, 2, 1, DROPOUT, schedule="interleaved", chunks=2),
+    "dropout-dp2": _training(1, 1, 2, DROPOUT),
+    "dropout-dp4": _training(1, 1, 4, DROPOUT),
+    "dropout-pp2-dp2-zero1": _training(1, 2, 2, DROPOUT, zero=1),
+    "dropout-cp4": _training(1, 1, 1, DROPOUT, cp=4),
+    "dropout-dp2-zero2": _training(1, 1, 2, DROPOUT, zero=2),
+    "dropout-dp4-zero3": _training(1, 1, 4, DROPOUT, zero=3),
+    "masked-pp2-dp2": _training(1, 2, 2, masked=True),
+    "masked-tp2-dp2": _training(2, 1, 2, masked=True),
+    "masked-dp4": _training(1, 1, 4, masked=True),
+    "masked-dp2-cp2": _training(1, 1, 2, masked=True, cp=2),
+    "embedding-bytes-zero1": _training(1, 2, 2, zero=1),
+    "embedding-bytes-plain": _training(1, 2, 2),
+    "inf-pp2-dp2": (4, _inf_on_one_rank, (1, 2, 2, False, 3)),
+    "inf-tp2-dp2-zero1": (4, _inf_on_one_rank, (2, 1, 2, True, 1)),
+    "inf-dp4": (4, _inf_on_one_rank, (1, 1, 4, False, 2)),
+    "every-layout-of-8": (8, _every_layout_of_8, ()),
+}
+
+
+def _each(cases):
+    """One rank's share of many cases, run one after another (processes started once)."""
+    return [fn(*args) for fn, args in cases]
+
+
+@functools.cache
+def _launch(world_size):
+    names = [name for name, (size, *_) in CASES.items() if size == world_size]
+    ranks = run(_each, world_size, [CASES[name][1:] for name in names], timeout=600)
+    return {name: [rank[i] for rank in ranks] for i, name in enumerate(names)}
+
+
+def _result(name):
+    """Every rank's result of case ``name`` (its world size's launch runs once per session)."""
+    return _launch(CASES[name][0])[name]
+
+
+@pytest.mark.parametrize("index", range(len(all_layouts(8))),
+                         ids=[f"tp{g.tp}-pp{g.pp}-dp{g.dp}" for g in all_layouts(8)])
+def test_every_layout_of_8_ranks_takes_the_serial_steps(serial, index):
+    _check_equal_to_serial(serial, [rank[index] for rank in _result("every-layout-of-8")])
+
+
+@pytest.mark.parametrize("name", ["interleaved", "gpipe-tp", "zero1-tp2", "zero1-buckets",
+                                  "zero2-dp4", "zero2-tp2", "zero3-dp4", "zero3-tp2",
+                                  "one-bucket"])
+def test_schedules_zero_stages_and_buckets_take_the_serial_steps(serial, name):
+    """Two microbatches a step (gradient accumulation: ZeRO-2 and 3 reduce-scatter both) and
+    clipping; ZeRO-3 gathers every block for its forward and again for its backward."""
+    _check_equal_to_serial(serial, _result(name))
+
+
+@pytest.mark.parametrize("name", ["cp2", "tp2-cp2", "pp2-cp2", "dp2-cp2", "pp2-cp2-zero1",
+                                  "tp2-cp2-sp"])
+def test_context_parallel_layouts_take_the_serial_steps(serial, name):
+    """Each cp rank runs its zig-zag chunks of the replica's sequences; the token count, the
+    loss and the gradients are summed over dp × cp, ZeRO-1 shards over dp × cp (here over the
+    two cp ranks, the tied embedding's shard included), and sequence parallelism splits each cp
+    rank's chunks over tp."""
+    _check_equal_to_serial(serial, _result(name))
+
+
+@pytest.mark.parametrize("name", ["zero3-full-recompute", "zero3-sp-selective"])
+def test_zero3_with_recomputation_and_sequence_parallelism_takes_the_serial_steps(serial, name):
+    """Full recomputation runs a block's forward again inside backward: ZeRO-3 must keep it
+    gathered there; sequence parallelism sums the layer norms' gradient shards over tp."""
+    _check_equal_to_serial(serial, _result(name))
+
+
+def test_dp_gradients_are_all_reduced_once_per_step_not_per_microbatch():
+    for *_, log in _result("accumulate-4"):
+        assert log.count("all_reduce", group="dp", label="dp grads") == STEPS  # one bucket
+        assert log.count(label="embedding grads") == STEPS  # pp=2: both stages hold a copy
+
+
+def test_scatter_gather_divides_the_bytes_between_stages_by_tp():
+    plain, split = _result("scatter-gather-off"), _result("scatter-gather-on")
+    for (losses_a, *_, log_a), (losses_b, *_, log_b) in zip(plain, split, strict=True):
+        assert losses_a == pytest.approx(losses_b, abs=1e-6)
+        assert log_a.total_bytes("send") == 2 * log_b.total_bytes("send") > 0
+
+
+# --- dropout on: every tp = 1 layout draws the serial model's masks -----------------------------
+
+@pytest.fixture(scope="module")
+def serial_with_dropout():
+    return run(_serial, 1, DROPOUT)[0]
+
+
+@pytest.mark.parametrize("name", ["serial-ptdp", "pp2", "pp4", "interleaved", "dp2", "dp4",
+                                  "pp2-dp2-zero1", "cp4", "dp2-zero2", "dp4-zero3"])
+def test_with_dropout_every_tp1_layout_takes_the_serial_steps(serial_with_dropout, name):
+    _check_equal_to_serial(serial_with_dropout, _result(f"dropout-{name}"))
+
+
+def test_dropout_changes_the_steps(serial, serial_with_dropout):
+    assert serial[0][0] != pytest.approx(serial_with_dropout[0][0], abs=1e-3)
+
+
+# --- the loss is the mean over the global batch's target tokens ---------------------------------
+
+@pytest.fixture(scope="module")
+def serial_masked():
+    return run(_serial, 1, CONFIG, True)[0]
+
+
+@pytest.mark.parametrize("name", ["pp2-dp2", "tp2-dp2", "dp4", "dp2-cp2"])
+def test_a_masked_batch_gives_the_global_token_mean_on_every_layout(serial_masked, name):
+    """cp = 2: each cp rank's chunks hold different numbers of target tokens."""
+    _check_equal_to_serial(serial_masked, _result(f"masked-{name}"))
+
+
+# --- a non-finite gradient skips the step on every rank -----------------------------------------
+
+@pytest.mark.parametrize("name", ["pp2-dp2", "tp2-dp2-zero1", "dp4"])
+def test_an_inf_gradient_on_one_rank_skips_the_step_on_every_rank(name):
+    for skipped, unchanged, next_skipped, iteration in _result(f"inf-{name}"):
         assert skipped and unchanged and not next_skipped and iteration == 2
 
 
 # --- ZeRO-1 sums only the shard of the tied embedding it updates --------------------------------
 
 def test_zero1_sums_a_dp_th_of_the_tied_embedding():
-    def embedding_bytes(zero1):
-        return run(_ptdp, 4, *_split(1, 2, 2, zero=int(zero1)))[0][3].total_bytes(
-            label="embedding grads")
+    def embedding_bytes(kind):
+        return _result(f"embedding-bytes-{kind}")[0][3].total_bytes(label="embedding grads")
 
-    assert embedding_bytes(True) * 2 == embedding_bytes(False) > 0
+    assert embedding_bytes("zero1") * 2 == embedding_bytes("plain") > 0
