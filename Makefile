@@ -33,7 +33,10 @@ kernel: $(KERNEL)
 $(KERNEL): $(VENV)/.installed
 	$(PY) -m ipykernel install --sys-prefix --name megatron-edu --display-name "Python 3 (megatron-edu)"
 
-lab: kernel
+# JupyterLab on notebooks/: student/ holds the exercises to do (written on first use, never
+# overwritten: your work stays), the numbered notebooks beside it their solutions.
+lab: kernel student-notebooks
+	@echo "Start in notebooks/student/ (the exercises to do); notebooks/NN_*.ipynb are the solutions."
 	$(PY) -m jupyter lab notebooks
 
 # Every notebook in JupyterLab in headless Chromium: run all, every explorer's controls moved
@@ -60,7 +63,8 @@ bench: install
 gpu-check:
 	@$(PYTHON) bench/gpu_check.py --torch-spec "$(TORCH_SPEC)"
 
-# The notebooks without their solutions (each a stub the checkers answer "not done yet").
+# The notebooks without their solutions (each a stub the checkers answer "not done yet", every
+# "read the code" cell that shows an answer held back until its exercise); existing ones are kept.
 student-notebooks: install
 	$(PY) -m megatron_edu.course.student notebooks notebooks/student
 

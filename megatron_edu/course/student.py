@@ -15,6 +15,10 @@ In the notebooks (which hold the solutions) each solution sits between two comme
 and the student version keeps everything but what lies between them, which becomes
 ``raise NotImplementedError("exercise 00.1: your code here")`` at the same indentation — so the
 student notebook runs, and the checker answers each exercise with "not done yet" until it is done.
+
+A "read the code" cell that prints package source an exercise asks the learner to write carries
+the tag ``answers-NN.k``; the student version comments it out behind a pointer to run it once
+exercise NN.k passes (``tests/test_student_notebooks.py`` finds every such cell by its output).
 """
 
 from __future__ import annotations
@@ -24,10 +28,12 @@ import re
 import sys
 from pathlib import Path
 
-__all__ = ["student_source", "student_notebook", "write_student_notebooks"]
+__all__ = ["student_source", "answer_pointer", "answers_of", "student_notebook",
+           "write_student_notebooks"]
 
 BEGIN, END = "# BEGIN SOLUTION", "# END SOLUTION"
 _CHECK = re.compile(r"""check\(\s*["'](\d\d\.\d+)["']""")
+ANSWERS = "answers-"  # a cell tag: "answers-04.2" — the cell shows what exercise 04.2 asks for
 
 
 def student_source(source: str) -> str:
@@ -55,14 +61,31 @@ def student_source(source: str) -> str:
     return "\n".join(out)
 
 
+def answers_of(cell: dict) -> list[str]:
+    """The exercises whose answer a cell shows, from its ``answers-NN.k`` tags."""
+    tags = cell.get("metadata", {}).get("tags", [])
+    return [tag.removeprefix(ANSWERS) for tag in tags if tag.startswith(ANSWERS)]
+
+
+def answer_pointer(source: str, exercises: list[str]) -> str:
+    """A cell that would show an answer, commented out behind a pointer to run it afterwards."""
+    which = " and ".join(exercises)
+    pointer = [f"# Exercise {which} asks you to write what this cell shows: the package's own",
+               "# code. Once your answer passes, uncomment the lines below and run them."]
+    return "\n".join(pointer + [f"# {line}" if line else "#" for line in source.split("\n")])
+
+
 def student_notebook(notebook: dict) -> dict:
-    """The student version of a notebook (as loaded JSON): stubs, and no outputs."""
+    """The student version of a notebook (as loaded JSON): stubs, no answer shown before its
+    exercise, and no outputs."""
     cells = []
     for cell in notebook["cells"]:
         cell = dict(cell)
         if cell["cell_type"] == "code":
-            cell.update(source=_lines(student_source("".join(cell["source"]))), outputs=[],
-                        execution_count=None)
+            source = student_source("".join(cell["source"]))
+            if answers_of(cell):
+                source = answer_pointer(source, answers_of(cell))
+            cell.update(source=_lines(source), outputs=[], execution_count=None)
             cell["metadata"] = {k: v for k, v in cell.get("metadata", {}).items()
                                 if k != "execution"}
         cells.append(cell)
@@ -74,16 +97,21 @@ def _lines(text: str) -> list[str]:
     return [line + "\n" for line in lines[:-1]] + ([lines[-1]] if lines[-1] else [])
 
 
-def write_student_notebooks(source: Path, out: Path) -> list[Path]:
-    """Every ``NN_*.ipynb`` of ``source`` as its student version in ``out``; the paths written."""
+def write_student_notebooks(source: Path, out: Path) -> tuple[list[Path], list[Path]]:
+    """Every ``NN_*.ipynb`` of ``source`` as its student version in ``out``: the paths written,
+    and those kept — a student notebook already there holds the learner's work and is never
+    overwritten (delete it to start that notebook afresh)."""
     out.mkdir(parents=True, exist_ok=True)
-    written = []
+    written, kept = [], []
     for path in sorted(source.glob("[0-9][0-9]_*.ipynb")):
-        notebook = student_notebook(json.loads(path.read_text()))
         target = out / path.name
+        if target.exists():
+            kept.append(target)
+            continue
+        notebook = student_notebook(json.loads(path.read_text()))
         target.write_text(json.dumps(notebook, indent=1, ensure_ascii=False) + "\n")
         written.append(target)
-    return written
+    return written, kept
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,8 +119,12 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     source = Path(args[0]) if args else Path("notebooks")
     out = Path(args[1]) if len(args) > 1 else source / "student"
-    for path in write_student_notebooks(source, out):
+    written, kept = write_student_notebooks(source, out)
+    for path in written:
         print(f"wrote {path}")
+    if kept:
+        print(f"kept {len(kept)} student notebooks already in {out} (your work; delete one to "
+              "start it afresh)")
     return 0
 
 

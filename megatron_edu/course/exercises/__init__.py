@@ -14,9 +14,15 @@ replaced by a ``raise NotImplementedError``, which the checker answers with "not
 import importlib
 import pkgutil
 
-from megatron_edu.course.exercises.checking import EXERCISES, CheckResult, Hint, check
+from megatron_edu.course.exercises.checking import (
+    EXERCISES,
+    REFERENCES,
+    CheckResult,
+    Hint,
+    check,
+)
 
 for _module in sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name.startswith("nb")):
     importlib.import_module(f"{__name__}.{_module}")
 
-__all__ = ["EXERCISES", "CheckResult", "Hint", "check"]
+__all__ = ["EXERCISES", "REFERENCES", "CheckResult", "Hint", "check"]

@@ -10,8 +10,11 @@ wrong answer, and a learner's exception becomes a sentence too, not a bare trace
 
 from __future__ import annotations
 
+import ast
+import inspect
 import re
 import sys
+import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -20,9 +23,11 @@ import cloudpickle
 
 from megatron_edu.launch import RankError, run
 
-__all__ = ["CheckResult", "Hint", "exercise", "check", "on_ranks", "EXERCISES", "close"]
+__all__ = ["CheckResult", "Hint", "exercise", "check", "on_ranks", "EXERCISES", "REFERENCES",
+           "close"]
 
 EXERCISES: dict[str, str] = {}                     # id -> title, in registration order
+REFERENCES: dict[str, tuple[Any, ...]] = {}        # id -> the package code its answer rewrites
 _CHECKERS: dict[str, Callable[[Callable], str]] = {}
 NOT_DONE = "not done yet"
 
@@ -46,13 +51,16 @@ class CheckResult:
     __str__ = __repr__
 
 
-def exercise(exercise_id: str, title: str) -> Callable:
-    """Register the decorated checker as exercise ``exercise_id`` ("03.2")."""
+def exercise(exercise_id: str, title: str, reference: tuple[Any, ...] = ()) -> Callable:
+    """Register the decorated checker as exercise ``exercise_id`` ("03.2"). ``reference``: the
+    package's functions or classes that the answer rewrites — no student notebook may print
+    their source before the exercise (``tests/test_student_notebooks.py``)."""
 
     def register(checker: Callable[[Callable], str]) -> Callable[[Callable], str]:
         if exercise_id in EXERCISES:
             raise ValueError(f"exercise {exercise_id} is registered twice")
         EXERCISES[exercise_id] = title
+        REFERENCES[exercise_id] = tuple(reference)
         _CHECKERS[exercise_id] = checker
         return checker
 
@@ -63,6 +71,9 @@ def check(exercise_id: str, fn: Callable) -> CheckResult:
     """Check the learner's ``fn`` for exercise ``exercise_id``; never raises for a wrong answer."""
     if exercise_id not in EXERCISES:
         raise KeyError(f"no exercise {exercise_id!r}; there are {', '.join(EXERCISES)}")
+    stub = _stub_message(fn)
+    if stub is not None:  # the student notebook's placeholder: answered without starting ranks
+        return CheckResult(exercise_id, False, _not_done(stub))
     try:
         return CheckResult(exercise_id, True, _CHECKERS[exercise_id](fn))
     except Hint as hint:
@@ -72,6 +83,28 @@ def check(exercise_id: str, fn: Callable) -> CheckResult:
     except Exception as err:  # the learner's code raised in this process
         return CheckResult(exercise_id, False, f"your function raised {type(err).__name__}: "
                                                f"{err}")
+
+
+def _stub_message(fn: Callable) -> str | None:
+    """The message of ``raise NotImplementedError("…")`` if that (after a docstring) is all
+    ``fn`` does; None for anything else, or where its source cannot be read."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    node = tree.body[0] if tree.body else None
+    if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+        return None
+    body = node.body[1:] if ast.get_docstring(node) is not None else node.body
+    if len(body) != 1 or not isinstance(body[0], ast.Raise):
+        return None
+    raised = body[0].exc
+    call = raised if isinstance(raised, ast.Call) else None
+    name = (call.func if call else raised)
+    if not (isinstance(name, ast.Name) and name.id == "NotImplementedError"):
+        return None
+    args = call.args if call else []
+    return args[0].value if args and isinstance(args[0], ast.Constant) else ""
 
 
 def _not_done(detail: str) -> str:

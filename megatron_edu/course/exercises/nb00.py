@@ -149,7 +149,7 @@ def _wrong_stride(layout: Layout, got: list[tuple]) -> str | None:
     return None
 
 
-@exercise("00.2", "the grid's coordinates of a rank")
+@exercise("00.2", "the grid's coordinates of a rank", reference=(Layout.coords,))
 def _grid_coords(fn) -> str:
     for layout in _LAYOUTS:
         sizes = dict(tp=layout.tp, pp=layout.pp, dp=layout.dp)

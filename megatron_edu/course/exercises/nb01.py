@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from megatron_edu import comm
 from megatron_edu.course.exercises.checking import Hint, close, exercise, on_ranks
+from megatron_edu.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 __all__ = ["TP", "TIMEOUT"]  # the checkers register themselves (``@exercise``)
 
@@ -236,7 +237,7 @@ def _g_hints(rank: int, z, grad, forward: int, backward: int) -> None:
     _counts_hint(rank, forward, backward, (1, 0), "g")
 
 
-@exercise("01.2", "f and g as autograd functions")
+@exercise("01.2", "f and g as autograd functions", reference=(comm._F, comm._G))
 def _f_and_g(ops) -> str:
     if not (isinstance(ops, tuple | list) and len(ops) == 2):
         raise Hint("pass the two classes as a pair: check(\"01.2\", (MyF, MyG))")
@@ -381,7 +382,8 @@ def _used(grad: torch.Tensor, dim: int) -> list[int]:
     return (touched > 0).nonzero().flatten().tolist()
 
 
-@exercise("01.3", "the tensor-parallel MLP from the serial weights")
+@exercise("01.3", "the tensor-parallel MLP from the serial weights",
+          reference=(ColumnParallelLinear.forward, RowParallelLinear.forward))
 def _tp_mlp(fn) -> str:
     results = on_ranks(TP, _run_tp_mlp, fn, timeout=TIMEOUT)
     out_ref, x_grad_ref, grads_ref = _reference_mlp()

@@ -28,6 +28,7 @@ from megatron_edu.course.exercises.nb01 import (
     _tensor,
     _used,
 )
+from megatron_edu.model.transformer import Attention
 
 __all__ = ["TP", "TIMEOUT"]  # the checkers register themselves (``@exercise``)
 
@@ -113,7 +114,6 @@ def _expected_columns() -> list[int]:
 
 def _run_whole_heads(qkv: torch.Tensor, proj: torch.Tensor, x: torch.Tensor):
     """The package's Attention on this tp rank, loaded with its contiguous cut of ``qkv``."""
-    from megatron_edu.model.transformer import Attention
     from megatron_edu.tensor_parallel import init_parameters
 
     group = comm.world()  # the 2 ranks as the tensor-parallel group
@@ -180,7 +180,6 @@ def _run_parallel_attention(fn):
 
 def _reference_attention():
     """The package's serial Attention (biases zero) with these weights: output and gradients."""
-    from megatron_edu.model.transformer import Attention
     from megatron_edu.tensor_parallel import init_parameters, serial_group
 
     x, qkv, proj, upstream = _attention_data()
@@ -260,7 +259,7 @@ def _rank_grads(rank: int, serial: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-@exercise("02.2", "attention on this rank's heads")
+@exercise("02.2", "attention on this rank's heads", reference=(Attention.forward, Attention.core))
 def _parallel_attention(fn) -> str:
     results = on_ranks(TP, _run_parallel_attention, fn, timeout=TIMEOUT)
     out_ref, x_grad_ref, grads_ref = _reference_attention()

@@ -20,6 +20,8 @@ import torch.nn.functional as F
 
 from megatron_edu import comm
 from megatron_edu.course.exercises.checking import Hint, close, exercise, on_ranks
+from megatron_edu.tensor_parallel.cross_entropy import _VocabParallelCrossEntropy
+from megatron_edu.tensor_parallel.layers import VocabParallelEmbedding
 
 TIMEOUT = 20.0  # seconds: a collective that some rank never reaches hangs the others
 
@@ -117,7 +119,8 @@ def _run_lookup(fn):
     return _tensor_or_type(out), grad, _events(forward), backward_events
 
 
-@exercise("03.1", "the masked lookup of the vocabulary-parallel embedding")
+@exercise("03.1", "the masked lookup of the vocabulary-parallel embedding",
+          reference=(VocabParallelEmbedding.forward,))
 def _masked_lookup(fn) -> str:
     t = 2
     try:
@@ -180,7 +183,8 @@ def _run_gradient(fn):
     return _tensor_or_type(grad), _events(log)
 
 
-@exercise("03.2", "the loss's gradient on each rank's slice, without communication")
+@exercise("03.2", "the loss's gradient on each rank's slice, without communication",
+          reference=(_VocabParallelCrossEntropy.backward,))
 def _loss_gradient(fn) -> str:
     t = 2
     try:
@@ -261,7 +265,8 @@ def _wrong_losses(t: int) -> dict[str, tuple[torch.Tensor, str]]:
     }
 
 
-@exercise("03.3", "the vocabulary-parallel cross entropy: three exchanges, not the logits")
+@exercise("03.3", "the vocabulary-parallel cross entropy: three exchanges, not the logits",
+          reference=(_VocabParallelCrossEntropy.forward,))
 def _parallel_loss(fn) -> str:
     t = 4
     try:

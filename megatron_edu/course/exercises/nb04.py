@@ -19,6 +19,7 @@ from megatron_edu.course.exercises.checking import Hint, exercise
 from megatron_edu.pipeline.schedules import (
     Action,
     Schedule,
+    _warmup_then_1f1b,
     check_schedule,
     interleaved_one_f_one_b,
     one_f_one_b,
@@ -133,7 +134,8 @@ def _together(rows: list[list[Action]], num_chunks: int) -> str:
     return ""
 
 
-@exercise("04.2", "one rank's 1F1B order: warm-up, one forward one backward, cool-down")
+@exercise("04.2", "one rank's 1F1B order: warm-up, one forward one backward, cool-down",
+          reference=(one_f_one_b, _warmup_then_1f1b))
 def _one_f_one_b_rank(fn) -> str:
     for p, m in ORDER_CASES:
         reference = one_f_one_b(p, m)
@@ -183,7 +185,8 @@ def _stream_hint(got: list[Action], expected: list[Action], kind: str, p: int, v
             "the next p microbatches")
 
 
-@exercise("04.3", "one rank's interleaved 1F1B order: groups of p through v chunks")
+@exercise("04.3", "one rank's interleaved 1F1B order: groups of p through v chunks",
+          reference=(interleaved_one_f_one_b,))
 def _interleaved_rank(fn) -> str:
     for p, m, v in INTERLEAVED_CASES:
         reference = interleaved_one_f_one_b(p, m, v)

@@ -179,7 +179,8 @@ def _messages_check(fn) -> int:
     return count
 
 
-@exercise("05.2", "the engine's messages: what each action receives and sends")
+@exercise("05.2", "the engine's messages: what each action receives and sends",
+          reference=(messages_of,))
 def _messages(fn) -> str:
     count = _messages_check(fn)
     m, p, v = 4, 2, 2

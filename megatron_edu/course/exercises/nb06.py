@@ -20,7 +20,7 @@ from torch import nn
 
 from megatron_edu import comm
 from megatron_edu.course.exercises.checking import Hint, exercise, on_ranks
-from megatron_edu.data_parallel import DataParallel
+from megatron_edu.data_parallel import DataParallel, DistributedOptimizer
 from megatron_edu.grid import ParallelGrid
 
 __all__ = ["Regression"]
@@ -56,7 +56,8 @@ def _run_average(fn: Callable) -> dict[str, Any]:
     return dict(grads=grads, log=log)
 
 
-@exercise("06.1", "average the gradients, one all-reduce per bucket")
+@exercise("06.1", "average the gradients, one all-reduce per bucket",
+          reference=(DataParallel._launch,))
 def _average_gradients(fn: Callable) -> str:
     tensors = sum(len(b) for b in BUCKETS)
     for dp in DP_SIZES:
@@ -269,7 +270,8 @@ def _run_zero1(fn: Callable) -> dict[str, Any]:
     return dict(history=history, state_bytes=state_bytes, logs=logs)
 
 
-@exercise("06.3", "a ZeRO-1 step: reduce-scatter, update a shard, all-gather")
+@exercise("06.3", "a ZeRO-1 step: reduce-scatter, update a shard, all-gather",
+          reference=(DistributedOptimizer.step,))
 def _zero1_step(fn: Callable) -> str:
     for dp in DP_SIZES:
         results = on_ranks(dp, _run_zero1, fn, timeout=TIMEOUT)

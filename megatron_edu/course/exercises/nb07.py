@@ -52,7 +52,9 @@ def _shown(groups: list[list[int]], most: int = 4) -> str:
     return f"[{text}{', …' if len(groups) > most else ''}]"
 
 
-@exercise("07.1", "the rank grid: tp, dp, pp and embedding groups")
+@exercise("07.1", "the rank grid: tp, dp, pp and embedding groups",
+          reference=(Layout.tp_groups, Layout.dp_groups, Layout.pp_groups,
+                     Layout.embedding_groups))
 def _rank_groups(fn: Callable) -> str:
     for tp, pp, dp in GRID_LAYOUTS:
         layout = Layout(tp=tp, pp=pp, dp=dp)
@@ -113,7 +115,8 @@ def _run_tied(fn: Callable, tp: int, pp: int, dp: int) -> dict[str, Any]:
     return dict(stage=grid.pp_rank, holds=holds, out=out, log=log)
 
 
-@exercise("07.2", "the tied embedding: sum the two copies' gradients")
+@exercise("07.2", "the tied embedding: sum the two copies' gradients",
+          reference=(PTDP._sum_tied_embedding_grads,))
 def _tied_embedding(fn: Callable) -> str:
     for tp, pp, dp in TIED_LAYOUTS:
         layout = Layout(tp=tp, pp=pp, dp=dp)

@@ -91,7 +91,7 @@ def _explain(diffs: list[int], mistakes: list[dict[str, int]]) -> str | None:
     return None
 
 
-@exercise("08.1", "the parameters of a GPT from its shape")
+@exercise("08.1", "the parameters of a GPT from its shape", reference=(num_parameters,))
 def _gpt_parameters(fn: Callable[..., object]) -> str:
     got, real = [], []
     for shape in _GPT_SHAPES:

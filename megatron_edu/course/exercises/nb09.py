@@ -28,6 +28,8 @@ import torch
 
 from megatron_edu import comm
 from megatron_edu.course.exercises.checking import Hint, exercise, on_ranks
+from megatron_edu.generate import sample
+from megatron_edu.train import train
 
 __all__ = ["ResumeRun"]
 
@@ -72,7 +74,7 @@ def _distance(draws: list[int], probs: torch.Tensor) -> float:
     return 0.5 * (freq - probs).abs().sum().item()
 
 
-@exercise("09.1", "the next token, drawn with temperature and top-k")
+@exercise("09.1", "the next token, drawn with temperature and top-k", reference=(sample,))
 def _sample_next(fn: Callable[..., Any]) -> str:
     first, again = _draw(fn, 40, 1.0, None, seed=5), _draw(fn, 40, 1.0, None, seed=5)
     if first != again:
@@ -239,7 +241,7 @@ def _reference() -> tuple[ResumeRun, Path, dict[str, list[float]]]:
     return run, folder / "checkpoints" / f"step_{run.saved_at:06d}", reference
 
 
-@exercise("09.2", "resume a run in another layout")
+@exercise("09.2", "resume a run in another layout", reference=(train,))
 def _resume_in_another_layout(fn: Callable[..., Any]) -> str:
     run, checkpoint, reference = _reference()
     results = on_ranks(2, _learner_rank, fn, checkpoint, *_RESUMED, run,

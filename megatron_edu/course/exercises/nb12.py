@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from megatron_edu import comm
-from megatron_edu.context_parallel import causal_work, chunk_ids, merge
+from megatron_edu.context_parallel import _exchange, causal_work, chunk_ids, merge
 from megatron_edu.course.exercises.checking import Hint, exercise, on_ranks
 
 __all__ = ["CP", "TIMEOUT"]  # the checkers register themselves (``@exercise``)
@@ -35,7 +35,7 @@ def _blocks(seed: int = 0):
     return scores, v, parts
 
 
-@exercise("12.1", "the online-softmax merge of two key blocks")
+@exercise("12.1", "the online-softmax merge of two key blocks", reference=(merge,))
 def check_merge(fn) -> str:
     """fn(o1, lse1, o2, lse2) against the softmax over both blocks' keys, computed whole."""
     scores, v, parts = _blocks()
@@ -63,7 +63,7 @@ def check_merge(fn) -> str:
             "neither block ever saw the other's scores")
 
 
-@exercise("12.2", "the zig-zag chunk assignment")
+@exercise("12.2", "the zig-zag chunk assignment", reference=(chunk_ids,))
 def check_zigzag(fn) -> str:
     """fn(rank, cp) against ``chunk_ids`` at cp = 1, 2, 4, 8; the work it gives each rank."""
     for cp in (1, 2, 4, 8):
@@ -96,7 +96,8 @@ def _ring_step_rank(fn):
     return got, [(e.op, e.peer) for e in log.events], block
 
 
-@exercise("12.3", "one ring step: send to the next rank, receive from the previous")
+@exercise("12.3", "one ring step: send to the next rank, receive from the previous",
+          reference=(_exchange,))
 def check_ring_step(fn) -> str:
     """fn(block, group) on 4 ranks: the previous rank's block received, one send and one recv."""
     results = on_ranks(CP, _ring_step_rank, fn, timeout=TIMEOUT)
