@@ -9,8 +9,10 @@ import torch
 
 from megatron_edu.course.viz.perf import (
     MIB,
+    bubble_vs_dp,
     draw_activation_memory,
     draw_advisor_vs_table1,
+    draw_bubble_vs_dp,
     draw_bubble_vs_microbatches,
     draw_forwards_in_flight,
     draw_memory_per_gpu,
@@ -223,3 +225,20 @@ def test_machine_mfu_restores_the_thread_count():
     threads = torch.get_num_threads()
     show_machine_mfu(_tiny_gpt(), batch=2, rounds=2, matmul_size=64)
     assert torch.get_num_threads() == threads
+
+
+# ---- Fig. 6: the bubble against d ----
+
+
+def test_bubble_vs_dp_is_n_minus_d_over_the_microbatches_per_batch():
+    # (p − 1)/m with p = n/(t·d), m = B/(b·d): (n/t − d)/(B/b), every d that divides both
+    assert bubble_vs_dp(32, 128) == {d: (32 - d) / 128 for d in (1, 2, 4, 8, 16, 32)}
+    assert bubble_vs_dp(16, 8, tp=2) == {d: (8 - d) / 8 for d in (1, 2, 4, 8)}
+
+
+def test_bubble_vs_dp_draws_one_falling_line_per_n_and_batch():
+    ax = draw_bubble_vs_dp([32, 128], [32, 128])
+    assert len(ax.lines) == 4
+    for line in ax.lines:
+        bubbles = list(line.get_ydata())
+        assert bubbles == sorted(bubbles, reverse=True) and bubbles[0] > bubbles[-1]

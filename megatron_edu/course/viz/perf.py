@@ -11,6 +11,7 @@ draw_forwards_in_flight              microbatches each pipeline stage holds, per
 draw_table1                          predicted vs reported TFLOP/s per GPU, and where time goes
 draw_split_sweep                     throughput of every tp × pp split (memory fit marked)
 draw_bubble_vs_microbatches          bubble share of an iteration as m grows, vs (p-1)/(v·m)
+draw_bubble_vs_dp                    Fig. 6: the bubble (p-1)/m against d at fixed n, t and B/b
 draw_memory_per_gpu                  weights, gradients, optimizer, activations per layout
 draw_advisor_vs_table1               the advisor's free choice against the paper's layout
 draw_tp_sweep                        Fig. 13: throughput vs tp at fixed GPUs, several batches
@@ -50,10 +51,12 @@ from megatron_edu.perf import (
     table1_config,
     tp_sweep,
 )
+from megatron_edu.perf.bubble import bubble_formula
 
 __all__ = ["MIB", "PARTS", "HARDWARE", "draw_activation_memory", "draw_forwards_in_flight",
            "draw_memory_per_gpu", "draw_table1", "draw_advisor_vs_table1", "draw_split_sweep",
-           "draw_bubble_vs_microbatches", "draw_tp_sweep", "draw_interleaving_speedup",
+           "draw_bubble_vs_microbatches", "bubble_vs_dp", "draw_bubble_vs_dp", "draw_tp_sweep",
+           "draw_interleaving_speedup",
            "draw_microbatch_tradeoff", "show_advice", "explore_advisor", "show_machine_mfu"]
 
 MIB = 2**20
@@ -251,6 +254,32 @@ def draw_bubble_vs_microbatches(config: GPTConfig, tp: int, pp: int, chunks: int
     ax.set_ylabel("bubble / rest of iteration")
     ax.set_title(f"tp={tp}, pp={pp}: the bubble shrinks as 1/m")
     ax.legend(fontsize=7)
+    ax.figure.tight_layout()
+    return ax
+
+
+def bubble_vs_dp(num_gpus: int, batch_ratio: int, tp: int = 1) -> dict[int, float]:
+    """{d: the 1F1B bubble (p − 1)/m} for every d that splits ``num_gpus`` = t·p·d GPUs and
+    ``batch_ratio`` B/b microbatches (2104.04473 §3.3.1: p = n/(t·d), m = B/(b·d))."""
+    return {d: float(bubble_formula("1f1b", num_gpus // (tp * d), batch_ratio // d))
+            for d in range(1, num_gpus // tp + 1)
+            if num_gpus % (tp * d) == 0 and batch_ratio % d == 0}
+
+
+def draw_bubble_vs_dp(num_gpus: Sequence[int], batch_ratios: Sequence[int], tp: int = 1,
+                      ax: Axes | None = None) -> Axes:
+    """Fig. 6 of 2104.04473: the bubble (p − 1)/m = (n/(t·d) − 1)·(b·d)/B against d, one line
+    per n and B/b, from ``perf.bubble.bubble_formula``."""
+    ax = _axes(ax, (6, 3.4))
+    for n in num_gpus:
+        for ratio in batch_ratios:
+            bubble = bubble_vs_dp(n, ratio, tp)
+            ax.plot(list(bubble), list(bubble.values()), marker="o", label=f"n={n}, B/b={ratio}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("data-parallel size d")
+    ax.set_ylabel("bubble (p − 1)/m")
+    ax.set_title(f"t={tp}: more data parallelism, a shorter pipeline, a smaller bubble")
+    ax.legend(fontsize=8)
     ax.figure.tight_layout()
     return ax
 
