@@ -34,6 +34,7 @@ def _near(got: float, want: float, rtol: float = 0.1) -> bool:
 
 @exercise("15.1", "fit α and β of the ring all-reduce model", reference=(fit_alpha_beta,))
 def check_fit_alpha_beta(fn) -> str:
+    """fn(sizes, times, t) on synthetic ring times from known α and β (1 % noise), t = 2, 4, 8."""
     rng = np.random.default_rng(0)
     for t in (2, 4, 8):
         times = ring_time(SIZES, t, ALPHA, BETA) * (1 + 0.01 * rng.standard_normal(len(SIZES)))
@@ -98,6 +99,7 @@ def _naive_rank(fn, x: torch.Tensor):
 @exercise("15.2", "naive data parallelism: one all-reduce per parameter",
           reference=(naive_allreduce_grads,))
 def check_naive_allreduce_grads(fn) -> str:
+    """fn(model, group) on 2 ranks: the serial full-batch gradient, one all-reduce a parameter."""
     torch.manual_seed(1)
     x = torch.randn(8, 4)
     torch.manual_seed(0)
