@@ -1,9 +1,17 @@
 """The checkers of notebook 10: the reference solution passes, each typical mistake gets the hint
 that names it, a stub gets "not done yet"."""
 
-import pytest
+import math
 
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from megatron_edu import comm
 from megatron_edu.course.exercises import check
+from megatron_edu.tensor_parallel.layers import sum_replicated_grads_
+from megatron_edu.tensor_parallel.random import DropoutKey
 
 
 def stub(*args):
@@ -32,4 +40,112 @@ def layer_bytes(s, b, h, a, t, sp, selective,
 ])
 def test_10_1_layer_bytes(answer, fragments):
     result = check("10.1", answer)
+    assert result.passed if not fragments else failed(result, *fragments), result.message
+
+
+# --- 10.2 selective recomputation of the attention core ------------------------------------------
+
+def selective_attention(attn, x, key, scale=True, recompute=True, causal=True, dropout="keyed",
+                        whole=False):
+    """The attention sublayer with its core under a checkpoint, or one typical mistake."""
+
+    def sublayer(x):
+        qkv = attn.qkv(x)
+        b, s, _ = qkv.shape
+        q, k, v = qkv.view(b, s, attn.local_heads, 3, attn.head_dim).permute(3, 0, 2, 1,
+                                                                            4).unbind(0)
+        calls = []
+
+        def core(q, k, v):
+            calls.append(1)
+            scores = q @ k.transpose(-2, -1) / (math.sqrt(attn.head_dim) if scale else 1)
+            if causal:
+                future = torch.ones(s, s, dtype=torch.bool).triu(1)
+                scores = scores.masked_fill(future, float("-inf"))
+            probs = scores.softmax(-1)
+            if dropout == "torch":                   # the global generator's mask
+                return F.dropout(probs, attn.dropout.p) @ v
+            again = DropoutKey(key.step + 1, key.samples)   # "another key": a new one recomputed
+            return attn.dropout(probs, key if dropout == "keyed" or calls == [1] else again) @ v
+
+        y = checkpoint(core, q, k, v, use_reentrant=False) if recompute and not whole else (
+            core(q, k, v))
+        return attn.proj(y.transpose(1, 2).reshape(b, s, -1))
+
+    return checkpoint(sublayer, x, use_reentrant=False) if whole else sublayer(x)
+
+
+@pytest.mark.parametrize(("answer", "fragments"), [
+    (selective_attention, ()),
+    (lambda a, x, k: selective_attention(a, x, k, recompute=False),
+     ("18,688 more", "float32 [2, 4, 16, 16]", "bool [2, 4, 16, 16]", "checkpoint")),
+    (lambda a, x, k: selective_attention(a, x, k, dropout="torch"), ("keyed one",)),
+    (lambda a, x, k: selective_attention(a, x, k, dropout="another key"),
+     ("drew another dropout mask",)),
+    (lambda a, x, k: selective_attention(a, x, k, whole=True), ("full recomputation",)),
+    (lambda a, x, k: selective_attention(a, x, k, scale=False), ("not scaled",)),
+    (lambda a, x, k: selective_attention(a, x, k, causal=False), ("causal",)),
+    (lambda a, x, k: a(x, None, k)[:, :-1], ("return the sublayer's output",)),
+    (stub, ("not done yet",)),
+], ids=["solution", "no-checkpoint", "torch-dropout", "another-key", "whole-sublayer",
+        "no-scale", "not-causal", "wrong-shape", "stub"])
+def test_10_2_selective_attention(answer, fragments):
+    result = check("10.2", answer)
+    assert result.passed if not fragments else failed(result, *fragments), result.message
+
+
+def test_10_2_the_package_own_attention_recomputed_selectively_passes():
+    """The package's own core under its own checkpoint: what Attention.forward does."""
+
+    def package(attn, x, key):
+        attn.selective = True
+        return attn(x, None, key)
+
+    assert check("10.2", package).passed
+
+
+# --- 10.3 the sequence-parallel layer norm's gradients -------------------------------------------
+
+def sp_layer_norm(ln, x, dy, grid, reduce="sum"):
+    """The rank's part of the sequence through the layer norm, its gradients summed over tp —
+    or reduced as one typical mistake does."""
+    t, r = grid.tp, grid.tp_rank
+    y = ln(x.chunk(t, dim=1)[r])
+    y.backward(dy.chunk(t, dim=1)[r])
+    group = {"sum": grid.tp_group, "mean": grid.tp_group, "dp": grid.dp_group,
+             "world": comm.world()}.get(reduce)
+    for param in (ln.weight, ln.bias):
+        if group is not None:
+            comm.all_reduce_(param.grad, group)
+        if reduce == "mean":
+            param.grad /= t
+    return y
+
+
+def split_batch(ln, x, dy, grid):
+    y = ln(x.chunk(grid.tp, dim=0)[grid.tp_rank])
+    y.backward(dy.chunk(grid.tp, dim=0)[grid.tp_rank])
+    sum_replicated_grads_([ln.weight.grad, ln.bias.grad], grid.tp_group)
+    return y
+
+
+def whole_sequence(ln, x, dy, grid):
+    y = ln(x)
+    y.backward(dy)
+    return y
+
+
+@pytest.mark.parametrize(("answer", "fragments"), [
+    (sp_layer_norm, ()),
+    (lambda *a: sp_layer_norm(*a, reduce="none"), ("own s/2 positions", "grid.tp_group")),
+    (lambda *a: sp_layer_norm(*a, reduce="mean"), ("averaged", "sum them")),
+    (lambda *a: sp_layer_norm(*a, reduce="dp"), ("data-parallel group",)),
+    (lambda *a: sp_layer_norm(*a, reduce="world"), ("every rank",)),
+    (split_batch, ("dim 1",)),
+    (whole_sequence, ("the whole sequence",)),
+    (stub, ("not done yet",)),
+], ids=["solution", "not-reduced", "averaged", "dp-group", "world", "batch-split", "whole",
+        "stub"])
+def test_10_3_sp_layer_norm(answer, fragments):
+    result = check("10.3", answer)
     assert result.passed if not fragments else failed(result, *fragments), result.message

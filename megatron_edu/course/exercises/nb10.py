@@ -1,22 +1,48 @@
 """Checkers for notebook 10 (activation memory, recomputation, sequence parallelism).
 
 10.1 ★    the activation bytes of one transformer layer (2205.05198 Table 2)
+10.2 ★★   selective recomputation: the attention core under a checkpoint (2205.05198 §5)
+10.3 ★★   the sequence-parallel layer norm's weight gradients, summed over tp (§4.2.2)
 
 10.1 is checked in this process against ``megatron_edu.perf.activation_bytes_per_layer`` over a
 grid of shapes, tensor-parallel sizes and modes. Typical wrong answers — the 10·s·b·h not divided
 by t under sequence parallelism, selective recomputation dropping the 34 term instead of the
 5·a·s/h one, elements instead of bytes, t missing from the attention term — are named.
+
+10.2 is checked in this process against the package's ``Attention`` (dropout off, then on): the
+output and every gradient equal to the plain sublayer's, and the bytes autograd saves for
+backward (``perf.measure.saved_bytes``) those of the package's selective recomputation. Named:
+no checkpoint (the s×s tensors it keeps, listed), a dropout mask recomputation cannot repeat (not
+the keyed one, or another key in the recomputation), the whole sublayer checkpointed (full
+recomputation: too few bytes kept), the 1/√d scale or the causal mask missing.
+
+10.3 runs on 4 gloo ranks (tp = 2 × dp = 2, each replica its own batch) against the serial layer
+norm's gradients. Named: each rank's partial gradient not reduced, averaged instead of summed,
+summed over the wrong group (dp, or every rank), the sequence split along another dimension, the
+whole sequence on every rank.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
+from dataclasses import replace
 
-from megatron_edu.course.exercises.checking import Hint, exercise
+import torch
+from torch import nn
+
+from megatron_edu import comm
+from megatron_edu.course.exercises.checking import Hint, exercise, on_ranks
+from megatron_edu.grid import ParallelGrid
 from megatron_edu.model import GPTConfig
+from megatron_edu.model.transformer import Attention
 from megatron_edu.perf import activation_bytes_per_layer
+from megatron_edu.perf.measure import saved_bytes
+from megatron_edu.tensor_parallel.init import init_parameters
+from megatron_edu.tensor_parallel.layers import serial_group, sum_replicated_grads_
+from megatron_edu.tensor_parallel.random import DropoutKey, checkpoint
 
-__all__ = ["CASES"]  # the checkers register themselves (``@exercise``)
+__all__ = ["CASES", "ATTENTION", "TIMEOUT"]  # the checkers register themselves (``@exercise``)
 
 CASES = [(s, b, h, a, t) for s, b, h, a in [(128, 2, 128, 8), (2048, 1, 12288, 96)]
          for t in (1, 2, 4, 8)]
@@ -63,3 +89,254 @@ def check_layer_bytes(fn) -> str:
             "(t = 1…8, with and without sequence parallelism and selective recomputation).")
 
 
+# --- 10.2 ★★ selective recomputation of the attention core ---------------------------------------
+
+ATTENTION = GPTConfig(vocab_size=64, seq_len=16, num_layers=1, hidden=32, num_heads=4)  # s ≠ h
+BATCH = 2
+
+
+def _attention(dropout: float, recompute: str = "none") -> Attention:
+    """A serial attention sublayer of ATTENTION (in training mode), its weights from the seed."""
+    attn = Attention(replace(ATTENTION, dropout=dropout, recompute=recompute), serial_group())
+    init_parameters(attn, ATTENTION.seed, serial_group())
+    return attn
+
+
+def _unscaled(attn: Attention) -> Attention:
+    """``attn`` with each head's q rows √d larger: its scores are q·kᵀ, without the 1/√d."""
+    d = attn.head_dim
+    with torch.no_grad():
+        for rows in range(0, 3 * ATTENTION.hidden, 3 * d):        # per head: q | k | v rows
+            attn.qkv.weight[rows:rows + d] *= math.sqrt(d)
+            attn.qkv.bias[rows:rows + d] *= math.sqrt(d)
+    return attn
+
+
+def _run_attention(fn, attn: Attention) -> tuple[object, dict, int]:
+    """fn(attn, x, key) on the fixed input: its output, the gradients of x and of every weight
+    after a backward from a fixed dL/dy, and the bytes saved for backward (weights excluded)."""
+    gen = torch.Generator().manual_seed(10)
+    x = torch.randn(BATCH, ATTENTION.seq_len, ATTENTION.hidden, generator=gen).requires_grad_()
+    upstream = torch.randn(x.shape, generator=gen)
+    out: list = []
+    kept = saved_bytes(lambda: out.append(fn(attn, x, DropoutKey.first(BATCH))),
+                       attn.parameters())
+    y = out[0]
+    if not isinstance(y, torch.Tensor) or y.shape != x.shape:
+        raise Hint(f"return the sublayer's output, a tensor [b, s, h] of shape {tuple(x.shape)} "
+                   f"(got {tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__}) "
+                   "— after attn.proj, as Attention.forward returns it")
+    if not y.requires_grad:
+        raise Hint("the output has no gradient: it was computed under torch.no_grad or detached")
+    y.backward(upstream)
+    grads = {"x": x.grad, **{name: p.grad for name, p in attn.named_parameters()}}
+    return y.detach(), grads, kept
+
+
+def _square_tensors(fn) -> list[str]:
+    """The tensors of s×s scores per head that fn saves for backward, as 'dtype [shape]'."""
+    attn, s, found = _attention(0.1), ATTENTION.seq_len, {}
+    x = torch.zeros(BATCH, s, ATTENTION.hidden, requires_grad=True)
+    weights = {p.untyped_storage().data_ptr() for p in attn.parameters()}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if (t.dim() >= 2 and tuple(t.shape[-2:]) == (s, s)
+                and t.untyped_storage().data_ptr() not in weights):
+            found[t.untyped_storage().data_ptr()] = (f"{str(t.dtype).removeprefix('torch.')} "
+                                                      f"{list(t.shape)}")
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(attn, x, DropoutKey.first(BATCH))
+    return list(found.values())
+
+
+def _differs(got: torch.Tensor, want: torch.Tensor, atol: float = 1e-6) -> bool:
+    return not (got.shape == want.shape and (got - want).abs().max().item() <= atol)
+
+
+def _package(attn: Attention, x: torch.Tensor, key: DropoutKey) -> torch.Tensor:
+    """The package's sublayer, as the model calls it."""
+    return attn(x, None, key)
+
+
+def _output_hint(y: torch.Tensor, want: torch.Tensor) -> None:
+    """Dropout off, the output wrong: the scale or the causal mask missing, or something else."""
+    if not _differs(y, _run_attention(_package, _unscaled(_attention(0.0)))[0], 1e-5):
+        raise Hint("the scores are not scaled: softmax(q·kᵀ/√d), with d = attn.head_dim "
+                   f"= {ATTENTION.head_dim}")
+    acausal = _attention(0.0)
+    acausal.causal = False
+    if not _differs(y, _run_attention(_package, acausal)[0], 1e-5):
+        raise Hint("each position sees every key: GPT's attention is causal — mask the scores "
+                   "above the diagonal with −inf before the softmax")
+    raise Hint(f"with dropout off the output differs from Attention.forward's by up to "
+               f"{(y - want).abs().max().item():.3g}: the core is softmax(q·kᵀ/√d, causal)·v, "
+               "per head, the heads split from qkv as Attention.forward splits them")
+
+
+def _bytes_hint(fn, kept: int, selective: int) -> None:
+    """Right values, the wrong bytes kept for backward: name what was kept, or what recomputed."""
+    if kept > selective:
+        squares = _square_tensors(fn)
+        if squares:
+            raise Hint(f"your sublayer keeps {kept:,} bytes for backward, {kept - selective:,} "
+                       f"more than selective recomputation ({selective:,}): the s×s tensors "
+                       f"{', '.join(squares)} — the softmax's output, the dropout's mask and "
+                       "output (5·a·s²·b bytes in fp16) and the causal mask. Run the core under "
+                       "a checkpoint "
+                       "(torch.utils.checkpoint.checkpoint(core, q, k, v, use_reentrant=False))")
+        raise Hint(f"your sublayer keeps {kept:,} bytes for backward, {kept - selective:,} more "
+                   f"than selective recomputation ({selective:,}), though no s×s tensor: a copy "
+                   "of q, k or v made outside the checkpoint is kept beside qkv's output — make "
+                   "it inside the checkpointed function")
+    raise Hint(f"your sublayer keeps only {kept:,} bytes for backward, selective recomputation "
+               f"{selective:,}: the checkpoint covers more than the core, and the qkv and output "
+               "projections run again in backward (checkpointing the whole sublayer is full "
+               "recomputation, 2104.04473 §3.5). Keep q, k, v and the projection's input; "
+               "recompute only softmax(q·kᵀ/√d)·v")
+
+
+@exercise("10.2", "selective recomputation of the attention core", reference=(checkpoint,))
+def check_selective_attention(fn) -> str:
+    """fn(attn, x, key) against Attention.forward, with dropout off and on: the output and the
+    gradients; then the bytes kept for backward against the package's selective recomputation."""
+    for p in (0.0, 0.1):
+        y, grads, kept = _run_attention(fn, _attention(p))
+        want_y, want_grads, plain = _run_attention(_package, _attention(p))
+        if _differs(y, want_y):
+            if p == 0.0:
+                _output_hint(y, want_y)
+            raise Hint("with dropout on (p = 0.1) the output is not the package's: the mask must "
+                       "be the keyed one, attn.dropout(probs, key) — a function of the key, so "
+                       "the recomputation draws the same mask again (torch's F.dropout draws "
+                       "from the global generator: another mask at every call)")
+        missing = [name for name, g in grads.items() if g is None]
+        if missing:
+            raise Hint(f"no gradient reached {', '.join(missing)}: something was detached")
+        wrong = [name for name in want_grads if _differs(grads[name], want_grads[name], 1e-5)]
+        if wrong and p > 0:
+            raise Hint(f"the output is right but the gradients of {', '.join(wrong)} are not: "
+                       "the recomputation in backward drew another dropout mask. It must use "
+                       "the same key as the forward (pass it in, or close over it)")
+        if wrong:
+            raise Hint(f"the gradients of {', '.join(wrong)} differ from Attention.forward's")
+    selective = _run_attention(_package, _attention(0.1, "selective"))[2]
+    if kept != selective:
+        _bytes_hint(fn, kept, selective)
+    return (f"output and gradients equal Attention.forward's (dropout 0.1: the keyed masks, "
+            f"recomputed exactly), and it keeps {kept:,} bytes for backward, as the package's "
+            f"selective recomputation does: {plain - kept:,} fewer than without it, the s×s "
+            "tensors of the core")
+
+
+# --- 10.3 ★★ the sequence-parallel layer norm's gradients -----------------------------------------
+
+TP, DP, TIMEOUT = 2, 2, 30.0
+LN_SHAPE = (2, 8, 16)             # b, s, h of each data-parallel replica's batch
+
+
+def _ln_data(replica: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole batch x [b, s, h] of one data-parallel replica and its dL/dy."""
+    gen = torch.Generator().manual_seed(300 + replica)
+    return torch.randn(LN_SHAPE, generator=gen), torch.randn(LN_SHAPE, generator=gen)
+
+
+def _layer_norm() -> nn.LayerNorm:
+    """The same layer norm on every rank, its weight and bias not 1 and 0."""
+    ln = nn.LayerNorm(LN_SHAPE[-1])
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        ln.weight.copy_(1 + 0.1 * torch.randn(ln.weight.shape, generator=gen))
+        ln.bias.copy_(0.1 * torch.randn(ln.bias.shape, generator=gen))
+    return ln
+
+
+def _serial_grads(x: torch.Tensor, upstream: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dL/dweight, dL/dbias) of the layer norm run on ``x``, whole or a part."""
+    ln = _layer_norm()
+    ln(x).backward(upstream)
+    return ln.weight.grad, ln.bias.grad
+
+
+def _run_sp_layer_norm(fn) -> dict:
+    grid = ParallelGrid(tp=TP, dp=DP)
+    x, upstream = _ln_data(grid.dp_rank)
+    ln = _layer_norm()
+    with comm.record() as log:
+        y = fn(ln, x.clone(), upstream.clone(), grid)
+    return {"tp_rank": grid.tp_rank, "dp_rank": grid.dp_rank,
+            "y": y.detach() if isinstance(y, torch.Tensor) else y,
+            "grads": (ln.weight.grad, ln.bias.grad),
+            "all_reduces": log.count("all_reduce")}
+
+
+def _same(got: tuple, want: tuple) -> bool:
+    return all(g is not None and g.shape == w.shape and (g - w).abs().max().item() <= 1e-5
+               for g, w in zip(got, want, strict=True))
+
+
+def _ln_grads_hint(r: int, d: int, got: tuple) -> None:
+    """Rank (tp r, dp d) has the wrong layer-norm gradients: name the mistake if it is known."""
+    def part(replica: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, upstream = _ln_data(replica)
+        return _serial_grads(x.chunk(TP, 1)[rank], upstream.chunk(TP, 1)[rank])
+
+    whole = _serial_grads(*_ln_data(d))
+    where = f"tp rank {r} of data-parallel replica {d}"
+    if any(g is None for g in got):
+        raise Hint(f"{where}: the layer norm's weight or bias has no gradient — run the backward "
+                   "of its part with its part of dL/dy")
+    if _same(got, part(d, r)):
+        raise Hint(f"{where}: the gradients are of its own s/{TP} positions only — not summed "
+                   "over the tensor-parallel group (grid.tp_group), or the sum not written back "
+                   "into .grad. Each position's contribution lives on one rank: all-reduce them")
+    if _same(got, tuple(g / TP for g in whole)):
+        raise Hint(f"{where}: the gradients are half the serial layer norm's: averaged over tp. "
+                   "The ranks hold different positions, not copies of the same batch: sum them")
+    if _same(got, tuple(a + b for a, b in zip(part(0, r), part(1, r), strict=True))):
+        raise Hint(f"{where}: summed over the data-parallel group — part {r} of both replicas' "
+                   "batches. The sequence is split over the tensor-parallel group: sum over "
+                   "grid.tp_group (dp averages the replicas' gradients later, in its own step)")
+    everyone = tuple(a + b for a, b in zip(_serial_grads(*_ln_data(0)),
+                                           _serial_grads(*_ln_data(1)), strict=True))
+    if _same(got, everyone):
+        raise Hint(f"{where}: summed over every rank — both data-parallel replicas' batches. Sum "
+                   "over grid.tp_group only, the ranks that split this replica's sequence")
+    if _same(got, tuple(TP * g for g in whole)):
+        raise Hint(f"{where}: the gradients are {TP}× the serial layer norm's: every rank ran "
+                   "the whole sequence, then they were summed. Run only this rank's part")
+    raise Hint(f"{where}: the layer norm's gradients are not the serial layer norm's on the "
+               "whole sequence")
+
+
+@exercise("10.3", "the sequence-parallel layer norm's gradients",
+          reference=(sum_replicated_grads_,))
+def check_sp_layer_norm(fn) -> str:
+    """fn(ln, x, dy, grid) on tp = 2 × dp = 2 ranks against the serial layer norm."""
+    results = on_ranks(TP * DP, _run_sp_layer_norm, fn, timeout=TIMEOUT)
+    b, s, h = LN_SHAPE
+    for got in results:
+        r, d, y = got["tp_rank"], got["dp_rank"], got["y"]
+        x, upstream = _ln_data(d)
+        want_y = _layer_norm()(x).detach()
+        if not isinstance(y, torch.Tensor) or y.shape != (b, s // TP, h):
+            shape = tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__
+            what = {LN_SHAPE: " — the whole sequence: run only this rank's part",
+                    (b // TP, s, h): " — a part of the batch: split the sequence, dim 1"}
+            raise Hint(f"tp rank {r} returned {shape}{what.get(shape, '')}; return the layer "
+                       f"norm's output on its part of the sequence, [b, s/t, h] = "
+                       f"{(b, s // TP, h)}")
+        if (y - want_y.chunk(TP, 1)[r]).abs().max().item() > 1e-5:
+            first, last = r * s // TP, (r + 1) * s // TP - 1
+            raise Hint(f"tp rank {r}'s output is not positions {first}…{last} of the layer "
+                       "norm's: rank r holds part r of the sequence, dim 1 of "
+                       "[b, s, h] (x.chunk(t, dim=1)[r]), not of the batch or the hidden size")
+        if not _same(got["grads"], _serial_grads(x, upstream)):
+            _ln_grads_hint(r, d, got["grads"])
+    calls = results[0]["all_reduces"]
+    return (f"on tp = {TP} × dp = {DP} ranks each tp rank's output is its part of the sequence, "
+            "and the layer norm's weight and bias gradients equal the serial layer norm's on the "
+            f"whole sequence, summed over tp with {calls} all-reduce{'s' if calls != 1 else ''} "
+            "through comm (sum_replicated_grads_ makes one, of every replicated gradient "
+            "flattened)")
