@@ -45,10 +45,12 @@ test-browser: kernel
 	sh tests/browser/install.sh $(PY)
 	$(PY) tests/browser/run_notebooks.py
 
-# The same run, rewriting the pictures in docs/images/ that the README shows.
+# The same run, rewriting the pictures in docs/images/ that the README shows (and the course map,
+# drawn from the notebooks' "Before this" lines).
 screenshots: kernel
 	sh tests/browser/install.sh $(PY)
 	$(PY) tests/browser/run_notebooks.py --screenshots
+	$(PY) -m megatron_edu.course.viz.course_map notebooks docs/images/course_map.png
 
 # The main job: the tiny GPT on the built-in corpus, tp=2 x pp=2 on 4 CPU processes (minutes).
 train: install
