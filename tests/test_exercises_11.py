@@ -4,7 +4,7 @@ that names it, a stub gets "not done yet"."""
 import numpy as np
 import pytest
 
-from megatron_edu.course.exercises import check
+from megatron_edu.course.exercises import check, nb11
 from megatron_edu.data.bert import MASK_ID, SPECIAL_IDS
 
 
@@ -78,25 +78,6 @@ def residual_after_ln(block, x):
     return u + block.mlp(u)
 
 
-def ln_after_add(block, x):
-    x = block.ln1(x + block.attn(x))
-    return block.ln2(x + block.mlp(x))
-
-
-def one_norm(block, x):
-    x = x + block.attn(block.ln1(x))
-    return x + block.mlp(block.ln1(x))
-
-
-def no_second_residual(block, x):
-    x = x + block.attn(block.ln1(x))
-    return block.mlp(block.ln2(x))
-
-
-def parallel(block, x):
-    return x + block.attn(block.ln1(x)) + block.mlp(block.ln2(x))
-
-
 def detached_attention(block, x):
     x = x + block.attn(block.ln1(x)).detach()
     return x + block.mlp(block.ln2(x))
@@ -112,10 +93,7 @@ def no_grad(block, x):
 @pytest.mark.parametrize(("answer", "fragments"), [
     (pre_ln, ()),
     (residual_after_ln, ("residual is taken after the layer norm", "'original'")),
-    (ln_after_add, ("after each add", "Figure 7a")),
-    (one_norm, ("both sublayers read ln1",)),
-    (no_second_residual, ("second residual",)),
-    (parallel, ("GPT-J",)),
+    *[(wrong, (hint[:40],)) for wrong, hint in nb11.WRONG],  # LN after the add, one LN, …
     (detached_attention, ("gradient of", "detached")),
     (no_grad, ("does not require grad",)),
     (lambda block, x: (pre_ln(block, x),), ("return the block's output",)),
