@@ -14,6 +14,9 @@ draw_peak_activations: memory in flight per rank, one bar group per schedule (an
 draw_bubble_vs_latency: how send latency eats the interleaved schedule's gain.
 draw_measured_run: a measured run above its simulation with its own mean costs
 (``simulate.simulate_measured``), on one time axis.
+draw_backward_split: one linear layer's F, B and W and who waits for what (2401.10241 Figure 1).
+draw_scatter_gather: the activation between two stages with and without scatter/gather
+(2104.04473 §4.1, Figure 9).
 show_schedule / explore: the notebook's static call and the ipywidgets explorer that calls it
 (through show_explored, which moves m to a valid value for the interleaved schedule and says so;
 t_W is a slider of its own).
@@ -27,6 +30,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
+from matplotlib.patches import FancyBboxPatch, Rectangle
 
 from megatron_edu.perf.bubble import BUBBLE_SIZE_WEIGHTS, bubble_formula, bubble_size_formula
 from megatron_edu.pipeline.p2p import exchange_plan
@@ -35,7 +39,8 @@ from megatron_edu.pipeline.simulate import Timeline, simulate, simulate_measured
 
 __all__ = ["format_plan", "draw_schedule", "draw_measured_vs_simulated", "draw_peak_activations",
            "draw_bubble_vs_latency", "draw_memory_vs_bubble", "show_schedule", "explorer_setting",
-           "show_explored", "explore", "draw_measured_run", "EXPLORER"]
+           "show_explored", "explore", "draw_measured_run", "draw_backward_split",
+           "draw_scatter_gather", "EXPLORER"]
 
 HATCHES = ["", "//", "..", "xx", "\\\\", "oo"]  # chunk 0, 1, 2, … (§2.2.2)
 LABEL_FONTSIZE = 7
@@ -289,3 +294,113 @@ def format_plan(schedule: Schedule) -> str:
                 items.append(str(action))
         lines.append(f"rank {rank}: " + " ".join(items))
     return "\n".join(lines)
+
+
+# --- diagrams: the backward split (notebook 04) and scatter/gather (notebook 05) -----------------
+
+
+def _box(ax: Axes, x: float, y: float, width: float, height: float, text: str, colour,
+         text_colour: str = "black", **style) -> None:
+    ax.add_patch(FancyBboxPatch((x, y), width, height, boxstyle="round,pad=0.05", facecolor=colour,
+                                edgecolor=style.pop("edgecolor", "black"), **style))
+    ax.text(x + width / 2, y + height / 2, text, ha="center", va="center", color=text_colour,
+            fontsize=9)
+
+
+def _arrow(ax: Axes, start: tuple[float, float], end: tuple[float, float], label: str = "",
+           colour: str = "black", width: float = 1.2, style: str = "-", offset: float = 0.18,
+           **text) -> None:
+    ax.annotate("", xy=end, xytext=start, arrowprops=dict(arrowstyle="-|>", color=colour,
+                                                          linewidth=width, linestyle=style))
+    if label:
+        ax.text((start[0] + end[0]) / 2, (start[1] + end[1]) / 2 + offset, label, ha="center",
+                va="bottom" if offset >= 0 else "top", fontsize=8, color=colour, **text)
+
+
+def draw_backward_split(ax: Axes | None = None) -> Axes:
+    """One linear layer Y = X·W on pipeline stage i, its backward split into B and W
+    (2401.10241 Figure 1), in the colours of ``draw_schedule``: F computes Y and sends it on;
+    B computes ∂L/∂X = ∂L/∂Y·Wᵀ, which stage i − 1 waits for (the critical path); W computes
+    ∂L/∂W = Xᵀ·∂L/∂Y, which only the optimizer step needs — so it can wait, keeping X and
+    ∂L/∂Y alive until it runs."""
+    if ax is None:
+        _, ax = plt.subplots(figsize=(10, 4.2))
+    for x, name in [(0.0, "stage i − 1"), (8.7, "stage i + 1")]:
+        _box(ax, x, 0.2, 1.3, 5.6, name, "0.93")
+    (f_x, width, height), rows = (3.4, 3.2, 0.9), {"F": 4.6, "B": 2.6, "W": 0.6}
+    texts = {"F": "F    Y = X·W", "B": "B    ∂L/∂X = ∂L/∂Y·Wᵀ",
+             "W": "W    ∂L/∂W = Xᵀ·∂L/∂Y\n(X kept from F)"}
+    for kind, y in rows.items():
+        _box(ax, f_x, y, width, height, texts[kind], _colour(0, kind),
+             "white" if kind == "W" else "black", linestyle="--" if kind == "W" else "-")
+    middle = {kind: y + height / 2 for kind, y in rows.items()}
+    right = f_x + width
+    _arrow(ax, (1.4, middle["F"]), (f_x - 0.1, middle["F"]), "X")
+    _arrow(ax, (right + 0.1, middle["F"]), (8.6, middle["F"]), "Y")
+    _arrow(ax, (8.6, middle["B"]), (right + 0.1, middle["B"]), "∂L/∂Y")
+    _arrow(ax, (8.6, middle["B"] - 0.2), (right + 0.1, middle["W"] + 0.1), style="--")
+    ax.text(right + 0.5, middle["W"] - 0.1, "∂L/∂Y,\nkept until W", ha="left", va="center",
+            fontsize=8)
+    _arrow(ax, (f_x - 0.1, middle["B"]), (1.4, middle["B"]), "∂L/∂X", colour="tab:red",
+           width=2.5, fontweight="bold")
+    ax.text((f_x + 1.4) / 2, middle["B"] - 0.2, "stage i − 1\nwaits for it", ha="center",
+            va="top", fontsize=8, color="tab:red")
+    ax.text(f_x + width / 2, rows["W"] - 0.2, "∂L/∂W → .grad: needed only at the optimizer "
+            "step, so W can wait and fill the bubble", ha="center", va="top", fontsize=8)
+    ax.set_xlim(-0.2, 10.2)
+    ax.set_ylim(-0.6, 6.0)
+    ax.set_axis_off()
+    ax.set_title("one linear layer Y = X·W on stage i: the backward split into B and W "
+                 "(2401.10241 Figure 1)")
+    ax.figure.tight_layout()
+    return ax
+
+
+def draw_scatter_gather(t: int = 2, message_bytes: int | None = None) -> Figure:
+    """The activation between two pipeline stages, each split over t tensor-parallel ranks
+    (2104.04473 §4.1, Figure 9): on the left each tp rank sends its whole replicated copy, b·s·h
+    numbers per link; on the right each sends its 1/t slice (scatter) and the next stage's ranks
+    all-gather the slices over their node's fast links. ``message_bytes``: the size of one whole
+    message, printed on the links (else the sizes are written b·s·h and b·s·h/t)."""
+    fig, axes = plt.subplots(1, 2, figsize=(11, 0.9 * t + 2.2))
+    colours = [plt.get_cmap("tab10")(k) for k in range(t)]
+    whole = "b·s·h" if message_bytes is None else f"{message_bytes:,} B"
+    part = "b·s·h/t" if message_bytes is None else f"{message_bytes // t:,} B"
+    for ax, split in zip(axes, (False, True), strict=True):
+        for x, name in [(0.2, "stage i (one node)"), (6.2, "stage i + 1 (another node)")]:
+            ax.add_patch(Rectangle((x, -0.6), 3.6, t + 0.2, facecolor="0.94", edgecolor="0.6"))
+            ax.text(x + 1.8, t - 0.25, name, ha="center", va="bottom", fontsize=9)
+        for rank in range(t):
+            y = t - 1 - rank
+            for x, received in [(1.2, False), (6.4, True)]:
+                for k in range(t):  # the activation, one slice per tp rank
+                    sent = split and k == rank  # the slice this rank sends, or receives
+                    kept = not (split and received) or sent
+                    ax.add_patch(Rectangle((x + 2.4 * k / t, y - 0.25), 2.4 / t, 0.5,
+                                           facecolor=colours[k], alpha=1 if kept else 0.35,
+                                           hatch="" if kept else "//", edgecolor="black",
+                                           linewidth=2 if sent else 0.6,
+                                           gid=f"{'with' if split else 'without'} "
+                                           f"{'stage i + 1' if received else 'stage i'} "
+                                           f"rank {rank} slice {k}"))
+            ax.text(1.1, y, f"tp rank {rank}", ha="right", va="center", fontsize=8)
+            ax.text(8.9, y, f"tp rank {rank}", ha="left", va="center", fontsize=8)
+            _arrow(ax, (3.7, y), (6.3, y), part if split else whole,
+                   colour=colours[rank] if split else "black", offset=0.08)
+        if split:
+            ax.annotate("", xy=(10.1, -0.3), xytext=(10.1, t - 0.7),
+                        arrowprops=dict(arrowstyle="<|-|>", color="black"))
+            ax.text(10.2, (t - 1) / 2, "all-gather\n(NVLink)", ha="left", va="center",
+                    fontsize=8)
+        ax.text(5.0, -0.95, "between nodes (InfiniBand): "
+                + (f"{t} × {part}" if split else f"{t} × {whole}"), ha="center", va="top",
+                fontsize=9)
+        ax.set_title("with scatter/gather: each rank sends its 1/t, stage i + 1 all-gathers"
+                     if split else "without: the t tp ranks send t identical copies", fontsize=10)
+        ax.set_xlim(-0.2, 11.3)
+        ax.set_ylim(-1.4, t + 0.4)
+        ax.set_axis_off()
+    fig.suptitle(f"the activation between two stages with tensor parallelism t = {t} "
+                 "(2104.04473 §4.1, Figure 9)")
+    fig.tight_layout()
+    return fig
