@@ -139,11 +139,11 @@ def check_masking(fn) -> str:
 
 # --- 11.2 ★★ the rearranged block ----------------------------------------------------------------
 
-def _block(placement: str) -> Block:
-    """Block 0 of a small GPT at ``placement``, its weights redrawn at std 0.2 (layer norms
+def _block(ln_placement: str) -> Block:
+    """Block 0 of a small GPT at ``ln_placement``, its weights redrawn at std 0.2 (layer norms
     included, so ln1 ≠ ln2) — the same weights for either placement."""
     config = GPTConfig(vocab_size=64, seq_len=8, num_layers=1, hidden=32, num_heads=4,
-                       dropout=0.0, seed=11, ln_placement=placement)
+                       dropout=0.0, seed=11, ln_placement=ln_placement)
     block = GPT(config).blocks["0"]
     gen = torch.Generator().manual_seed(11)
     with torch.no_grad():
