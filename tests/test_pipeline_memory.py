@@ -4,6 +4,8 @@ kept longer than the schedule says (sent tensors and sent outputs are freed). Ze
 schedules (2401.10241) keep each microbatch from F to W, and between B and W also the gradients
 W starts from: ZB-H1 holds p microbatches on every rank, ZB-H2 2p − 1."""
 
+import functools
+
 import pytest
 import torch
 
@@ -50,8 +52,7 @@ def _one_microbatch_bytes(chunks):
     return sizes, after_b
 
 
-def _memory(name, transport):
-    grid = ParallelGrid(pp=P)
+def _memory(grid, name, transport):
     schedule = make_schedule(name, P, M, SCHEDULES[name])
     chunks = build_chunks(CONFIG, grid, schedule.stages)
     per_microbatch, after_b = _one_microbatch_bytes(chunks)
@@ -79,9 +80,21 @@ def _held_by_schedule(actions, per_microbatch, after_b):
     return peak
 
 
+def _every_schedule(transport):
+    grid = ParallelGrid(pp=P)
+    return {name: _memory(grid, name, transport) for name in SCHEDULES}
+
+
+@functools.cache
+def _measure(transport):
+    """{schedule: every rank's measurement}, all schedules in one launch."""
+    ranks = run(_every_schedule, P, transport)
+    return {name: [rank[name] for rank in ranks] for name in SCHEDULES}
+
+
 @pytest.fixture(scope="module", params=TRANSPORTS)
 def measured(request):
-    return {name: run(_memory, P, name, request.param) for name in SCHEDULES}
+    return _measure(request.param)
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +103,7 @@ def batched():
     the schedule, so the count is the schedule's alone. The mailbox sends at once and a send's
     tensor lives until the peer has posted its receive — how many are in transit then depends on
     how the OS schedules the ranks (on 2 cores, one to three more on a slow run)."""
-    return {name: run(_memory, P, name, "batched") for name in SCHEDULES}
+    return _measure("batched")
 
 
 @pytest.mark.parametrize("name", list(SCHEDULES))
