@@ -1,8 +1,8 @@
 """The capstone's checkers: the reference build and step pass on 8 ranks against the serial model,
-each typical mistake gets the hint that names it, a stub gets "not done yet". The step's wrong
-answers run in one launch (``nb17.step_verdicts``), each from a fresh PTDP's parts."""
+each typical mistake gets the hint that names it, a stub gets "not done yet". The wrong builds
+run in one launch (``nb17.build_verdicts``), the wrong steps in another (``nb17.step_verdicts``),
+each step from a fresh PTDP's parts."""
 
-import pytest
 import torch
 
 from megatron_edu import comm
@@ -66,17 +66,29 @@ def _failed(result, *fragments):
     return result.passed is False and all(f in result.message for f in fragments)
 
 
-@pytest.mark.parametrize(("answer", "fragments"), [
-    (build, ()),
-    (lambda *a: build(*a, whole=True), ("the whole model",)),
-    (lambda *a: build(*a, group="tp"), ("grid.dp_group",)),
-    (lambda *a: build(*a, average=True), ("average=False",)),
-    (lambda *a: build(*a, decay_all=True), ("weight decay", "build_param_groups")),
-    (stub, ("not done yet",)),
-])
-def test_17_1_build(answer, fragments):
-    result = check("17.1", answer)
-    assert result.passed if not fragments else _failed(result, *fragments), result.message
+BUILD_MISTAKES = {
+    "whole": ({"whole": True}, "the whole model"),
+    "tp group": ({"group": "tp"}, "grid.dp_group"),
+    "averaged": ({"average": True}, "average=False"),
+    "decay everywhere": ({"decay_all": True}, "build_param_groups"),
+}
+
+
+def _build_with(**mistake):
+    return lambda *a: build(*a, **mistake)
+
+
+def test_17_1_build_every_mistake_is_named_and_the_reference_passes():
+    verdicts = nb17.build_verdicts([build] + [_build_with(**kw) for kw, _ in
+                                              BUILD_MISTAKES.values()])
+    assert verdicts[0] == nb17.BUILT
+    for (name, (_, fragment)), verdict in zip(BUILD_MISTAKES.items(), verdicts[1:], strict=True):
+        assert fragment in verdict, (name, verdict)
+
+
+def test_17_1_a_wrong_build_is_answered_with_its_hint_and_a_stub_is_not_done():
+    assert _failed(check("17.1", stub), "not done yet")
+    assert _failed(check("17.1", lambda *a: object()), "return Parts")
 
 
 def _step_with(**mistake):

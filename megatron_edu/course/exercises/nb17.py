@@ -43,7 +43,7 @@ from megatron_edu.ptdp import PTDP, PTDPOptions
 from megatron_edu.tensor_parallel.random import DropoutKey
 
 __all__ = ["CONFIG", "LAYOUT", "OPTIONS", "BATCH", "STEPS", "Parts", "batches",
-           "serial_steps", "run_steps", "step_verdicts"]
+           "serial_steps", "run_steps", "step_verdicts", "build_verdicts", "BUILT"]
 
 CONFIG = GPTConfig(vocab_size=100, seq_len=8, num_layers=4, hidden=32, num_heads=4, dropout=0.0)
 LAYOUT = Layout(tp=2, pp=2, dp=2, schedule="1f1b", microbatch=2, num_microbatches=4)
@@ -103,9 +103,8 @@ def _decay(optimizer: torch.optim.Optimizer, chunks: list[GPT]) -> dict[str, flo
             for group in optimizer.param_groups for p in group["params"]}
 
 
-def _describe_build(build: Callable) -> dict:
+def _describe_build(grid: ParallelGrid, build: Callable) -> dict:
     """On one rank: what the learner built, beside what ``PTDP`` builds from the same seed."""
-    grid = ParallelGrid(LAYOUT)
     want = PTDP(CONFIG, grid, OPTIONS)
     parts = build(CONFIG, grid, OPTIONS)
     got = {"rank": grid.rank, "coords": (grid.tp_rank, grid.pp_rank, grid.dp_rank)}
@@ -183,15 +182,37 @@ def _judge_build(r: dict) -> None:
                    f"AdamW with the options' lr ({OPTIONS.lr}), betas and eps ({OPTIONS.eps})")
 
 
+BUILT = ("every one of the 8 ranks holds its stage's layers split over tp, with the serial "
+         "model's weights; the layout's 1F1B schedule; its gradients summed (not averaged) over "
+         "its dp group; AdamW with no decay on biases and layer norms — as PTDP builds")
+
+
+def build_verdicts(builds: list[Callable]) -> list[str]:
+    """Each build function's verdict (the Hint's text, or BUILT), all in one launch."""
+    def ranks(builds):
+        grid = ParallelGrid(LAYOUT)
+        return [_describe_build(grid, build) for build in builds]
+
+    per_rank = on_ranks(LAYOUT.world_size, ranks, builds, timeout=120)
+    verdicts = []
+    for i in range(len(builds)):
+        try:
+            for r in per_rank:
+                _judge_build(r[i])
+            verdicts.append(BUILT)
+        except Hint as hint:
+            verdicts.append(str(hint))
+    return verdicts
+
+
 @exercise("17.1", "one rank's parts of a PTD-P run",
           reference=(PTDP.__init__,))
 def check_build(build) -> str:
     """build(config, grid, options) → Parts, on 8 ranks, against what PTDP builds."""
-    for r in on_ranks(LAYOUT.world_size, _describe_build, build, timeout=120):
-        _judge_build(r)
-    return ("every one of the 8 ranks holds its stage's layers split over tp, with the serial "
-            "model's weights; the layout's 1F1B schedule; its gradients summed (not averaged) "
-            "over its dp group; AdamW with no decay on biases and layer norms — as PTDP builds")
+    verdict = build_verdicts([build])[0]
+    if verdict != BUILT:
+        raise Hint(verdict)
+    return verdict
 
 
 # --- 17.2 ★★★ the step ---------------------------------------------------------------------------
