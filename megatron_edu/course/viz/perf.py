@@ -68,6 +68,14 @@ def _axes(ax: Axes | None, size: tuple[float, float]) -> Axes:
     return ax if ax is not None else plt.subplots(figsize=size)[1]
 
 
+def _finish(ax: Axes, xlabel: str, ylabel: str, title: str, legend: int = 8) -> Axes:
+    """The axes' labels, title and legend (at ``legend`` points), the figure laid out."""
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    ax.legend(fontsize=legend)
+    ax.figure.tight_layout()
+    return ax
+
+
 # ---- memory -------------------------------------------------------------------------------------
 
 
@@ -221,13 +229,9 @@ def draw_split_sweep(config: GPTConfig, global_batch: int, num_gpus: int,
     ax.set_xscale("log", base=2)
     pps = sorted({p for _, p in best})
     ax.set_xticks(pps, [str(p) for p in pps])
-    ax.set_xlabel("pipeline-parallel size pp  (dp = GPUs / (tp·pp))")
-    ax.set_ylabel("TFLOP/s per GPU")
-    ax.set_title(f"{num_gpus} GPUs, B={global_batch}; hollow: no layout fits in "
-                 f"{hw.memory_bytes / GIB:.0f} GiB")
-    ax.legend(fontsize=8)
-    ax.figure.tight_layout()
-    return ax
+    return _finish(ax, "pipeline-parallel size pp  (dp = GPUs / (tp·pp))", "TFLOP/s per GPU",
+                   f"{num_gpus} GPUs, B={global_batch}; hollow: no layout fits in "
+                   f"{hw.memory_bytes / GIB:.0f} GiB")
 
 
 # ---- the takeaways (2104.04473 §3 and §5.4-5.8) ------------------------------------------------
@@ -250,12 +254,8 @@ def draw_bubble_vs_microbatches(config: GPTConfig, tp: int, pp: int, chunks: int
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xticks(list(microbatch_counts), [str(m) for m in microbatch_counts])
-    ax.set_xlabel("microbatches per iteration m")
-    ax.set_ylabel("bubble / rest of iteration")
-    ax.set_title(f"tp={tp}, pp={pp}: the bubble shrinks as 1/m")
-    ax.legend(fontsize=7)
-    ax.figure.tight_layout()
-    return ax
+    return _finish(ax, "microbatches per iteration m", "bubble / rest of iteration",
+                   f"tp={tp}, pp={pp}: the bubble shrinks as 1/m", legend=7)
 
 
 def bubble_vs_dp(num_gpus: int, batch_ratio: int, tp: int = 1) -> dict[int, float]:
@@ -276,12 +276,8 @@ def draw_bubble_vs_dp(num_gpus: Sequence[int], batch_ratios: Sequence[int], tp: 
             bubble = bubble_vs_dp(n, ratio, tp)
             ax.plot(list(bubble), list(bubble.values()), marker="o", label=f"n={n}, B/b={ratio}")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("data-parallel size d")
-    ax.set_ylabel("bubble (p − 1)/m")
-    ax.set_title(f"t={tp}: more data parallelism, a shorter pipeline, a smaller bubble")
-    ax.legend(fontsize=8)
-    ax.figure.tight_layout()
-    return ax
+    return _finish(ax, "data-parallel size d", "bubble (p − 1)/m",
+                   f"t={tp}: more data parallelism, a shorter pipeline, a smaller bubble")
 
 
 def draw_tp_sweep(config: GPTConfig, num_gpus: int, batches: Sequence[int],
@@ -294,12 +290,8 @@ def draw_tp_sweep(config: GPTConfig, num_gpus: int, batches: Sequence[int],
     ax.axvline(hw.gpus_per_node, color="grey", linestyle=":", label="GPUs per node")
     ax.set_xscale("log", base=2)
     ax.set_xticks(list(tps), [f"({t}, {num_gpus // t})" for t in tps])
-    ax.set_xlabel("(tensor, pipeline) parallel size")
-    ax.set_ylabel("TFLOP/s per GPU")
-    ax.set_title(f"Fig. 13: {num_gpus} GPUs, no data parallelism")
-    ax.legend(fontsize=8)
-    ax.figure.tight_layout()
-    return ax
+    return _finish(ax, "(tensor, pipeline) parallel size", "TFLOP/s per GPU",
+                   f"Fig. 13: {num_gpus} GPUs, no data parallelism")
 
 
 def draw_interleaving_speedup(config: GPTConfig, tp: int, pp: int, chunks: int,
