@@ -1,5 +1,7 @@
 """Pipeline schedules as data (2104.04473 §2.2): complete, dependency-valid, in Megatron's order."""
 
+from fractions import Fraction
+
 import pytest
 
 from megatron_edu.pipeline.schedules import (
@@ -12,6 +14,7 @@ from megatron_edu.pipeline.schedules import (
     make_schedule,
     one_f_one_b,
 )
+from megatron_edu.pipeline.simulate import simulate
 from megatron_edu.pipeline.stages import StageMap
 
 
@@ -62,6 +65,17 @@ def test_interleaved_warms_up_with_megatrons_count(p, m, v):
     for rank, row in enumerate(interleaved_one_f_one_b(p, m, v)):
         warmup = min((p - rank - 1) * 2 + (v - 1) * p, m * v)  # Megatron-LM, with interleaving
         assert kinds(row) == "F" * warmup + "FB" * (m * v - warmup) + "B" * warmup
+
+
+def test_one_warmup_forward_per_hop_has_the_same_bubble_with_free_sends_and_holds_less():
+    """The second forward per hop is slack for Megatron-LM's combined exchange (the docstring):
+    with sends that cost nothing the leaner warm-up loses nothing, and a send's latency shows."""
+    lean, megatron = (interleaved_one_f_one_b(4, 8, 2, warmup_per_hop=k) for k in (1, 2))
+    assert lean != megatron and check_schedule(lean) is None
+    assert simulate(lean).bubble_fraction == simulate(megatron).bubble_fraction == Fraction(3, 16)
+    assert simulate(lean).peak_activations[0] < simulate(megatron).peak_activations[0]
+    assert (simulate(lean, send_latency=0.1).bubble_fraction
+            > simulate(megatron, send_latency=0.1).bubble_fraction)
 
 
 def test_interleaved_forwards_take_groups_of_p_microbatches_through_each_chunk():

@@ -147,12 +147,18 @@ def _interleaved_stream(kind: str, p: int, m: int, v: int) -> list[Action]:
     return stream
 
 
-def interleaved_one_f_one_b(num_stages: int, num_microbatches: int, num_chunks: int) -> Schedule:
+def interleaved_one_f_one_b(num_stages: int, num_microbatches: int, num_chunks: int, *,
+                            warmup_per_hop: int = 2) -> Schedule:
     """Interleaved 1F1B with v model chunks per rank (2104.04473 §2.2.2, Figure 4 bottom).
 
     Rank r warms up with (p − r − 1)·2 + (v − 1)·p forwards (at most m·v), as in Megatron-LM's
     forward_backward_pipelining_with_interleaving, then alternates. Needs m to be a multiple of p,
     since microbatches go through the chunks in groups of p. With v = 1 this is 1F1B itself.
+
+    The 2 per hop back is Megatron-LM's: it exchanges both directions' messages in one call after
+    each step, so a result reaches the neighbour a step late each way. Sends that leave at once
+    need one per hop (``warmup_per_hop=1``): the same bubble with less held, but every send's
+    latency on the critical path (notebook 04 compares the two).
 
     One difference from Megatron-LM: when m = p it runs every forward first, a constraint of its
     paired send/recv calls. As data that is not needed: this order has the same bubble,
@@ -165,7 +171,8 @@ def interleaved_one_f_one_b(num_stages: int, num_microbatches: int, num_chunks: 
     forwards = _interleaved_stream("F", p, m, v)
     backwards = _interleaved_stream("B", p, m, v)
     return Schedule([
-        _warmup_then_1f1b(forwards, backwards, min((p - rank - 1) * 2 + (v - 1) * p, m * v))
+        _warmup_then_1f1b(forwards, backwards,
+                          min((p - rank - 1) * warmup_per_hop + (v - 1) * p, m * v))
         for rank in range(p)], StageMap(p, v, "interleaved"))
 
 
