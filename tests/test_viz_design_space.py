@@ -1,7 +1,6 @@
 """Notebook 16's design-space pictures draw what the puzzles' checkers judge by (drawing only, on
 Agg): the same schedules' numbers, the same times, the same memory and FLOPs."""
 
-import matplotlib.pyplot as plt
 import pytest
 
 from megatron_edu.course.exercises import nb16
@@ -14,13 +13,7 @@ from megatron_edu.course.viz.design_space import (
 from megatron_edu.model.config import RECOMPUTE
 from megatron_edu.perf import predict
 from megatron_edu.pipeline.schedules import SCHEDULES, make_schedule
-
-
-@pytest.fixture(autouse=True)
-def _agg_backend():
-    plt.switch_backend("agg")  # draw only, no window
-    yield
-    plt.close("all")
+from tests.test_viz_dp import _agg_backend  # noqa: F401  (autouse: draw only, no window)
 
 
 def _artist(ax, gid):
