@@ -1,10 +1,13 @@
-"""The measurement helpers of notebook 15: the ring model, its fit, and a timed all-reduce."""
+"""The measurement helpers of notebook 15: the ring model, its fit, a timed all-reduce, and the
+table its measurements are drawn in."""
 
+import matplotlib.pyplot as plt
 import numpy as np
 import pytest
 
 from megatron_edu.course.labs import (
     crossover_bytes,
+    draw_table,
     fit_alpha_beta,
     ring_factors,
     ring_time,
@@ -40,3 +43,12 @@ def _timed():
 def test_time_all_reduce_returns_a_positive_median_per_size():
     for times in run(_timed, 2, backend="gloo"):
         assert len(times) == 2 and all(x > 0 for x in times)
+
+
+def test_a_table_figure_holds_the_header_and_every_cell():
+    fig = draw_table(["bytes", "t = 2 (ms)"], [["8", "0.543"], ["1,024", "0.661"]], "medians")
+    (table,) = fig.axes[0].tables
+    texts = [cell.get_text().get_text() for cell in table.get_celld().values()]
+    assert sorted(texts) == sorted(["bytes", "t = 2 (ms)", "8", "0.543", "1,024", "0.661"])
+    assert fig.axes[0].get_title() == "medians"
+    plt.close(fig)

@@ -1,4 +1,6 @@
-"""Measurement helpers for notebook 15's labs: time a collective, fit the ring α–β model.
+"""Measurement helpers for notebook 15's labs: time a collective, fit the ring α–β model, show
+what was measured as a picture (``draw_table``: a run's times change from run to run, so the
+notebook draws them, and the text it prints — which nbval compares — says only what was timed).
 
 The ring all-reduce model of notebook 00 §4 (1909.08053 §3; Thakur et al. 2005):
 T(n) = 2(t−1)·α + 2(t−1)/t · n/β, with n the message in bytes, α the latency of one ring step
@@ -11,13 +13,15 @@ import statistics
 import time
 from collections.abc import Sequence
 
+import matplotlib.pyplot as plt
 import numpy as np
 import torch
+from matplotlib.figure import Figure
 
 from megatron_edu import comm
 
 __all__ = ["ring_factors", "ring_time", "fit_alpha_beta", "crossover_bytes", "time_all_reduce",
-           "naive_allreduce_grads"]
+           "naive_allreduce_grads", "draw_table"]
 
 
 def ring_factors(t: int) -> tuple[float, float]:
@@ -76,3 +80,15 @@ def naive_allreduce_grads(model: torch.nn.Module, group: comm.CommGroup) -> None
             p.grad = torch.zeros_like(p)
         comm.all_reduce_(p.grad, group, "dp naive")
         p.grad /= group.size
+
+
+def draw_table(columns: Sequence[str], rows: Sequence[Sequence[str]], title: str) -> Figure:
+    """A table of already formatted cells as a figure: one header row, then ``rows``."""
+    fig, ax = plt.subplots(figsize=(1.6 * len(columns), 0.3 * (len(rows) + 1) + 0.5))
+    ax.axis("off")
+    table = ax.table(cellText=[list(r) for r in rows], colLabels=list(columns), loc="center",
+                     cellLoc="right")
+    table.scale(1, 1.2)
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    return fig
