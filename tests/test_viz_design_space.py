@@ -1,5 +1,7 @@
-"""Notebook 16's design-space pictures draw what the puzzles' checkers judge by (drawing only, on
-Agg): the same schedules' numbers, the same times, the same memory and FLOPs."""
+"""Notebook 16's design-space pictures draw the numbers they are given (on Agg), with the
+puzzles' limits; and the schedule space they are given for 16.1 has the papers' bubbles."""
+
+from fractions import Fraction
 
 import pytest
 
@@ -8,11 +10,8 @@ from megatron_edu.course.viz.design_space import (
     draw_interleaving_vs_m,
     draw_recompute_options,
     draw_schedule_space,
-    schedule_points,
 )
-from megatron_edu.model.config import RECOMPUTE
-from megatron_edu.perf import predict
-from megatron_edu.pipeline.schedules import SCHEDULES, make_schedule
+from megatron_edu.pipeline.schedules import SCHEDULES
 from tests.test_viz_dp import _agg_backend  # noqa: F401  (autouse: draw only, no window)
 
 
@@ -24,46 +23,44 @@ def _bars(ax, label):
     return next(c for c in ax.containers if c.get_label() == label)
 
 
-def test_the_schedule_space_has_a_point_per_schedule_and_both_limits():
-    fig = draw_schedule_space(nb16.P1, nb16.M1, nb16.MAX_STAGES_HELD, nb16.MAX_BUBBLE)
-    ax = fig.axes[0]
-    points = schedule_points(nb16.P1, nb16.M1)
+def test_the_schedule_space_has_every_schedule_and_the_papers_bubbles():
+    points = nb16.schedule_space()
     assert {name for name, _ in points} == set(SCHEDULES)
-    for (name, v), (held, bubble) in points.items():  # the checker's numbers for each schedule
-        timeline = nb16.play(make_schedule(name, nb16.P1, nb16.M1, v))
-        assert (held, bubble) == (max(nb16.stages_held(timeline)), timeline.bubble_fraction)
-    drawn = _artist(ax, "schedules").get_offsets()
-    assert sorted(map(tuple, drawn.tolist())) == sorted((float(x), float(y))
-                                                       for x, y in points.values())
-    assert [t.get_text() for t in ax.texts] == [name + (f" v={v}" if v else "")
-                                                for name, v in points]
-    assert list(_artist(ax, "memory limit").get_xdata()) == [nb16.MAX_STAGES_HELD] * 2
-    assert list(_artist(ax, "bubble limit").get_ydata()) == [float(nb16.MAX_BUBBLE)] * 2
+    p, m = nb16.P1, nb16.M1
+    assert points["gpipe", None] == (m, Fraction(p - 1, m))           # all m in flight
+    assert points["1f1b", None] == (p, Fraction(p - 1, m))            # p in flight, same bubble
+    for v in (2, 4, 8):                                               # (p − 1)/(v·m), p + (p−1)/v
+        assert points["interleaved", v] == (p + Fraction(p - 1, v), Fraction(p - 1, v * m))
+
+
+def test_the_schedule_picture_places_each_point_with_both_limits_and_the_corner():
+    points = {("a", None): (Fraction(4), Fraction(3, 8)),
+              ("b", 2): (Fraction(11, 2), Fraction(1, 8))}
+    ax = draw_schedule_space(points, 5, Fraction(3, 20), "two schedules").axes[0]
+    assert sorted(map(tuple, _artist(ax, "schedules").get_offsets().tolist())) == [
+        (4.0, 0.375), (5.5, 0.125)]
+    assert [t.get_text() for t in ax.texts] == ["a", "b v=2"]
+    assert list(_artist(ax, "memory limit").get_xdata()) == [5, 5]
+    assert list(_artist(ax, "bubble limit").get_ydata()) == [0.15, 0.15]
     corner = _artist(ax, "feasible").get_paths()[0].vertices
-    assert corner[:, 0].max() == nb16.MAX_STAGES_HELD
-    assert corner[:, 1].max() == pytest.approx(float(nb16.MAX_BUBBLE))
+    assert corner[:, 0].max() == 5 and corner[:, 1].max() == pytest.approx(0.15)
 
 
-def test_the_time_curves_have_a_point_per_m_and_cross_where_the_checker_says():
-    ms = list(range(4, 65, 4))
-    fig = draw_interleaving_vs_m(nb16.MODEL_39B, nb16.LAYOUT_16_3, nb16.ETHERNET_A100, ms)
+def test_the_time_picture_draws_both_curves_and_the_second_minus_the_first():
+    ms = [4, 8, 12, 16]
+    fig = draw_interleaving_vs_m({"1f1b": [1.0, 2.0, 3.0, 4.0],
+                                  "interleaved v=2": [0.9, 1.95, 3.05, 4.2]}, ms, "t")
     left, right = fig.axes
-    for gid in ("1f1b", "interleaved v=2"):
-        assert list(_artist(left, gid).get_xdata()) == ms
-    gap = _artist(right, "gap").get_ydata()
-    assert len(gap) == len(ms) and gap[0] < 0 < gap[-1]
-    assert [g < 0 for g in gap] == [nb16.interleaving_wins(m) for m in ms]
-    assert not any(str(nb16.crossover()) in t.get_text() for ax in fig.axes for t in ax.texts)
+    assert list(_artist(left, "1f1b").get_xdata()) == ms
+    assert list(_artist(right, "gap").get_ydata()) == pytest.approx([-100, -50, 50, 200])
+    assert right.get_ylabel() == "interleaved v=2 − 1f1b (ms)"
 
 
-def test_the_recompute_bars_are_the_checkers_memory_and_flops():
-    fig = draw_recompute_options(nb16.MODEL_76B, nb16.LAYOUT_76B, nb16.BUDGET_GIB)
-    memory, flops = fig.axes
-    options = nb16.recompute_options()
-    model = predict(nb16.MODEL_76B, nb16.LAYOUT_76B).flops_per_iteration - options["full", False][1]
-    for sp, label in ((False, "without sequence parallelism"),
-                      (True, "with sequence parallelism")):
-        gib, extra = ([bar.get_height() for bar in _bars(ax, label)] for ax in (memory, flops))
-        assert gib == pytest.approx([options[r, sp][0] for r in RECOMPUTE])
-        assert extra == pytest.approx([100 * options[r, sp][1] / model for r in RECOMPUTE])
-    assert list(_artist(memory, "budget").get_ydata()) == [nb16.BUDGET_GIB] * 2
+def test_the_recompute_picture_draws_memory_and_flops_per_option_and_the_budget():
+    options = {(mode, sp): (gib, flops) for (mode, sp), gib, flops in zip(
+        [(m, sp) for m in ("none", "selective", "full") for sp in (False, True)],
+        [95, 74, 72, 51, 47, 42], [0, 0, 2e15, 2e15, 60e15, 60e15], strict=True)}
+    memory, flops = draw_recompute_options(options, 64, "t").axes
+    assert [b.get_height() for b in _bars(memory, "with sequence parallelism")] == [74, 51, 42]
+    assert [b.get_height() for b in _bars(flops, "without sequence parallelism")] == [0, 2, 60]
+    assert list(_artist(memory, "budget").get_ydata()) == [64, 64]

@@ -38,13 +38,13 @@ from megatron_edu.perf import (
     rejection_reason,
     table1_config,
 )
-from megatron_edu.pipeline.schedules import Schedule, check_schedule
+from megatron_edu.pipeline.schedules import SCHEDULES, Schedule, check_schedule, make_schedule
 from megatron_edu.pipeline.simulate import Timeline, simulate
 
-__all__ = ["P1", "M1", "MAX_STAGES_HELD", "MAX_BUBBLE", "play", "stages_held", "MODEL_39B",
-           "GPUS_39B", "BATCH_39B", "A100_40GB", "TARGET_TFLOPS", "ETHERNET_A100", "LAYOUT_16_3",
-           "M_SEARCH", "interleaving_wins", "crossover", "MODEL_76B", "LAYOUT_76B",
-           "BUDGET_GIB", "recompute_options"]
+__all__ = ["P1", "M1", "MAX_STAGES_HELD", "MAX_BUBBLE", "play", "stages_held", "schedule_space",
+           "MODEL_39B", "GPUS_39B", "BATCH_39B", "A100_40GB", "TARGET_TFLOPS", "ETHERNET_A100",
+           "LAYOUT_16_3", "M_SEARCH", "iteration_times", "interleaving_wins", "crossover",
+           "MODEL_76B", "LAYOUT_76B", "BUDGET_GIB", "recompute_options"]
 
 
 def _row(billions: float) -> dict:
@@ -76,6 +76,18 @@ def play(schedule: Schedule) -> Timeline:
 def stages_held(timeline: Timeline) -> list[Fraction]:
     """Per rank, the peak activations in whole stages' worth: a chunk is 1/v of a stage."""
     return [Fraction(n, timeline.stages.v) for n in timeline.peak_activations]
+
+
+def schedule_space(chunks: tuple[int, ...] = (2, 4, 8)
+                   ) -> dict[tuple[str, int | None], tuple[Fraction, Fraction]]:
+    """Every schedule the package makes at P1, M1 — interleaved once per v in ``chunks`` — keyed
+    (name, v) → (the most stages' worth any rank holds, the bubble), as ``play`` judges them."""
+    points = {}
+    for name in SCHEDULES:
+        for v in chunks if name == "interleaved" else (None,):
+            timeline = play(make_schedule(name, P1, M1, v))
+            points[name, v] = max(stages_held(timeline)), Fraction(timeline.bubble_fraction)
+    return points
 
 
 @exercise("16.1", "a schedule within a memory and a bubble limit")
@@ -190,7 +202,7 @@ LAYOUT_16_3 = Layout(8, 4, 1)       # tp = 8 in a node, 4 stages on 4 nodes, mic
 M_SEARCH = 64                       # m searched in multiples of p up to M_SEARCH·p
 
 
-def _times(m: int) -> tuple[float, float]:
+def iteration_times(m: int) -> tuple[float, float]:
     """Predicted seconds per iteration of 1F1B and interleaved (v = 2) at m microbatches."""
     one, two = (replace(LAYOUT_16_3, schedule=s, chunks=v, num_microbatches=m)
                 for s, v in (("1f1b", None), ("interleaved", 2)))
@@ -199,7 +211,7 @@ def _times(m: int) -> tuple[float, float]:
 
 def interleaving_wins(m: int) -> bool:
     """Whether interleaving (v = 2) is predicted faster than 1F1B at m microbatches."""
-    one, two = _times(m)
+    one, two = iteration_times(m)
     return two < one
 
 
@@ -223,7 +235,7 @@ def _interleaving_puzzle(fn: Callable[[], int]) -> str:
     best = crossover()
 
     def times(at: int) -> str:
-        one, two = _times(at)
+        one, two = iteration_times(at)
         return f"at m = {at} 1F1B takes {one:.4f} s and interleaving {two:.4f} s"
 
     if m < best:
