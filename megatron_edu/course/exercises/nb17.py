@@ -43,7 +43,7 @@ from megatron_edu.ptdp import PTDP, PTDPOptions
 from megatron_edu.tensor_parallel.random import DropoutKey
 
 __all__ = ["CONFIG", "LAYOUT", "OPTIONS", "BATCH", "STEPS", "Parts", "batches",
-           "serial_steps", "run_steps", "step_verdicts", "build_verdicts", "BUILT"]
+           "serial_steps", "step_verdicts", "build_verdicts", "BUILT"]
 
 CONFIG = GPTConfig(vocab_size=100, seq_len=8, num_layers=4, hidden=32, num_heads=4, dropout=0.0)
 LAYOUT = Layout(tp=2, pp=2, dp=2, schedule="1f1b", microbatch=2, num_microbatches=4)
@@ -91,6 +91,28 @@ def serial_steps() -> dict[str, list]:
         out["loss"].append(loss.item())
         out["weights"].append({k: v.clone() for k, v in model.full_state_dict().items()})
     return out
+
+
+def _run_each(describe: Callable, fns: list[Callable], timeout: float) -> list[list[dict]]:
+    """On the 8 ranks of LAYOUT, in one launch: ``describe(grid, fn)`` for each of ``fns`` in
+    turn; per function, every rank's record."""
+    def ranks(fns):
+        grid = ParallelGrid(LAYOUT)
+        return [describe(grid, fn) for fn in fns]
+
+    per_rank = on_ranks(LAYOUT.world_size, ranks, fns, timeout=timeout)
+    return [[rank[i] for rank in per_rank] for i in range(len(fns))]
+
+
+def _verdicts(judge: Callable[[list[dict]], str], runs: list[list[dict]]) -> list[str]:
+    """``judge``'s sentence for each function's records, or the Hint it raised, in words."""
+    verdicts = []
+    for records in runs:
+        try:
+            verdicts.append(judge(records))
+        except Hint as hint:
+            verdicts.append(str(hint))
+    return verdicts
 
 
 # --- 17.1 ★★ the parts of one rank ---------------------------------------------------------------
@@ -187,32 +209,22 @@ BUILT = ("every one of the 8 ranks holds its stage's layers split over tp, with 
          "its dp group; AdamW with no decay on biases and layer norms — as PTDP builds")
 
 
+def _judge_builds(records: list[dict]) -> str:
+    for r in records:
+        _judge_build(r)
+    return BUILT
+
+
 def build_verdicts(builds: list[Callable]) -> list[str]:
     """Each build function's verdict (the Hint's text, or BUILT), all in one launch."""
-    def ranks(builds):
-        grid = ParallelGrid(LAYOUT)
-        return [_describe_build(grid, build) for build in builds]
-
-    per_rank = on_ranks(LAYOUT.world_size, ranks, builds, timeout=120)
-    verdicts = []
-    for i in range(len(builds)):
-        try:
-            for r in per_rank:
-                _judge_build(r[i])
-            verdicts.append(BUILT)
-        except Hint as hint:
-            verdicts.append(str(hint))
-    return verdicts
+    return _verdicts(_judge_builds, _run_each(_describe_build, builds, timeout=120))
 
 
 @exercise("17.1", "one rank's parts of a PTD-P run",
           reference=(PTDP.__init__,))
 def check_build(build) -> str:
     """build(config, grid, options) → Parts, on 8 ranks, against what PTDP builds."""
-    verdict = build_verdicts([build])[0]
-    if verdict != BUILT:
-        raise Hint(verdict)
-    return verdict
+    return _judge_builds(_run_each(_describe_build, [build], timeout=120)[0])
 
 
 # --- 17.2 ★★★ the step ---------------------------------------------------------------------------
@@ -240,16 +252,6 @@ def _steps(grid: ParallelGrid, step: Callable) -> dict:
             weights.update(chunk.full_state_dict())
         out["weights"].append(weights)
     return out
-
-
-def run_steps(steps: list[Callable]) -> list[list[dict]]:
-    """On the 8 ranks of LAYOUT, in one launch: each of ``steps`` from a fresh PTDP's parts;
-    per step function, every rank's record (``_steps``)."""
-    def ranks(steps):
-        grid = ParallelGrid(LAYOUT)
-        return [_steps(grid, step) for step in steps]
-    per_rank = on_ranks(LAYOUT.world_size, ranks, steps, timeout=180)
-    return [[rank[i] for rank in per_rank] for i in range(len(steps))]
 
 
 def _pair(returned, rank: int) -> tuple[float, float]:
@@ -359,17 +361,12 @@ def _judge_steps(records: list[dict], serial: dict) -> str:
 def step_verdicts(steps: list[Callable]) -> list[str]:
     """Each step function's verdict (the Hint's text, or the success sentence), one launch."""
     serial = serial_steps()
-    verdicts = []
-    for records in run_steps(steps):
-        try:
-            verdicts.append(_judge_steps(records, serial))
-        except Hint as hint:
-            verdicts.append(str(hint))
-    return verdicts
+    return _verdicts(lambda records: _judge_steps(records, serial),
+                     _run_each(_steps, steps, timeout=180))
 
 
 @exercise("17.2", "the PTD-P training step", reference=(PTDP.train_step, PTDP._run))
 def check_step(step) -> str:
     """step(parts, input_ids, labels, lr, iteration) → (loss, norm), twice on 8 ranks, against
     the serial model."""
-    return _judge_steps(run_steps([step])[0], serial_steps())
+    return _judge_steps(_run_each(_steps, [step], timeout=180)[0], serial_steps())
