@@ -40,10 +40,12 @@ lab: kernel student-notebooks
 	$(PY) -m jupyter lab notebooks
 
 # Every notebook in JupyterLab in headless Chromium: run all, every explorer's controls moved
-# (tests/browser/; installs Debian's chromium and Playwright where missing).
+# (tests/browser/; installs Debian's chromium and Playwright where missing). CI, after `make test`
+# has run every notebook: BROWSER_ARGS=--quick opens each as committed, runs only what its
+# explorers need and moves each control to its ends (rendering and widgets, which nbval cannot see).
 test-browser: kernel
 	sh tests/browser/install.sh $(PY)
-	$(PY) tests/browser/run_notebooks.py
+	$(PY) tests/browser/run_notebooks.py $(BROWSER_ARGS)
 
 # The same run, rewriting the pictures in docs/images/ that the README shows (and the course map,
 # drawn from the notebooks' "Before this" lines).

@@ -17,6 +17,9 @@ Why it is built this way (each point was seen to matter on a 2-core laptop and i
 * If any rank raises (or dies), the parent, polling its ranks, kills the others and raises
   ``RankError`` with that rank's traceback within seconds, however long a collective may wait
   (``collective_timeout``); a stuck call is cut off by ``timeout``. Never a hang.
+* Opt-in, ``deadlock_after``: ranks that all sit blocked on each other — no CPU used, none
+  finishing — are stopped then, with ``DeadlockError``, instead of at the timeout (Linux: each
+  rank's CPU time is read from /proc; elsewhere the timeout alone decides).
 * Under ``torchrun`` (RANK/WORLD_SIZE/MASTER_ADDR set), ``run`` just initialises the process
   group, calls ``fn`` on this process, and all-gathers the results so every rank returns the
   same list. In both modes the process group ``run`` created is destroyed before it returns
@@ -25,6 +28,7 @@ Why it is built this way (each point was seen to matter on a 2-core laptop and i
 
 from __future__ import annotations
 
+import math
 import multiprocessing as mp
 import os
 import signal
@@ -43,13 +47,26 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-__all__ = ["run", "RankError", "resolve_backend", "under_torchrun"]
+__all__ = ["run", "RankError", "DeadlockError", "resolve_backend", "under_torchrun"]
 
 DEFAULT_TIMEOUT = 300.0  # seconds: a call from a notebook or a test, and its collectives
+# CPU seconds a rank must use to count as moving: a rank blocked in gloo's waits uses about one
+# 10 ms tick in 5 s (background threads), a computing one this much in well under 0.1 s.
+CPU_MOVED = 0.05
 
 
 class RankError(RuntimeError):
     """A rank raised or died; the message holds its traceback and its captured output."""
+
+
+class DeadlockError(TimeoutError):
+    """The ranks still running all sat blocked — no CPU used, no rank finishing — for
+    ``run(..., deadlock_after=idle)`` seconds: stopped then, not at the timeout. ``ranks``: the
+    ranks that never finished."""
+
+    def __init__(self, message: str, ranks: list[int], idle: float) -> None:
+        super().__init__(message)
+        self.ranks, self.idle = ranks, idle
 
 
 class _RendezvousError(RankError):
@@ -95,6 +112,7 @@ def run(
     collective_timeout: float | None = None,
     threads_per_rank: int | None = None,
     capture_output: bool = True,
+    deadlock_after: float | None = None,
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return their results in rank order.
@@ -107,10 +125,16 @@ def run(
     torchrun's agent watches the processes themselves.
     ``threads_per_rank`` defaults to an even share of the CPU cores (at least 1).
     ``capture_output=False`` lets ranks write straight to the terminal (live progress bars).
+    ``deadlock_after`` (seconds, local launch only): fail with ``DeadlockError`` as soon as every
+    rank still running has used no CPU for that long while none finished — all blocked on each
+    other (a send without its recv, a collective some rank never reaches). For callers that
+    expect a possible deadlock: a rank in ``time.sleep`` looks blocked too. ``timeout`` stays
+    the backstop, and decides alone where CPU times cannot be read (not Linux).
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
-    for name, value in (("timeout", timeout), ("collective_timeout", collective_timeout)):
+    for name, value in (("timeout", timeout), ("collective_timeout", collective_timeout),
+                        ("deadlock_after", deadlock_after)):
         if value is not None and not 0 < value < float("inf"):
             raise ValueError(f"{name} must be a positive number of seconds, got {value}")
     collective_timeout = collective_timeout or timeout or DEFAULT_TIMEOUT
@@ -127,7 +151,7 @@ def run(
         with tempfile.TemporaryDirectory(prefix="megatron_edu_") as tmp:
             try:
                 return _launch(payload, world_size, backend, timeout, collective_timeout,
-                               threads_per_rank, capture_output, Path(tmp))
+                               threads_per_rank, capture_output, deadlock_after, Path(tmp))
             except _RendezvousError:
                 if attempt == RENDEZVOUS_ATTEMPTS:
                     raise
@@ -167,7 +191,7 @@ def _context() -> mp.context.BaseContext:
 
 
 def _launch(payload, world_size, backend, timeout, collective_timeout, threads, capture,
-            tmp: Path) -> list[Any]:
+            deadlock_after, tmp: Path) -> list[Any]:
     ctx = _context()
     queue = ctx.Queue()
     logs = [tmp / f"rank{r}.log" for r in range(world_size)]
@@ -184,7 +208,7 @@ def _launch(payload, world_size, backend, timeout, collective_timeout, threads, 
         p.start()
     stop = _KillRanksOnSigterm()
     try:
-        outcomes = _collect(procs, queue, timeout, logs if capture else None)
+        outcomes = _collect(procs, queue, timeout, logs if capture else None, deadlock_after)
     finally:
         _reap(procs)
         queue.close()
@@ -213,10 +237,11 @@ class _KillRanksOnSigterm:
             signal.signal(signal.SIGTERM, self.previous)
 
 
-def _collect(procs, queue, timeout: float, logs) -> dict[int, _Outcome]:
+def _collect(procs, queue, timeout: float, logs, deadlock_after=None) -> dict[int, _Outcome]:
     """Read outcomes as they arrive (before joining: a full pipe would block a child's exit)."""
     outcomes: dict[int, _Outcome] = {}
     deadline = time.monotonic() + timeout if timeout is not None else float("inf")
+    watch = _DeadlockWatch(procs, deadlock_after) if deadlock_after is not None else None
     while len(outcomes) < len(procs):
         _drain(queue, outcomes, wait=0.1)
         if _failures(procs, outcomes, logs):
@@ -229,12 +254,61 @@ def _collect(procs, queue, timeout: float, logs) -> dict[int, _Outcome]:
                 rendezvous = len(failures) == len(failed) and all(o.in_rendezvous
                                                                   for o in failed)
                 raise (_RendezvousError if rendezvous else RankError)("\n\n".join(failures))
+        if watch is not None and (stuck := watch.stuck(outcomes)):
+            for r in stuck:  # blocked for good: no grace to wait out in _reap
+                procs[r].kill()
+            raise _deadlock(stuck, deadlock_after, sorted(outcomes), logs)
         if time.monotonic() > deadline:
             missing = [r for r in range(len(procs)) if r not in outcomes]
             raise TimeoutError(
                 f"ranks {missing} did not finish within {timeout:g} s (a stuck collective, or a "
                 f"rank waiting for a peer that never sends?)" + _tail_logs(logs, missing))
     return outcomes
+
+
+class _DeadlockWatch:
+    """Are the ranks still running blocked on each other? Yes once none of them has used more
+    than CPU_MOVED seconds of CPU, and no rank has finished, for ``after`` seconds. A rank
+    waiting in gloo (recv, a collective) uses no CPU; a slow one computes, and so moves. A rank
+    that finished sends nothing more (it waits in its exit barrier): it is not waited for."""
+
+    def __init__(self, procs, after: float) -> None:
+        self.procs, self.after = procs, after
+        self.marks: dict[int, float] = {}  # CPU seconds of each running rank when last moving
+        self.finished = 0
+        self.since = time.monotonic()
+
+    def stuck(self, outcomes: dict[int, _Outcome]) -> list[int]:
+        """The ranks still running if they have been blocked for ``after`` s, else []."""
+        running = [r for r in range(len(self.procs)) if r not in outcomes]
+        cpu = {r: _cpu_seconds(self.procs[r].pid) for r in running}
+        if None in cpu.values():
+            return []  # CPU times unknown: the timeout decides
+        now = time.monotonic()
+        moved = any(cpu[r] - self.marks.get(r, -math.inf) > CPU_MOVED for r in running)
+        if moved or len(outcomes) != self.finished:
+            self.marks, self.finished, self.since = cpu, len(outcomes), now
+            return []
+        return running if now - self.since >= self.after else []
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time of process ``pid``, all its threads, from /proc/<pid>/stat (Linux:
+    fields 14 and 15, in clock ticks); None where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rpartition(")")[2].split()  # after "(name)", which may hold spaces
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _deadlock(stuck: list[int], after: float, finished: list[int], logs) -> DeadlockError:
+    done = f"; ranks {finished} had finished" if finished else ""
+    return DeadlockError(
+        f"ranks {stuck} did not finish: blocked, using no CPU, for {after:g} s — a deadlock, "
+        f"detected (a send without its recv, or a collective some rank never reaches?){done}"
+        + _tail_logs(logs, stuck), stuck, after)
 
 
 def _drain(queue, outcomes: dict[int, _Outcome], wait: float) -> None:

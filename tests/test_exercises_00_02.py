@@ -10,10 +10,12 @@ import sys
 import cloudpickle
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_edu import comm
-from megatron_edu.course.exercises import EXERCISES, check, nb00
+from megatron_edu.course.exercises import EXERCISES, Hint, check
+from megatron_edu.course.exercises.checking import on_ranks
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -170,10 +172,20 @@ def test_00_3_typical_mistakes_get_their_hint(answer, phrases):
     verdict("00.3", answer, *phrases)
 
 
-def test_00_3_a_ring_of_blocking_sends_is_named_a_deadlock(monkeypatch):
-    monkeypatch.setattr(nb00, "RING_TIMEOUT", 3.0)
-    verdict("00.3", ring_blocking, "did not finish within 3 s", "a deadlock",
+def test_00_3_a_ring_of_blocking_sends_is_named_a_deadlock():
+    # detected ("using no CPU"), not waited out to RING_TIMEOUT ("did not finish within 20 s")
+    verdict("00.3", ring_blocking, "did not finish: they sat blocked, using no CPU", "a deadlock",
             "start the send with comm.isend")
+
+
+def _recv_from_each_other():
+    dist.recv(torch.zeros(1), src=1 - dist.get_rank())
+
+
+def test_where_a_deadlock_cannot_be_seen_the_timeout_names_it():  # not Linux: no CPU times
+    with pytest.raises(Hint, match=r"ranks \[0, 1\] did not finish within 1 s: a deadlock\? "
+                                   r"Every send needs a matching recv"):
+        on_ranks(2, _recv_from_each_other, timeout=1)
 
 
 # --- 01.1 which slice each rank keeps ------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""The launcher: results in rank order, output captured deterministically, failures fast."""
+"""The launcher: results in rank order, output captured deterministically, failures fast,
+deadlocks detected where asked."""
 
 import os
 import subprocess
@@ -10,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_edu.launch import RankError, run
+from megatron_edu.launch import DeadlockError, RankError, run
 
 
 def _rank_and_args(a, b=0):
@@ -86,6 +87,46 @@ def test_a_stuck_rank_is_cut_off_by_the_timeout():
     assert time.monotonic() - start < 10
 
 
+def _recv_from_each_other():
+    dist.recv(torch.zeros(1), src=1 - dist.get_rank())  # each waits for the other's send
+
+
+def test_a_deadlock_is_detected_not_waited_out():
+    # a DeadlockError, not the TimeoutError that the 120 s timeout would raise
+    with pytest.raises(DeadlockError, match=r"ranks \[0, 1\] did not finish: blocked") as err:
+        run(_recv_from_each_other, 2, timeout=120, deadlock_after=1.0)
+    assert (err.value.ranks, err.value.idle) == ([0, 1], 1.0)
+
+
+def _recv_from_a_rank_that_returns():
+    if dist.get_rank() == 0:
+        dist.recv(torch.zeros(1), src=1)  # rank 1 returns without sending
+
+
+def test_a_rank_that_finished_is_not_waited_for():
+    with pytest.raises(DeadlockError, match=r"ranks \[0\] did not finish") as err:
+        run(_recv_from_a_rank_that_returns, 2, timeout=120, deadlock_after=1.0)
+    assert "ranks [1] had finished" in str(err.value)
+
+
+def _compute_then_send(cpu_seconds):
+    """Rank 0 computes for ``cpu_seconds`` of CPU time, then sends; rank 1 waits in its recv."""
+    t = torch.zeros(1)
+    if dist.get_rank() == 0:
+        start = time.process_time()
+        while time.process_time() - start < cpu_seconds:
+            t += 1
+        dist.send(t, dst=1)
+    else:
+        dist.recv(t, src=0)
+    return t.item() > 0
+
+
+def test_a_busy_rank_is_not_mistaken_for_a_deadlock():
+    # rank 1 waits four times longer than deadlock_after, but rank 0 computes meanwhile
+    assert run(_compute_then_send, 2, 2.0, timeout=120, deadlock_after=0.5) == [True, True]
+
+
 def test_calls_run_back_to_back():
     assert [run(_rank_and_args, 2, i)[1][1] for i in range(3)] == [0, 1, 2]
 
@@ -96,6 +137,7 @@ def test_calls_run_back_to_back():
     (1.5, {}, "world_size must be a positive integer"),
     (2, {"timeout": 0}, "timeout must be a positive number of seconds, got 0"),
     (2, {"collective_timeout": float("inf")}, "collective_timeout must be a positive number"),
+    (2, {"deadlock_after": -1}, "deadlock_after must be a positive number of seconds, got -1"),
     (64, {"backend": "nccl"}, "the nccl backend needs a GPU per rank: 64 ranks on this machine"),
 ])
 def test_bad_arguments_are_rejected_before_launch(world_size, timeouts, message):

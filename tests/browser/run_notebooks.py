@@ -1,6 +1,6 @@
 """Every notebook as a learner meets it: JupyterLab in headless Chromium, run all, move the sliders.
 
-    .venv/bin/python tests/browser/run_notebooks.py [--only 04 06] [--screenshots]
+    .venv/bin/python tests/browser/run_notebooks.py [--only 04 06] [--screenshots] [--quick]
 
 `make test-browser` runs it (after installing chromium and playwright where they are missing);
 `make screenshots` adds --screenshots, which rewrites docs/images/ (CI only checks they exist).
@@ -12,11 +12,18 @@ first values — every option of a dropdown or toggle; every value of a slider o
 both ends, the second and every 5th (by the keyboard, as a learner can) — and back; after each
 move the explorer's output must redraw, without an error or a traceback. Every wait has a
 timeout; a failure names the notebook, the cell or the control's setting, and the error text.
+
+`--quick` (CI, `make test-browser BROWSER_ARGS=--quick`) checks only what nbval, which has run
+every notebook already, cannot: rendering and widgets. Each notebook is opened as committed, not
+run: its kernel, no error output, every committed image decoded and shown, no "Error displaying
+widget". In a notebook with explorers only the cells the explorers need are run (the cells
+defining the names they use, and so on back), and each control is moved to its far end and back.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import functools
 import json
 import re
@@ -34,6 +41,7 @@ MAX_STEPS = 10          # a slider of up to 11 values: every one; a longer one: 
 IMAGES = ROOT / "docs" / "images"
 ERROR_TEXT = re.compile(r"Traceback|\b\w*(Error|Exception)\b:|Error displaying widget")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
+WIDGET = "application/vnd.jupyter.widget-view+json"  # the mime type of a widget's output
 
 
 class Failure(AssertionError):
@@ -47,9 +55,21 @@ OPEN = """async (path) => {
   const w = await app.commands.execute('docmanager:open', {path, factory: 'Notebook'});
   await w.context.ready; await w.sessionContext.ready;
   app.shell.activateById(w.id); window.__nb = w;
+  return w.sessionContext.session?.kernel?.name;
+}"""
+
+RUN_ALL = """async () => {
+  const app = window.jupyterapp;
   await app.commands.execute('notebook:clear-all-cell-outputs');
   app.commands.execute('notebook:run-all-cells');  // polled below, with a timeout
-  return w.sessionContext.session?.kernel?.name;
+}"""
+
+RUN_CELLS = """async (indices) => {
+  const app = window.jupyterapp, w = window.__nb;
+  for (const i of indices) {  // one at a time, in order: each resolves when its cell has run
+    w.content.activeCellIndex = i; w.content.deselectAll();
+    await app.commands.execute('notebook:run-cell');
+  }
 }"""
 
 STATE = """() => {
@@ -67,6 +87,18 @@ STATE = """() => {
           page: w.content.node.innerText.includes('Error displaying widget')};
 }"""
 
+RENDERED = """() => {
+  const w = window.__nb, node = w.content.node;
+  const imgs = [...node.querySelectorAll('.jp-RenderedImage img')];
+  const images = w.content.model.toJSON().cells.flatMap(c => c.outputs || [])
+    .filter(o => Object.keys(o.data || {}).some(m => m.startsWith('image/'))).length;
+  return {images, shown: imgs.filter(i => !i.closest('.jupyter-widgets')).length,
+          loading: imgs.filter(i => !i.complete).length,
+          broken: imgs.filter(i => i.complete && !i.naturalWidth).length,
+          text: ['Error displaying widget', 'No renderer could be found']
+            .filter(t => node.innerText.includes(t))};
+}"""
+
 CLOSE = """async () => {
   const w = window.__nb; await w.context.save(); await w.sessionContext.shutdown(); w.dispose();
 }"""
@@ -81,21 +113,23 @@ def evaluate(page, script: str, arg=None, timeout: float = 120):
     return page.evaluate(race, arg)
 
 
-def run_all(page, path: str) -> None:
+def open_notebook(page, path: str) -> None:
+    """Opens ``path`` in JupyterLab, as a learner does; fails unless its kernel is its
+    kernelspec's."""
     kernel = evaluate(page, OPEN, path)
     wanted = json.loads((ROOT / path).read_text())["metadata"].get("kernelspec", {}).get("name")
     if kernel != wanted:
         raise Failure(f"{path}: opened with kernel {kernel!r}, not its kernelspec's {wanted!r}")
     if kernel != KERNEL:
         print(f"     note: {path} asks for kernel {kernel!r}; `make lab` provides {KERNEL!r}")
+
+
+def run_all(page, path: str) -> str:
+    """Clears the outputs and runs every cell (Run > Run All Cells); says what it did."""
+    evaluate(page, RUN_ALL)
     deadline, state = time.monotonic() + NOTEBOOK_TIMEOUT, None
     while time.monotonic() < deadline:
-        state = page.evaluate(STATE)
-        errors = [c for c in state["cells"] if c["errors"]]
-        if errors:
-            cell = errors[0]
-            text = ANSI.sub("", cell["errors"][0])
-            raise Failure(f"{path}: cell {cell['index']} ({cell['source']!r}) raised:\n{text}")
+        state = _state_without_errors(page, path)
         if state["status"] == "idle" and all(c["count"] for c in state["cells"]):
             break
         time.sleep(0.5)
@@ -103,6 +137,86 @@ def run_all(page, path: str) -> None:
         waiting = [c["index"] for c in state["cells"] if not c["count"]] if state else "?"
         raise Failure(f"{path}: run-all not done after {NOTEBOOK_TIMEOUT} s (kernel "
                       f"{state and state['status']}; cells without a count: {waiting})")
+    if state["page"]:
+        raise Failure(f"{path}: 'Error displaying widget' in the page")
+    return "run all"
+
+
+def _state_without_errors(page, path: str) -> dict:
+    """The notebook's state (STATE); fails on the first cell with an error output."""
+    state = page.evaluate(STATE)
+    errors = [c for c in state["cells"] if c["errors"]]
+    if errors:
+        cell = errors[0]
+        text = ANSI.sub("", cell["errors"][0])
+        raise Failure(f"{path}: cell {cell['index']} ({cell['source']!r}) raised:\n{text}")
+    return state
+
+
+# --- --quick: the committed outputs as rendered, and only what the explorers need run ---------
+
+def run_quick(page, path: str) -> str:
+    """The committed outputs checked as rendered, then the cells the explorers need run; says
+    what it did."""
+    check_rendered(page, path)
+    cells = cells_the_explorers_need(path)
+    if cells:
+        run_cells(page, path, cells)
+    return f"outputs rendered, {len(cells)} cells run" if cells else "outputs rendered"
+
+
+def check_rendered(page, path: str) -> None:
+    """The committed outputs, as JupyterLab shows them without running anything: no error
+    output, every image decoded and in the page, no widget that failed to display."""
+    _state_without_errors(page, path)
+    deadline, seen = time.monotonic() + REDRAW_TIMEOUT, None
+    while time.monotonic() < deadline:
+        seen = page.evaluate(RENDERED)
+        if seen["text"]:
+            raise Failure(f"{path}: {seen['text'][0]!r} in the page")
+        if seen["broken"]:
+            raise Failure(f"{path}: {seen['broken']} of its images could not be decoded")
+        if seen["shown"] == seen["images"] and not seen["loading"]:
+            return
+        time.sleep(0.5)
+    raise Failure(f"{path}: {seen['shown']} of its {seen['images']} images in the page, "
+                  f"{seen['loading']} still loading, after {REDRAW_TIMEOUT} s")
+
+
+def cells_the_explorers_need(path: str) -> list[int]:
+    """Indices of the cells that display a widget (their committed output says so), and of
+    the cells defining the names these use — the latest definition before each — and so on."""
+    cells = json.loads((ROOT / path).read_text())["cells"]
+    code = {i: _names(c["source"]) for i, c in enumerate(cells) if c["cell_type"] == "code"}
+    needed = [i for i in code if any(WIDGET in o.get("data", {}) for o in cells[i]["outputs"])]
+    todo = list(needed)
+    while todo:
+        cell = todo.pop()
+        for name in code[cell][0]:
+            earlier = [i for i in code if i < cell and name in code[i][1]]
+            if earlier and earlier[-1] not in needed:
+                needed.append(earlier[-1])
+                todo.append(earlier[-1])
+    return sorted(needed)
+
+
+def _names(source: str | list[str]) -> tuple[set[str], set[str]]:
+    """(names a cell uses but does not define, names it defines)."""
+    used, defined = set(), set()
+    for node in ast.walk(ast.parse("".join(source))):
+        if isinstance(node, ast.Name):
+            (used if isinstance(node.ctx, ast.Load) else defined).add(node.id)
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            defined.add(node.name)
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            defined.update((a.asname or a.name).split(".")[0] for a in node.names)
+    return used - defined, defined
+
+
+def run_cells(page, path: str, cells: list[int]) -> None:
+    """Runs ``cells`` (0-based indices), in order; fails on an error output."""
+    evaluate(page, RUN_CELLS, cells, timeout=NOTEBOOK_TIMEOUT)
+    state = _state_without_errors(page, path)
     if state["page"]:
         raise Failure(f"{path}: 'Error displaying widget' in the page")
 
@@ -163,8 +277,9 @@ def _keys(at: int, to: int, n: int) -> list[str]:
     return [page] * (abs(d) // 5) + [arrow] * (abs(d) % 5)
 
 
-def _sweep_control(page, explorer, control, where: str) -> list[str]:
-    """Moves one control across its range, back to where it was; returns the settings tried."""
+def _sweep_control(page, explorer, control, where: str, ends_only: bool) -> list[str]:
+    """Moves one control across its range (``ends_only``: to both ends), back to where it was;
+    returns the settings tried."""
     tried = []
 
     def move(action) -> None:
@@ -180,14 +295,19 @@ def _sweep_control(page, explorer, control, where: str) -> list[str]:
     if select.count():
         values = select.evaluate("s => [...s.options].map(o => o.value)")
         first = select.input_value()
-        for value in values + [first]:
+        for value in [values[0], values[-1], first] if ends_only else values + [first]:
             move(lambda value=value: select.select_option(value))
         return tried
     handle = control.locator(".noUi-handle")
     if handle.count():  # every value of a short range; of a long one, both ends and every 5th
         handle.focus()
         start, n = _slider(handle)
-        stops = list(range(n + 1)) if n <= MAX_STEPS else [0, 1, *range(6, n, 5), n]
+        if ends_only:
+            stops = [0, n]
+        elif n <= MAX_STEPS:
+            stops = list(range(n + 1))
+        else:
+            stops = [0, 1, *range(6, n, 5), n]
         for to in [*stops, start]:
             at = _slider(handle)[0]
             move(lambda at=at, to=to: [handle.press(k) for k in _keys(at, to, n)])
@@ -197,7 +317,8 @@ def _sweep_control(page, explorer, control, where: str) -> list[str]:
         return tried
     buttons = control.locator("button")
     if buttons.count():
-        for i in list(range(buttons.count())) + [0]:
+        last = buttons.count() - 1
+        for i in [0, last, 0] if ends_only else [*range(last + 1), 0]:
             move(lambda i=i: buttons.nth(i).click())
         return tried
     checkbox = control.locator("input[type=checkbox]")
@@ -209,7 +330,7 @@ def _sweep_control(page, explorer, control, where: str) -> list[str]:
                   f"{control.get_attribute('class')}")
 
 
-def explore(page, path: str, log, verbose: bool = False) -> int:
+def explore(page, path: str, log, verbose: bool = False, ends_only: bool = False) -> int:
     """Every explorer of the open notebook, every control; returns how many settings were drawn."""
     explorers = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .widget-interact")
     drawn = 0
@@ -223,7 +344,8 @@ def explore(page, path: str, log, verbose: bool = False) -> int:
             control = controls.nth(c)
             label = control.locator("label").first.inner_text() if control.locator(
                 "label").count() else f"control {c + 1}"
-            tried = _sweep_control(page, explorer, control, f"{path}: explorer {e + 1}")
+            tried = _sweep_control(page, explorer, control, f"{path}: explorer {e + 1}",
+                                   ends_only)
             log(f"    explorer {e + 1} {label}: {len(tried)} redraws, no error")
             for setting in tried if verbose else []:
                 log(f"      {setting}")
@@ -266,6 +388,9 @@ def main(argv=None) -> int:
     parser.add_argument("--only", nargs="*", default=[], help="notebook numbers, e.g. 04 06")
     parser.add_argument("--screenshots", action="store_true", help="rewrite docs/images/")
     parser.add_argument("--no-explore", action="store_true", help="run all, move no control")
+    parser.add_argument("--quick", action="store_true",
+                        help="CI, after nbval: open each notebook as committed; run only what its "
+                             "explorers need, move each control to its ends")
     parser.add_argument("-v", "--verbose", action="store_true", help="print every setting drawn")
     args = parser.parse_args(argv)
     notebooks = sorted(p.relative_to(ROOT).as_posix()
@@ -286,13 +411,15 @@ def main(argv=None) -> int:
         for path in notebooks:
             t = time.monotonic()
             try:
-                run_all(page, path)
-                ran = time.monotonic() - t
-                drawn = 0 if args.no_explore else explore(page, path, log, args.verbose)
+                open_notebook(page, path)
+                done = run_quick(page, path) if args.quick else run_all(page, path)
+                took = time.monotonic() - t
+                drawn = 0 if args.no_explore else explore(page, path, log, args.verbose,
+                                                          ends_only=args.quick)
                 if args.screenshots:
                     shots += screenshot(page, path)
-                log(f"ok   {path}: run all {ran:.1f} s" +
-                    (f", {drawn} explorer redraws {time.monotonic() - t - ran:.1f} s"
+                log(f"ok   {path}: {done} {took:.1f} s" +
+                    (f", {drawn} explorer redraws {time.monotonic() - t - took:.1f} s"
                      if drawn else ""))
             except Failure as failure:
                 failures.append(str(failure))

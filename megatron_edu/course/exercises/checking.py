@@ -21,15 +21,20 @@ from typing import Any
 
 import cloudpickle
 
-from megatron_edu.launch import RankError, run
+from megatron_edu.launch import DeadlockError, RankError, run
 
 __all__ = ["CheckResult", "Hint", "exercise", "check", "on_ranks", "EXERCISES", "REFERENCES",
-           "close"]
+           "close", "DEADLOCK_AFTER"]
 
 EXERCISES: dict[str, str] = {}                     # id -> title, in registration order
 REFERENCES: dict[str, tuple[Any, ...]] = {}        # id -> the package code its answer rewrites
 _CHECKERS: dict[str, Callable[[Callable], str]] = {}
 NOT_DONE = "not done yet"
+# seconds every rank still running may sit blocked, using no CPU, before on_ranks(...,
+# may_deadlock=True) calls it a deadlock: gloo's waits use no CPU, a learner's slow code does
+DEADLOCK_AFTER = 1.0
+_IN_ORDER = ("Every send needs a matching recv on the other rank, and every rank must reach "
+             "every collective, in the same order")
 
 
 class Hint(Exception):
@@ -113,21 +118,26 @@ def _not_done(detail: str) -> str:
 
 
 def on_ranks(world_size: int, rank_fn: Callable[..., Any], *args: Any,
-             timeout: float = 30.0) -> list[Any]:
+             timeout: float = 30.0, may_deadlock: bool = False) -> list[Any]:
     """``rank_fn(*args)`` on ``world_size`` gloo ranks; its per-rank results. A rank that raises
     or does not finish becomes a ``Hint`` in words: the exception's last line and the rank, or
-    a likely deadlock (a send without its receive, a collective some rank never reaches)."""
+    a likely deadlock (a send without its receive, a collective some rank never reaches).
+    ``may_deadlock``, for checkers where a wrong answer can deadlock: ranks all blocked for
+    DEADLOCK_AFTER seconds are a deadlock then, ``timeout`` only the backstop."""
     # A checker's rank function travels by value, as the learner's does: a rank then never
     # imports megatron_edu.course.exercises (every checker module and what it imports) to run it.
     cloudpickle.register_pickle_by_value(sys.modules[rank_fn.__module__])
     try:  # the collectives' own timeout later than the launcher's: a stuck rank is one report
         return run(rank_fn, world_size, *args, backend="gloo", timeout=timeout,
-                   collective_timeout=2 * timeout)
+                   collective_timeout=2 * timeout,
+                   deadlock_after=DEADLOCK_AFTER if may_deadlock else None)
+    except DeadlockError as err:
+        raise Hint(f"ranks {err.ranks} did not finish: they sat blocked, using no CPU, for "
+                   f"{err.idle:g} s — a deadlock. {_IN_ORDER}") from None
     except TimeoutError as err:
         ranks = re.search(r"ranks (\[[\d, ]*\])", str(err))
         raise Hint(f"ranks {ranks.group(1) if ranks else '?'} did not finish within "
-                   f"{timeout:g} s: a deadlock? Every send needs a matching recv on the other "
-                   f"rank, and every rank must reach every collective, in the same order") from None
+                   f"{timeout:g} s: a deadlock? {_IN_ORDER}") from None
     except RankError as err:
         raise Hint(_rank_failure(str(err))) from None
 
