@@ -46,7 +46,7 @@ from megatron_edu.grid import ParallelGrid
 from megatron_edu.launch import run
 from megatron_edu.model import GPTConfig
 from megatron_edu.perf.bubble import bubble_formula, bubble_size_formula
-from megatron_edu.pipeline.engine import build_chunks, run_schedule
+from megatron_edu.pipeline.engine import Batch, build_chunks, run_schedule
 from megatron_edu.pipeline.schedules import Action, dependencies, make_schedule
 from megatron_edu.pipeline.simulate import Timeline, simulate_measured
 
@@ -79,10 +79,14 @@ class SleepStage(nn.Module):
 
     def __init__(self, hidden: int, first: bool, last: bool, forward_s: float) -> None:
         super().__init__()
-        self.first, self.last, self.forward_s = first, last, forward_s
+        self.first, self.last, self.forward_s, self.hidden = first, last, forward_s, hidden
         self.scale = nn.Parameter(torch.ones(hidden))
         self.shift = nn.Parameter(torch.zeros(hidden))  # a second weight: the path to it and
         # to scale is the trunk even on the first stage, whose input wants no gradient
+
+    def boundary_shape(self, ids: torch.Size) -> torch.Size:
+        """What it sends on for a microbatch of ids [b, s]: [b, s, h] (the engine asks)."""
+        return torch.Size((ids[0], ids[1], self.hidden))
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None, *,
                 dropout_key=None, loss_reduction: str = "mean") -> torch.Tensor:
@@ -95,27 +99,26 @@ class SleepStage(nn.Module):
         return y.sum() if loss_reduction == "sum" else y.mean()
 
 
-def stages(kind: str, grid: ParallelGrid) -> tuple[list[nn.Module], int]:
-    """This rank's one chunk of the chosen kind, and the hidden size its messages carry."""
+def stages(kind: str, grid: ParallelGrid) -> list[nn.Module]:
+    """This rank's one chunk of the chosen kind."""
     if kind == "sleep":
-        hidden, r = 64, grid.pp_rank
-        return [SleepStage(hidden, r == 0, r == grid.pp - 1, SLEEP_FORWARD)], hidden
-    config = GPTConfig(**GPT_MODEL)
-    return build_chunks(config, grid, grid.layout.stages), config.hidden
+        r = grid.pp_rank
+        return [SleepStage(64, r == 0, r == grid.pp - 1, SLEEP_FORWARD)]
+    return build_chunks(GPTConfig(**GPT_MODEL), grid)
 
 
 def timelines_on_ranks(kind: str, rounds: int, schedule_name: str = "1f1b"
                        ) -> list[list[tuple[Action, float, float]]]:
     """Runs on each rank: ``rounds`` iterations (after one warm-up); this rank's timelines."""
     grid = ParallelGrid(pp=P)
-    chunks, hidden = stages(kind, grid)
+    chunks = stages(kind, grid)
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(GPT_MODEL["vocab_size"], (M * MICROBATCH, GPT_MODEL["seq_len"] + 1),
                            generator=gen)
     schedule = make_schedule(schedule_name, P, M)
     timelines = []
     for _ in range(rounds + 1):
-        result = run_schedule(schedule, chunks, grid, tokens[:, :-1], tokens[:, 1:], hidden)
+        result = run_schedule(schedule, chunks, grid, Batch(tokens[:, :-1], tokens[:, 1:]))
         for chunk in chunks:
             chunk.zero_grad(set_to_none=True)
         dist.barrier()

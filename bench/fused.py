@@ -1,13 +1,14 @@
-"""(g) Operator fusion (2104.04473 §4.2): megatron-edu's GPT with ``fused=True`` against the same
-model unfused, the same weights and batch, training steps alternated.
+"""(g) Operator fusion (2104.04473 §4.2): megatron-edu's GPT with ``fused=True`` and the fused
+attention core against the same model unfused, the same weights and batch, training steps
+alternated.
 
-Fused: the attention core as ``F.scaled_dot_product_attention`` (scale + mask + softmax + the
-product with V in one kernel), bias + GeLU and bias + dropout + residual add each compiled into
-one kernel by ``torch.compile`` (compiled in the warm-up, not timed). Reported:
+Fused: the attention core as ``F.scaled_dot_product_attention`` (``model.attention.FusedCore``:
+scale + mask + softmax + the product with V in one kernel), bias + GeLU and bias + dropout +
+residual add each compiled into one kernel by ``torch.compile`` (compiled in the warm-up, not
+timed). Reported:
     speed-up = t(unfused) / t(fused),     no target: measured, on this machine.
-(Dropout 0: with dropout on, the fused model's attention core runs op by op, as the unfused one
-— the kernel cannot take the package's masks, ``Attention._fused_core`` — which the figure would
-not show.)
+(Dropout 0: the fused core's dropout is the device's, not the package's masks, and the two
+models would not compute the same thing.)
 
     python -m bench.fused                               # CPU, fp32: 6 layers, hidden 384
     python -m bench.fused --device cuda --dtype bf16    # one GPU: GPT-2 medium's shape
@@ -35,7 +36,7 @@ def main(argv: list[str] | None = None) -> dict:
     batch = BATCH[device.type]
     ids, labels = random_batch(config, batch, device)
     unfused = GPT(config).to(device.torch)
-    fused = GPT(dataclasses.replace(config, fused=True)).to(device.torch)
+    fused = GPT(dataclasses.replace(config, fused=True, attention="fused")).to(device.torch)
     with torch.no_grad(), device.autocast():
         a, b = unfused(ids, labels).float(), fused(ids, labels).float()
     print(f"(g) fused vs unfused on {device.describe()}: {config.num_layers} layers, hidden "

@@ -30,7 +30,7 @@ from bench.common import Spread, Timings, all_close, alternate, ratios, report
 from megatron_edu.grid import ParallelGrid
 from megatron_edu.launch import run
 from megatron_edu.model import GPTConfig
-from megatron_edu.pipeline.engine import build_chunks, run_schedule
+from megatron_edu.pipeline.engine import Batch, build_chunks, run_schedule
 from megatron_edu.pipeline.schedules import interleaved_one_f_one_b, one_f_one_b
 from megatron_edu.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_edu.tensor_parallel.layers import serial_group
@@ -53,8 +53,7 @@ class Contenders:
         p, m = grid.pp, MICROBATCHES
         self.ours = one_f_one_b(p, m) if v == 1 else interleaved_one_f_one_b(p, m, v)
         self.chunks = build_chunks(config, grid, self.ours.stages)
-        self.grid, self.hidden = grid, config.hidden
-        self.ids, self.labels = batch
+        self.grid, self.batch = grid, Batch(*batch)
         where = self.ours.stages
         stages = [PipelineStage(chunk, where.stage(grid.pp_rank, c), where.num_stages,
                                 torch.device("cpu")) for c, chunk in enumerate(self.chunks)]
@@ -64,12 +63,13 @@ class Contenders:
             self.theirs = ScheduleInterleaved1F1B(stages, m, loss_fn=torch_loss)
 
     def megatron_edu(self) -> None:
-        run_schedule(self.ours, self.chunks, self.grid, self.ids, self.labels, self.hidden)
+        run_schedule(self.ours, self.chunks, self.grid, self.batch)
 
     def pipelining(self) -> None:
         first, last = self.grid.pp_rank == 0, self.grid.pp_rank == self.grid.pp - 1
-        args = (self.ids,) if first else ()
-        self.theirs.step(*args, target=self.labels if last else None, return_outputs=False)
+        args = (self.batch.input_ids,) if first else ()
+        self.theirs.step(*args, target=self.batch.labels if last else None,
+                         return_outputs=False)
 
     def then_zero_grad(self, step: Callable[[], None]) -> Callable[[], None]:
         """``step``, then this rank's gradients set back to zero for the next one."""

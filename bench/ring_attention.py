@@ -31,7 +31,7 @@ TARGET = 0.6  # × the serial layer: within 20 % of a perfect split over two cor
 
 
 def serial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """softmax(q·kᵀ/√d, causal)·v with the [s, s] scores materialised (``Attention.core``)."""
+    """softmax(q·kᵀ/√d, causal)·v with the [s, s] scores materialised (``attention.EagerCore``)."""
     s = q.shape[2]
     scores = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5
     future = torch.ones(s, s, dtype=torch.bool).triu(1)

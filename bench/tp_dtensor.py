@@ -36,7 +36,7 @@ from megatron_edu.grid import ParallelGrid
 from megatron_edu.launch import run
 from megatron_edu.model import GPTConfig
 from megatron_edu.model.transformer import Block
-from megatron_edu.tensor_parallel import ColumnParallelLinear
+from megatron_edu.tensor_parallel import AsyncTensorParallel, ColumnParallelLinear, TensorParallel
 from megatron_edu.tensor_parallel.init import gather_full, init_parameters
 
 __all__ = ["main"]
@@ -67,13 +67,15 @@ def twin_blocks(config: GPTConfig, grid: ParallelGrid) -> tuple[nn.Module, nn.Mo
 def forward_backward(block: nn.Module, x: torch.Tensor, dy: torch.Tensor,
                      async_tp: bool | None = None) -> Callable[[], torch.Tensor]:
     """A callable running the block forward and backward from ``dy``; it returns x's gradient.
-    ``async_tp`` (megatron-edu's block): set on its column layers before each step."""
+    ``async_tp`` (megatron-edu's block): its column layers' style, set before each step (the
+    same block, overlapped or not)."""
+    style = AsyncTensorParallel if async_tp else TensorParallel
 
     def step() -> torch.Tensor:
         if async_tp is not None:
             for layer in block.modules():
                 if isinstance(layer, ColumnParallelLinear):
-                    layer.async_tp = async_tp
+                    layer.style = style(layer.group)
         x.grad = None
         block.zero_grad(set_to_none=True)
         block(x).backward(dy)

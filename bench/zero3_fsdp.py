@@ -6,8 +6,9 @@ copy) and the same batch of its own (seeded by the rank). Three contenders, each
 step — forward, backward, AdamW (same hyperparameters, weight decay on matrices only, no
 clipping):
 
-* **megatron-edu** (the headline): ``DataParallel(model, dp, zero=3, units=blocks, average=True)``
-  and a ``DistributedOptimizer`` over ``torch.optim.AdamW``, the loss the model's own mean over
+* **megatron-edu** (the headline): ``ZeRO3(model, dp, units=blocks, average=True)`` and its
+  optimizer (a ``DistributedOptimizer`` over ``torch.optim.AdamW``), the loss the model's own
+  mean over
   this rank's tokens. This is like with like: FSDP2 too is a wrapper around an ordinary model and
   an ordinary optimizer, averages the gradients over the ranks, and does nothing else in a step.
   Each transformer block is a unit (gathered before its forward and again before its backward,
@@ -16,7 +17,7 @@ clipping):
 * **FSDP2**: ``fully_shard`` on each block, then on the whole model (its root), and
   ``torch.optim.AdamW`` over its DTensor parameters: the same units, the same root, the same
   prefetch (FSDP2's forward and backward prefetch of one unit), its reduce-scatters averaging.
-* **megatron-edu PTDP** (information): ``PTDP(config, ParallelGrid(Layout(dp=2, zero=3)))``'s
+* **megatron-edu PTDP** (information): ``PTDP(config, ParallelGrid(Layout(dp=2)), zero=3)``'s
   ``train_step`` — the same ZeRO-3 under the whole trainer: the pipeline engine at pp = 1, the
   token count and the loss all-reduced over dp, the global gradient norm computed (``clip=0``
   skips only the scaling).
@@ -50,7 +51,7 @@ from torch.distributed.fsdp import fully_shard
 
 from bench.common import Spread, alternate, ratios, report
 from megatron_edu import comm
-from megatron_edu.data_parallel import DataParallel, DistributedOptimizer
+from megatron_edu.data_parallel import ZeRO3
 from megatron_edu.grid import Layout, ParallelGrid
 from megatron_edu.launch import run
 from megatron_edu.model import GPT, GPTConfig
@@ -83,10 +84,9 @@ def megatron_step(config: GPTConfig, grid: ParallelGrid, ids: torch.Tensor,
                   labels: torch.Tensor) -> Callable[[], torch.Tensor]:
     """megatron-edu's ZeRO-3 on the serial GPT: its step returns this rank's loss."""
     model = GPT(config)
-    ddp = DataParallel(model, grid.dp_group, zero=3, average=True,
-                       units=list(model.blocks.values()))
+    ddp = ZeRO3(model, grid.dp_group, average=True, units=list(model.blocks.values()))
     adamw = {k: v for k, v in ADAMW.items() if k != "weight_decay"}
-    optimizer = DistributedOptimizer(decay_groups(model), ddp, torch.optim.AdamW, **adamw)
+    optimizer = ddp.optimizer(decay_groups(model), torch.optim.AdamW, **adamw)
 
     def step() -> torch.Tensor:
         loss = model(ids, labels)
@@ -125,7 +125,7 @@ def ptdp_step(config: GPTConfig, grid: ParallelGrid, ids: torch.Tensor,
     """PTDP's whole training step at dp = 2, ZeRO-3: the global loss."""
     options = PTDPOptions(lr=ADAMW["lr"], betas=ADAMW["betas"], eps=ADAMW["eps"],
                           weight_decay=ADAMW["weight_decay"], clip=0.0)
-    trainer = PTDP(config, grid, options)
+    trainer = PTDP(config, grid, options, zero=3)
     return lambda: trainer.train_step(ids, labels, ADAMW["lr"]).loss
 
 
@@ -159,7 +159,7 @@ def count_fsdp_collectives(log: dict[str, list[int]]):
 
 def compare_on_ranks(rounds: int) -> dict:
     """Runs on each rank: the same losses first, then the bytes of one step, then the timing."""
-    grid = ParallelGrid(Layout(dp=DP, zero=3))
+    grid = ParallelGrid(Layout(dp=DP))
     config = GPTConfig(**MODEL)
     ids, labels = batch_of_rank(config, grid.dp_rank)
     steps = {"megatron-edu": megatron_step(config, grid, ids, labels),

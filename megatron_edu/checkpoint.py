@@ -61,11 +61,11 @@ import torch.distributed as dist
 
 from megatron_edu import comm
 from megatron_edu.cli import Parser
-from megatron_edu.grid import Layout, ParallelGrid
+from megatron_edu.grid import ParallelGrid
 from megatron_edu.model import GPTConfig, config_from_dict
 from megatron_edu.model.transformer import WORD_EMBEDDING
 from megatron_edu.perf.memory import parameters_per_rank
-from megatron_edu.ptdp import PTDP
+from megatron_edu.ptdp import PTDP, Parallelism
 
 __all__ = ["save_checkpoint", "load_checkpoint", "load_model_chunks", "read_metadata",
            "load_full_model_state",
@@ -115,7 +115,8 @@ def save_checkpoint(out_dir: str | Path, step: int, trainer: PTDP,
         meta = {"format": FORMAT, "step": step, "config": vars(trainer.config),
                 "layout": {"tp": grid.tp, "pp": grid.pp, "dp": grid.dp,
                            **({"cp": grid.cp} if grid.cp > 1 else {}),
-                           "num_chunks": trainer.layout.chunks, "zero": trainer.layout.zero},
+                           "num_chunks": trainer.parallelism.chunks,
+                           "zero": trainer.parallelism.zero},
                 "state": state or {},
                 "tokenizer": TOKENIZER if tokenizer is not None else None,
                 **_describe(staging, grid.pp),
@@ -133,7 +134,7 @@ def save_checkpoint(out_dir: str | Path, step: int, trainer: PTDP,
             shards = _local_shards(trainer)
         phases.run(lambda: torch.save(shards, staging / f"model_{place}.pt"),
                    grid.dp_rank == grid.cp_rank == 0)      # the cp ranks hold the same weights
-        if trainer.layout.zero:
+        if trainer.ddp.shards_optimizer:
             pieces = _optimizer_pieces(trainer)
             owner = grid.dp_cp_group.rank             # ZeRO-1 shards over dp × cp
             phases.run(lambda: torch.save(pieces, staging / f"optim_{place}_dp{owner}.pt"), True)
@@ -207,12 +208,13 @@ def _write_failure(err: BaseException) -> str:
     return text
 
 
-def checkpoint_bytes(config: GPTConfig, layout: Layout) -> int:
-    """About how many bytes one checkpoint of this model and layout takes: every (tp, pp)
+def checkpoint_bytes(config: GPTConfig, parallelism: Parallelism) -> int:
+    """About how many bytes one checkpoint of this model and split takes: every (tp, pp)
     position's parameters, fp32, and their two AdamW moments — 12 bytes a parameter, the
     vocabulary padding and the tied embedding's second copy included."""
-    params = sum(parameters_per_rank(config, layout, stage) for stage in range(layout.pp))
-    return 12 * layout.tp * params
+    params = sum(parameters_per_rank(config, parallelism, stage)
+                 for stage in range(parallelism.pp))
+    return 12 * parallelism.tp * params
 
 
 def withdraw_checkpoint(out_dir: str | Path, step: int, previous: Path | None) -> None:
@@ -234,7 +236,7 @@ def _local_shards(trainer: PTDP) -> dict[str, Any]:
     """This rank's parameter shards by name (vocabulary padding included), and — unless ZeRO-1
     shards them over dp (``_optimizer_pieces``) — their AdamW moments, each copied to the CPU
     on its own."""
-    states = {} if trainer.layout.zero else trainer.optimizer.state
+    states = {} if trainer.ddp.shards_optimizer else trainer.optimizer.state
     params, moments, tp_dims = {}, {}, {}
     for chunk in trainer.chunks:
         for name, p in chunk.named_parameters():
@@ -262,7 +264,7 @@ def _adam_step(trainer: PTDP) -> float:
     """AdamW's step count (0 before the first step). Under ZeRO-1 a dp rank may own no piece,
     hence no state: the count comes from the ranks that have one (a collective over dp × cp)."""
     steps = [float(s["step"]) for s in trainer.optimizer.state.values() if "step" in s]
-    if not trainer.layout.zero:
+    if not trainer.ddp.shards_optimizer:
         return max(steps, default=0.0)
     mine = torch.tensor([float(bool(steps)), max(steps, default=0.0)], dtype=torch.float64,
                         device=trainer.grid.device)
@@ -533,7 +535,7 @@ def _read_chunks(shards: _Shards, chunks, grid: ParallelGrid,
 def _load_optimizer(trainer: PTDP, by_param: dict) -> None:
     if not by_param:
         return                                   # saved before the first step
-    if trainer.layout.zero:
+    if trainer.ddp.shards_optimizer:
         trainer.optimizer.load_param_states(by_param)
     else:
         for p, state in by_param.items():

@@ -7,9 +7,9 @@ every error is one line (train, evaluate, generate, checkpoint).
     # stderr: error: --micro-batch must be a positive integer, got 0      (exit status 2)
 
 Each ``type=`` function turns the text into a number and refuses what is not a number, out of
-range or not finite while the command line is read, so a bad number never reaches a rank (DESIGN
-principle 7). Relations between arguments (a batch that dp·micro-batch divides, …) are each
-script's own pre-launch validation.
+range or not finite while the command line is read, so a bad number never reaches a rank
+(docs/principles.md, principle 7). Relations between arguments (a batch that dp·micro-batch
+divides, …) are each script's own pre-launch validation.
 """
 
 from __future__ import annotations

@@ -15,6 +15,10 @@ Two layers:
 A group of size 1 makes every operation the identity, with nothing recorded — so a parallel
 layer at size 1 *is* the serial layer, and it communicates nothing.
 
+**When.** ``record(timing.TimedLog(clock))`` also notes when each call was made and when its
+work was done: the timelines of notebooks 06 and 13 are drawn from these, by observers beside
+the algorithms (``timing.py``), so that no algorithm calls a timer.
+
 Bytes are counted as the size of the full buffer the collective works on (the convention of
 nccl-tests): an all-reduce of a [b, s, h] fp32 tensor is 4·b·s·h bytes, an all-gather counts its
 output, a reduce-scatter its input. ``CommEvent.wire_bytes`` is what one rank actually puts on the
@@ -23,17 +27,18 @@ wire with a ring algorithm: 2(t−1)/t of that for an all-reduce, (t−1)/t for 
 
 from __future__ import annotations
 
+import functools
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 
 import torch
 import torch.distributed as dist
 
 __all__ = [
     "CommGroup", "CommEvent", "CommLog", "record", "world",
-    "all_reduce", "all_reduce_", "all_gather", "reduce_scatter", "broadcast",
+    "all_reduce", "all_reduce_", "all_gather", "reduce_scatter", "broadcast", "barrier",
     "send", "isend", "recv", "irecv", "P2POp", "batch_isend_irecv",
     "f", "g", "gather", "scatter", "all_gather_seq", "reduce_scatter_seq",
 ]
@@ -80,9 +85,11 @@ class CommEvent:
     group_size: int
     bytes: int       # full buffer size (see the module docstring)
     label: str = ""  # who called: "f backward", "g forward", "dp grads", ...
+    _: KW_ONLY
     peer: int | None = None   # send/recv: the global rank at the other end
     batch: int | None = None  # send/recv issued together by one batch_isend_irecv: its number
     dtype: torch.dtype | None = None  # of the tensor sent
+    tag: int | None = None    # the caller's number for it (a bucket's index)
 
     @property
     def wire_bytes(self) -> float:
@@ -100,6 +107,12 @@ class CommLog:
     """The calls made while a ``record()`` block was active, on this rank."""
 
     events: list[CommEvent] = field(default_factory=list)
+
+    def add(self, event: CommEvent, work: dist.Work | None) -> dist.Work | None:
+        """Note a call just made; return its work to the caller (an observer that times calls,
+        ``timing.TimedLog``, may hand back its own)."""
+        self.events.append(event)
+        return work
 
     def select(self, op: str | None = None, group: str | None = None,
                label: str | None = None) -> list[CommEvent]:
@@ -137,9 +150,10 @@ _active_logs: list[CommLog] = []
 
 
 @contextmanager
-def record() -> Iterator[CommLog]:
-    """Record every collective this rank makes inside the block."""
-    log = CommLog()
+def record(log: CommLog | None = None) -> Iterator[CommLog]:
+    """Record every collective this rank makes inside the block (into ``log``: a ``CommLog`` by
+    default)."""
+    log = log or CommLog()
     _active_logs.append(log)
     try:
         yield log
@@ -147,71 +161,117 @@ def record() -> Iterator[CommLog]:
         _active_logs.remove(log)
 
 
-def _note(op: str, group: CommGroup | str, x: torch.Tensor, label: str, times: int = 1,
-          peer: int | None = None, batch: int | None = None) -> None:
+def _note(op: str, group: CommGroup | str, x: torch.Tensor, label: str,
+          work: dist.Work | None = None, times: int = 1, peer: int | None = None,
+          batch: int | None = None, tag: int | None = None) -> dist.Work | None:
+    """Note the call just made with each active log; return its work."""
     name, size = (group.name, group.size) if isinstance(group, CommGroup) else (group, 2)
-    nbytes = x.numel() * x.element_size() * times
+    event = CommEvent(op, name, size, x.numel() * x.element_size() * times, label or op,
+                      peer=peer, batch=batch, dtype=x.dtype, tag=tag)
     for log in _active_logs:
-        log.events.append(CommEvent(op, name, size, nbytes, label or op, peer, batch, x.dtype))
+        work = log.add(event, work)
+    return work
 
 
 # --- plain collectives ---------------------------------------------------------------------------
 
-def all_reduce_(x: torch.Tensor, group: CommGroup, label: str = "",
-                async_op: bool = False) -> dist.Work | None:
-    """Sum ``x`` in place over the group (optionally asynchronous: returns the work handle)."""
-    if group.size == 1:
-        return None
-    _note("all_reduce", group, x, label)
-    return dist.all_reduce(x, group=group.pg, async_op=async_op)
+class _Done:
+    """The work handle of a collective on a group of one: done already."""
+
+    def wait(self) -> bool:
+        return True
 
 
+DONE = _Done()
+
+
+def _alone_is_identity(collective: Callable) -> Callable:
+    """On a group of one, ``collective(x, group, …)`` is ``x`` itself — (DONE, x) when it was
+    asked for its work handle (``async_op``): nothing is sent, nothing recorded."""
+    @functools.wraps(collective)
+    def call(x: torch.Tensor, group: CommGroup, *args, **kwargs):
+        if group.size > 1:
+            return collective(x, group, *args, **kwargs)
+        return (DONE, x) if kwargs.get("async_op") else x
+    return call
+
+
+def _alone_does_nothing(collective: Callable) -> Callable:
+    """On a group of one, the in-place ``collective(x, group, …)`` leaves ``x`` as it is and
+    returns the handle ``DONE``: nothing is sent, nothing recorded."""
+    @functools.wraps(collective)
+    def call(x: torch.Tensor, group: CommGroup, *args, **kwargs):
+        return collective(x, group, *args, **kwargs) if group.size > 1 else DONE
+    return call
+
+
+@_alone_does_nothing
+def all_reduce_(x: torch.Tensor, group: CommGroup, label: str = "", *, async_op: bool = False,
+                tag: int | None = None) -> dist.Work | None:
+    """Sum ``x`` in place over the group (``async_op``: returns the work handle to wait on)."""
+    work = dist.all_reduce(x, group=group.pg, async_op=async_op)
+    return _note("all_reduce", group, x, label, work, tag=tag)
+
+
+@_alone_is_identity
 def all_reduce(x: torch.Tensor, group: CommGroup, label: str = "") -> torch.Tensor:
     """A new tensor: the sum of ``x`` over the group (a copy: ``x`` may be the caller's)."""
-    if group.size == 1:
-        return x
     y = x.clone(memory_format=torch.contiguous_format)
     all_reduce_(y, group, label)
     return y
 
 
-def all_gather(x: torch.Tensor, group: CommGroup, dim: int = -1, label: str = "",
-               async_op: bool = False) -> torch.Tensor | tuple[dist.Work, torch.Tensor]:
+@_alone_is_identity
+def all_gather(x: torch.Tensor, group: CommGroup, dim: int = -1, label: str = "", *,
+               async_op: bool = False, tag: int | None = None
+               ) -> torch.Tensor | tuple[dist.Work, torch.Tensor]:
     """Every rank's ``x`` in group order along ``dim`` (``async_op``: (work, it), done on wait)."""
-    if group.size == 1:
-        return x
     out = x.new_empty([n * group.size if d == dim % x.dim() else n for d, n in enumerate(x.shape)])
-    _note("all_gather", group, x, label, group.size)
     parts = list(out.chunk(group.size, dim))     # each rank's x lands in its slice of out
     work = dist.all_gather(parts, x.contiguous(), group=group.pg, async_op=async_op)
+    work = _note("all_gather", group, x, label, work, group.size, tag=tag)
     return (work, out) if async_op else out
 
 
-def reduce_scatter(x: torch.Tensor, group: CommGroup, dim: int = -1, label: str = "",
-                   async_op: bool = False) -> torch.Tensor | tuple[dist.Work, torch.Tensor]:
+@_alone_is_identity
+def reduce_scatter(x: torch.Tensor, group: CommGroup, dim: int = -1, label: str = "", *,
+                   async_op: bool = False, tag: int | None = None
+                   ) -> torch.Tensor | tuple[dist.Work, torch.Tensor]:
     """Sum ``x`` over the group and keep this rank's 1/size slice along ``dim`` (``async_op``:
     (work, slice), as ``all_gather``)."""
-    if group.size == 1:
-        return x
     parts = [p.contiguous() for p in _split(x, group.size, dim)]
     out = torch.empty_like(parts[0])
-    _note("reduce_scatter", group, x, label)
     work = dist.reduce_scatter(out, parts, group=group.pg, async_op=async_op)
+    work = _note("reduce_scatter", group, x, label, work, tag=tag)
     return (work, out) if async_op else out
 
 
 def broadcast(x: torch.Tensor, src: int, group: CommGroup, label: str = "") -> torch.Tensor:
     """Every rank gets global rank ``src``'s ``x`` (in place; returned for convenience)."""
-    if group.size > 1:
-        _note("broadcast", group, x, label)
-        dist.broadcast(x, src=src, group=group.pg)
+    _broadcast(x, group, src, label)
     return x
+
+
+@_alone_does_nothing
+def _broadcast(x: torch.Tensor, group: CommGroup, src: int, label: str) -> None:
+    dist.broadcast(x, src=src, group=group.pg)
+    _note("broadcast", group, x, label)
+
+
+def barrier(group: CommGroup) -> None:
+    """Wait until every rank of the group is here (not recorded: it moves no data)."""
+    _barrier(torch.empty(0), group)
+
+
+@_alone_does_nothing
+def _barrier(_: torch.Tensor, group: CommGroup) -> None:
+    dist.barrier(group=group.pg)
 
 
 def send(x: torch.Tensor, dst: int, label: str = "") -> None:
     """Send ``x`` to global rank ``dst`` (blocking)."""
-    _note("send", "p2p", x, label, peer=dst)
     dist.send(x.contiguous(), dst)
+    _note("send", "p2p", x, label, peer=dst)
 
 
 def isend(x: torch.Tensor, dst: int, label: str = "",
@@ -219,23 +279,21 @@ def isend(x: torch.Tensor, dst: int, label: str = "",
     """Start sending ``x`` to global rank ``dst`` (over ``channel``, a two-rank process group, if
     given); keep the returned (work, tensor) until ``work.wait()``."""
     x = x.contiguous()
-    _note("send", "p2p", x, label, peer=dst)
-    return dist.isend(x, dst, group=channel), x
+    return _note("send", "p2p", x, label, dist.isend(x, dst, group=channel), peer=dst), x
 
 
 def recv(x: torch.Tensor, src: int, label: str = "",
          channel: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Receive into the buffer ``x`` (its shape and dtype say what to expect)."""
-    _note("recv", "p2p", x, label, peer=src)
     dist.recv(x, src, group=channel)
+    _note("recv", "p2p", x, label, peer=src)
     return x
 
 
 def irecv(x: torch.Tensor, src: int, label: str = "",
           channel: dist.ProcessGroup | None = None) -> dist.Work:
     """Start receiving into the buffer ``x``; it is filled once the returned work is waited."""
-    _note("recv", "p2p", x, label, peer=src)
-    return dist.irecv(x, src, group=channel)
+    return _note("recv", "p2p", x, label, dist.irecv(x, src, group=channel), peer=src)
 
 
 @dataclass(frozen=True)
@@ -255,11 +313,11 @@ def batch_isend_irecv(ops: list[P2POp], group: CommGroup) -> list[dist.Work]:
     """Start a batch of sends and receives together (on NCCL, one group call, as Megatron-LM's
     pipeline does); wait on every returned work before using a received tensor."""
     batch = next(_batch_numbers)
-    for o in ops:
-        _note(o.op, "p2p", o.tensor, o.label, peer=o.peer, batch=batch)
-    return dist.batch_isend_irecv([
+    works = dist.batch_isend_irecv([
         dist.P2POp(dist.isend if o.op == "send" else dist.irecv, o.tensor, o.peer, group.pg)
         for o in ops])
+    return [_note(o.op, "p2p", o.tensor, o.label, work, peer=o.peer, batch=batch)
+            for o, work in zip(ops, works, strict=True)]
 
 
 def _split(x: torch.Tensor, n: int, dim: int) -> tuple[torch.Tensor, ...]:
@@ -330,31 +388,37 @@ class _Split(torch.autograd.Function):
         return all_gather(grad, ctx.group, ctx.dim, f"{ctx.label} backward"), None, None, None, None
 
 
+def _conjugate(op: type[torch.autograd.Function], x: torch.Tensor, group: CommGroup,
+               *args) -> torch.Tensor:
+    """``op`` applied across ``group`` — on a group of one the identity, no autograd node."""
+    return op.apply(x, group, *args) if group.size > 1 else x
+
+
 def f(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
     """Copy to the tensor-parallel region: identity forward, all-reduce backward."""
-    return x if group.size == 1 else _F.apply(x, group)
+    return _conjugate(_F, x, group)
 
 
 def g(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
     """Reduce from the tensor-parallel region: all-reduce forward, identity backward."""
-    return x if group.size == 1 else _G.apply(x, group)
+    return _conjugate(_G, x, group)
 
 
 def gather(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
     """Gather the last dimension from the tensor-parallel region (backward: keep own slice)."""
-    return x if group.size == 1 else _AllGather.apply(x, group, -1, False, "gather")
+    return _conjugate(_AllGather, x, group, -1, False, "gather")
 
 
 def scatter(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
     """Scatter the last dimension into the tensor-parallel region (backward: all-gather)."""
-    return x if group.size == 1 else _Split.apply(x, group, -1, False, "scatter")
+    return _conjugate(_Split, x, group, -1, False, "scatter")
 
 
 def all_gather_seq(x: torch.Tensor, group: CommGroup, dim: int = 1) -> torch.Tensor:
     """Sequence parallelism's g: all-gather the sequence forward, reduce-scatter backward."""
-    return x if group.size == 1 else _AllGather.apply(x, group, dim, True, "all_gather_seq")
+    return _conjugate(_AllGather, x, group, dim, True, "all_gather_seq")
 
 
 def reduce_scatter_seq(x: torch.Tensor, group: CommGroup, dim: int = 1) -> torch.Tensor:
     """Sequence parallelism's g-bar: reduce-scatter the sequence forward, all-gather backward."""
-    return x if group.size == 1 else _Split.apply(x, group, dim, True, "reduce_scatter_seq")
+    return _conjugate(_Split, x, group, dim, True, "reduce_scatter_seq")

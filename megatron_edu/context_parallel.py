@@ -29,30 +29,24 @@ the ring behind the K, V block, one hop per step, and reach the owner after cp �
 sent per rank and layer (``comm.record``, label "cp kv" / "cp dkv"): forward 2·(cp − 1) blocks of
 [b, a, s/cp, d] (K and V, cp − 1 hops), backward twice that (K, V again and their gradients).
 
-**Timeline.** ``record_ring()`` notes, on this rank, when each step of each pass computed and when
-it waited for its exchanges (``timing.Clock``: on a GPU as the device ran them); with no block
-active the ring pays one list test per phase. ``simulate_ring`` plays the same steps on paper from
-two costs — a chunk pair's compute and a block's hop — so the two can be drawn side by side.
+The ring's exchanges go through one small driver (``_Ring``): the attention's forward and
+backward only ask it for the next block. ``timing.record_ring()`` observes the driver — when each
+step computed and when it waited (``perf.ring.simulate_ring`` plays the same steps on paper).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, field
-from numbers import Real
+from collections.abc import Iterator
 
 import torch
 
 from megatron_edu import comm
 from megatron_edu.comm import CommGroup, P2POp
 from megatron_edu.tensor_parallel.random import Dropout, DropoutKey
-from megatron_edu.timing import Clock, Stamp
 
 __all__ = ["chunk_ids", "split", "unsplit", "causal_work", "merge", "ring_attention",
-           "step_pairs", "RingInterval", "RingLog", "record_ring", "RingTimeline",
-           "simulate_ring"]
+           "observers"]
 
 
 def chunk_ids(rank: int, cp: int, zigzag: bool = True) -> tuple[int, int]:
@@ -113,12 +107,15 @@ def _pairs(mine: tuple[int, int], theirs: tuple[int, int]):
 def _dropout_scale(dropout: Dropout | None, key: DropoutKey | None, heads: int, chunks: tuple,
                    c: int, cp: int, device: torch.device) -> torch.Tensor | float:
     """The kept/(1 − p) factors of one chunk pair of the probabilities [b, heads, c, c]: the
-    serial model's mask there (element h·s² + query·s + key of each sample; recomputed in the
-    backward pass, as flash attention replays its generator)."""
+    serial model's mask there (element h·s² + query·s + key of each sample, h the global head:
+    this rank's heads are part r of t, ``dropout.parts``; recomputed in the backward pass, as
+    flash attention replays its generator)."""
     if dropout is None or not dropout.training or dropout.p == 0.0:
         return 1.0
     s, pos = 2 * cp * c, torch.arange(c, device=device)
-    rows = torch.arange(heads, device=device)[:, None, None] * s + chunks[0] * c + pos[:, None]
+    first = dropout.parts[0][0] * heads                  # this tp rank's first head
+    h = torch.arange(first, first + heads, device=device)
+    rows = h[:, None, None] * s + chunks[0] * c + pos[:, None]
     return dropout.keep_at(key, rows * s + chunks[1] * c + pos) * (1.0 / (1.0 - dropout.p))
 
 
@@ -132,65 +129,60 @@ def _exchange(group: CommGroup, send: torch.Tensor, label: str) -> tuple[list, t
     return works, received
 
 
-def _wait(works: list) -> None:
-    for work in works:
-        work.wait()
+# --- the ring: its driver, and attention over it -------------------------------------------------
+
+observers: list = []   # timing.RingLog's of active ``record_ring`` blocks (as comm's record)
 
 
-# --- the ring's timeline: recorded (record_ring) -------------------------------------------------
+class _Ring:
+    """This rank's exchanges, step after step: while the caller computes with the block it
+    holds, the block goes on to the next rank and the previous rank's arrives (one
+    ``batch_isend_irecv`` a step; on NCCL one group call, matched on both sides). Each step's
+    compute (until the caller asks for the next block) and wait (for the exchanges) is shown
+    to the ``observers``."""
 
-@dataclass(frozen=True)
-class RingInterval:
-    """One phase of one ring step on one rank: ``kind`` "compute" (from the step's start — its
-    exchange posted — until it waits) or "wait" (for its exchanges: forward steps 0 … cp − 2,
-    every backward step). Seconds (perf_counter) when recorded, cost units when simulated."""
+    def __init__(self, group: CommGroup, backward: bool) -> None:
+        self.group, self.backward = group, backward
+        self.extra: list = []          # the step's other sends (``send_on``): works, tensors
 
-    backward: bool
-    step: int
-    kind: str
-    start: Real
-    end: Real
+    def blocks(self, block: torch.Tensor, label: str) -> Iterator[tuple[int, torch.Tensor]]:
+        """(step, the block to compute with), cp times: this rank's own block first."""
+        for step in range(self.group.size - 1):
+            began = _now()
+            works, incoming = _exchange(self.group, block, label)
+            yield step, block
+            self._finish(step, began, works)
+            block = incoming
+        began = _now()
+        yield self.group.size - 1, block
+        self._finish(self.group.size - 1, began, [])
 
+    def send_on(self, tensor: torch.Tensor, label: str) -> torch.Tensor:
+        """Send ``tensor`` to the next rank during this step; the previous rank's arrives into
+        the returned buffer, valid from the next step on."""
+        works, received = _exchange(self.group, tensor, label)
+        self.extra.append((works, tensor))                   # alive until sent
+        return received
 
-@dataclass
-class RingLog:
-    """The ring's phases on this rank while a ``record_ring()`` block was active, in order."""
-
-    clock: Clock
-    stamps: list[tuple[bool, int, str, Stamp, Stamp]] = field(default_factory=list)
-
-    @property
-    def intervals(self) -> list[RingInterval]:
-        """The phases in perf_counter seconds (on a GPU: waits for their events)."""
-        return [RingInterval(backward, step, kind, self.clock.seconds(t0), self.clock.seconds(t1))
-                for backward, step, kind, t0, t1 in self.stamps]
-
-
-_ring_logs: list[RingLog] = []   # as comm's: a module list, seen by autograd's backward threads
-
-
-@contextmanager
-def record_ring(device: torch.device | str = "cpu") -> Iterator[RingLog]:
-    """Record when this rank's ring attention computes and waits, inside the block."""
-    log = RingLog(Clock(device))
-    _ring_logs.append(log)
-    try:
-        yield log
-    finally:
-        _ring_logs.remove(log)
+    def _finish(self, step: int, began: list, works: list) -> None:
+        computed = _note(began, self.backward, step, "compute")
+        pending = works + [w for sent, _ in self.extra for w in sent]
+        self.extra = []
+        if pending:                                    # (the forward's last step sends none)
+            for work in pending:
+                work.wait()
+            _note(computed, self.backward, step, "wait")
 
 
-def _now() -> list[Stamp]:
-    """Now, on each active ``record_ring``'s clock ([] when none is)."""
-    return [log.clock.stamp() for log in _ring_logs]
+def _now() -> list:
+    """Now, on each observer's clock ([] when none is)."""
+    return [log.clock.stamp() for log in observers]
 
 
-def _note(since: list[Stamp], backward: bool, step: int, kind: str) -> list[Stamp]:
-    """Note [since, now) as ``kind`` of ``step`` with each active log; returns now."""
-    if not _ring_logs:
-        return since
+def _note(since: list, backward: bool, step: int, kind: str) -> list:
+    """Show [since, now) as ``kind`` of ``step`` to each observer; returns now."""
     now = _now()
-    for log, t0, t1 in zip(_ring_logs, since, now, strict=False):  # one opened mid-phase: next
+    for log, t0, t1 in zip(observers, since, now, strict=False):  # one opened mid-phase: next
         log.stamps.append((backward, step, kind, t0, t1))
     return now
 
@@ -207,11 +199,8 @@ class _RingAttention(torch.autograd.Function):
         qs = q.chunk(2, 2)
         out: list = [None, None]
         lse: list = [None, None]
-        kv = torch.stack([k, v])                       # the travelling block [2, b, a, s/cp, d]
-        for step in range(cp):
-            began = _now()                             # record_ring: when this step computed
-            if step < cp - 1:                          # the next block is on its way meanwhile
-                works, incoming = _exchange(group, kv, "cp kv")
+        ring = _Ring(group, backward=False)            # the travelling block [2, b, a, s/cp, d]
+        for step, kv in ring.blocks(torch.stack([k, v]), "cp kv"):
             theirs = chunk_ids((r - step) % cp, cp, zigzag)
             ks, vs = kv[0].chunk(2, 2), kv[1].chunk(2, 2)
             for a, b, ids in _pairs(mine, theirs):
@@ -221,11 +210,6 @@ class _RingAttention(torch.autograd.Function):
                 block_out = ((scores - block_lse).exp() * kept) @ vs[b]
                 out[a], lse[a] = ((block_out, block_lse) if out[a] is None
                                   else merge(out[a], lse[a], block_out, block_lse))
-            computed = _note(began, False, step, "compute")
-            if step < cp - 1:
-                _wait(works)
-                _note(computed, False, step, "wait")
-                kv = incoming
         out, lse = torch.cat(out, 2), torch.cat(lse, 2)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.zigzag, ctx.dropout, ctx.key = group, zigzag, dropout, key
@@ -243,11 +227,9 @@ class _RingAttention(torch.autograd.Function):
         ds_row = (grad_out * out).sum(-1, keepdim=True).chunk(2, 2)  # D = rowsum(dO ∘ O)
         dq = torch.zeros_like(q)
         dqs = dq.chunk(2, 2)
-        kv, own, travelling = torch.stack([k, v]), None, None
-        for step in range(cp):
-            works, began = [], _now()
-            if step < cp - 1:
-                works, incoming = _exchange(group, kv, "cp kv")
+        own, travelling = None, torch.zeros_like(torch.stack([k, v]))  # a block's partial sums
+        ring = _Ring(group, backward=True)
+        for step, kv in ring.blocks(torch.stack([k, v]), "cp kv"):
             theirs = chunk_ids((r - step) % cp, cp, zigzag)
             ks, vs = kv[0].chunk(2, 2), kv[1].chunk(2, 2)
             dkv = torch.zeros_like(kv)                 # this rank's part of the block's dK, dV
@@ -262,18 +244,8 @@ class _RingAttention(torch.autograd.Function):
             if step == 0:
                 own = dkv                              # the owner's part waits for the others'
             else:                                      # the others' sum moves on, one hop
-                travelling = dkv if travelling is None else travelling + dkv
-                sent, partial = _exchange(group, travelling, "cp dkv")
-                works += sent
-            computed = _note(began, True, step, "compute")
-            _wait(works)
-            _note(computed, True, step, "wait")
-            if step < cp - 1:
-                kv = incoming
-            if step > 0:
-                travelling = partial
-        if cp > 1:
-            own = own + travelling                     # the block's sum from the other cp − 1
+                travelling = ring.send_on(travelling + dkv, "cp dkv")
+        own = own + travelling                         # the block's sum from the other cp − 1
         return dq, own[0], own[1], None, None, None, None
 
 
@@ -286,67 +258,3 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Com
     if q.shape[2] % 2:
         raise ValueError(f"a rank holds two chunks of the sequence: {q.shape[2]} tokens is odd")
     return _RingAttention.apply(q, k, v, group, zigzag, dropout, key)
-
-
-# --- the ring's timeline: simulated (simulate_ring) ----------------------------------------------
-
-def step_pairs(rank: int, step: int, cp: int, zigzag: bool = True) -> int:
-    """The chunk pairs ``rank`` computes at ``step`` (``_pairs``: a diagonal pair is computed
-    whole, then masked — a full pair of work). Zig-zag: 3 at step 0, then 2 on every rank."""
-    return len(_pairs(chunk_ids(rank, cp, zigzag), chunk_ids((rank - step) % cp, cp, zigzag)))
-
-
-@dataclass(frozen=True)
-class RingTimeline:
-    """The ring on paper: ranks[r] rank r's phases (``RingInterval``s, as ``record_ring`` notes
-    them); hops[r] the (start, end) of each block rank r sent to rank r + 1, in order."""
-
-    ranks: list[list[RingInterval]]
-    hops: list[list[tuple[Real, Real]]]
-
-    @property
-    def makespan(self) -> Real:
-        """From the first start to the last end, over all ranks."""
-        return (max(row[-1].end for row in self.ranks)
-                - min(row[0].start for row in self.ranks))
-
-    @property
-    def ends(self) -> list[Real]:
-        """When each rank is done (where its next pass can start)."""
-        return [row[-1].end for row in self.ranks]
-
-    @property
-    def busy(self) -> list[Real]:
-        """Per rank, the time it computed."""
-        return [sum(i.end - i.start for i in row if i.kind == "compute") for row in self.ranks]
-
-
-def simulate_ring(cp: int, pair_time: Real, hop_time: Real, zigzag: bool = True,
-                  backward: bool = False, start: Real | Sequence[Real] = 0) -> RingTimeline:
-    """One pass of ring attention played with fixed costs (``pipeline.simulate``'s idea).
-
-    At step k rank r computes ``step_pairs`` × ``pair_time``. A hop — a block from rank r to
-    r + 1, ``hop_time`` long — starts when both ends have posted it (``batch_isend_irecv``, as
-    gloo and NCCL pair a send with its receive): the K, V block at the start of step k (steps
-    0 … cp − 2), in the backward pass also the dK, dV partial sums after the compute (steps
-    1 … cp − 1). Step k + 1 starts when rank r's compute and the hops it sends and receives at
-    step k are done. ``start``: when each rank begins (one number, or one per rank)."""
-    begin = list(start) if isinstance(start, Sequence) else [start] * cp
-    ranks: list[list[RingInterval]] = [[] for _ in range(cp)]
-    hops: list[list[tuple[Real, Real]]] = [[] for _ in range(cp)]
-    for step in range(cp):
-        done = [begin[r] + step_pairs(r, step, cp, zigzag) * pair_time for r in range(cp)]
-        posted = ([begin] if step < cp - 1 else []) + ([done] if backward and step > 0 else [])
-        ends = list(done)
-        for at in posted:
-            for r in range(cp):
-                nxt = (r + 1) % cp
-                sent = max(at[r], at[nxt])            # once the sender and the receiver posted
-                hops[r].append((sent, sent + hop_time))
-                ends[r], ends[nxt] = max(ends[r], sent + hop_time), max(ends[nxt], sent + hop_time)
-        for r in range(cp):
-            ranks[r].append(RingInterval(backward, step, "compute", begin[r], done[r]))
-            if step < cp - 1 or backward:
-                ranks[r].append(RingInterval(backward, step, "wait", done[r], ends[r]))
-        begin = ends
-    return RingTimeline(ranks, hops)

@@ -81,8 +81,9 @@ from megatron_edu.hf import read_hf_gpt2
 from megatron_edu.launch import RankError, run
 from megatron_edu.model import BertConfig, GPTConfig, config_from_dict
 from megatron_edu.model.transformer import IGNORE_INDEX
-from megatron_edu.pipeline.engine import build_chunks, run_schedule
+from megatron_edu.pipeline.engine import Batch, build_chunks, run_schedule
 from megatron_edu.pipeline.schedules import forward_only, one_f_one_b
+from megatron_edu.ptdp import Parallelism
 from megatron_edu.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy, vocab_range
 
 __all__ = ["evaluate", "main", "vocab_parallel_argmax", "lambada_correct", "check_left_to_right",
@@ -154,7 +155,7 @@ class Source:
 
     def chunks(self, grid: ParallelGrid) -> list[nn.Module]:
         """This rank's pipeline stage, weights loaded (its slices only, from a checkpoint)."""
-        chunks = build_chunks(self.config, grid, grid.layout.stages)
+        chunks = build_chunks(self.config, grid)
         if self.checkpoint is not None:
             load_model_chunks(self.checkpoint["path"], chunks, grid)
         else:
@@ -215,7 +216,7 @@ def _check_layout(args: argparse.Namespace, config: GPTConfig) -> None:
         raise ValueError(f"--batch {args.batch} must be divisible by dp·micro-batch = "
                          f"{args.dp}·{args.micro_batch}")
     try:
-        Layout(args.tp, args.pp, args.dp).check(config)
+        Parallelism(Layout(args.tp, args.pp, args.dp)).check(config)
     except ValueError as err:
         raise ValueError(f"--tp {args.tp} --pp {args.pp}: {err}") from None
 
@@ -223,7 +224,7 @@ def _check_layout(args: argparse.Namespace, config: GPTConfig) -> None:
 # --- running batches through the pipeline, forward only -----------------------------------------
 
 def _run_batches(chunks, grid: ParallelGrid, ids: np.ndarray, labels: np.ndarray,
-                 args: argparse.Namespace, hidden: int) -> float:
+                 args: argparse.Namespace) -> float:
     """Σ over all rows of what the last stage returns (summed losses, or counts), equal on
     every rank. Each step takes ``--batch`` rows (padded with unscored rows), dp replicas a
     slice each, run as microbatches of ``--micro-batch`` by the forward half of 1F1B; the
@@ -237,10 +238,10 @@ def _run_batches(chunks, grid: ParallelGrid, ids: np.ndarray, labels: np.ndarray
         rows = slice(mine, mine + local)
         batch_ids, batch_labels = _padded(ids[rows], local), _padded(labels[rows], local,
                                                                      IGNORE_INDEX)
+        batch = Batch(batch_ids.to(grid.device), batch_labels.to(grid.device),
+                      first_sample=mine, num_tokens=1)   # the last stage's sums, undivided
         with torch.no_grad(), autocast(args.dtype, grid.device):
-            result = run_schedule(schedule, chunks, grid, batch_ids.to(grid.device),
-                                  batch_labels.to(grid.device), hidden, first_sample=mine,
-                                  num_tokens=1)   # the last stage's sums, undivided
+            result = run_schedule(schedule, chunks, grid, batch)
         total += result.loss.double()
     return comm.all_reduce(total, grid.dp_group, "dp sum").item()
 
@@ -365,6 +366,10 @@ class _LastStage(nn.Module):
         self.filtered = 0.0
         self.broken: tuple[int, int, int] | None = None       # row, position, 0 NaN / 1 inf
 
+    def boundary_shape(self, ids: torch.Size) -> torch.Size:
+        """What the wrapped stage sends on: the engine asks the first chunk, this one at pp = 1."""
+        return self.chunk.boundary_shape(ids)
+
     def forward(self, x, labels=None, dropout_key=None, **kwargs) -> torch.Tensor:
         """The summed losses, or the count of right answers, of this microbatch."""
         kwargs.pop("loss_reduction", None)
@@ -429,8 +434,7 @@ def evaluate(args: argparse.Namespace, source: Source, inputs: dict[str, Any]) -
     is_stop = torch.from_numpy(inputs["stop_tokens"]).to(grid.device) if lambada else None
     if chunks[-1].last:
         chunks[-1] = _LastStage(chunks[-1], source.config.vocab_size, is_stop)
-    total = _run_batches(chunks, grid, inputs["ids"], inputs["labels"], args,
-                         source.config.hidden)
+    total = _run_batches(chunks, grid, inputs["ids"], inputs["labels"], args)
     broken = _first_broken(chunks[-1], grid)
     if broken is not None:
         row, position, kind = broken
@@ -451,7 +455,7 @@ def validation_loss(args: argparse.Namespace, meta: dict[str, Any]) -> dict[str,
     """Run on every rank: the mean validation loss and its perplexity (equal on all ranks)."""
     grid = ParallelGrid(tp=args.tp, pp=args.pp, dp=args.dp)
     config = config_from_dict(meta["config"])
-    chunks = build_chunks(config, grid, grid.layout.stages)
+    chunks = build_chunks(config, grid)
     load_model_chunks(meta["path"], chunks, grid)
     for chunk in chunks:
         chunk.eval()
@@ -463,8 +467,8 @@ def validation_loss(args: argparse.Namespace, meta: dict[str, Any]) -> dict[str,
     with torch.no_grad(), autocast(args.dtype, grid.device):
         for i in range(args.batches):
             ids, labels = val.fixed_batch(i, args.batch, grid.dp_rank, grid.dp)
-            result = run_schedule(schedule, chunks, grid, ids.to(grid.device),
-                                  labels.to(grid.device), config.hidden)
+            result = run_schedule(schedule, chunks, grid,
+                                  Batch(ids.to(grid.device), labels.to(grid.device)))
             losses.append(comm.all_reduce(result.loss, grid.dp_group, "dp loss") / grid.dp)
     loss = torch.stack(losses).mean().item()
     if not math.isfinite(loss):

@@ -135,14 +135,15 @@ def _nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 
 # --- one step through the pipeline ---------------------------------------------------------------
 
-def _forward_step(chunks: Sequence[GPT], grid: ParallelGrid | None, ids: torch.Tensor,
-                  caches: Sequence[KVCache]) -> torch.Tensor | None:
-    """Run ids [1, s] through this rank's (virtual) stages; on the last stage return the last
-    position's logits [V] (vocabulary whole, padding trimmed), elsewhere None."""
+def _forward_step(chunks: Sequence[GPT], grid: ParallelGrid | None, stages: StageMap,
+                  ids: torch.Tensor, caches: Sequence[KVCache]) -> torch.Tensor | None:
+    """Run ids [1, s] through this rank's (virtual) stages, placed as ``stages`` says; on the
+    last stage return the last position's logits [V] (vocabulary whole, padding trimmed),
+    elsewhere None."""
     piped = grid is not None and grid.pp > 1
     x = ids
     for c, (chunk, cache) in enumerate(zip(chunks, caches, strict=True)):
-        prev, next_ = _neighbours(grid, c) if piped else (None, None)
+        prev, next_ = _neighbours(grid, stages, c) if piped else (None, None)
         if prev is not None:                         # 2104.04473 §2.2: from the previous stage
             buffer = torch.empty(1, ids.shape[1], chunk.config.hidden, device=ids.device,
                                  dtype=next(chunk.parameters()).dtype)
@@ -156,12 +157,11 @@ def _forward_step(chunks: Sequence[GPT], grid: ParallelGrid | None, ids: torch.T
     return logits[: chunks[-1].config.vocab_size]
 
 
-def _neighbours(grid: ParallelGrid, chunk: int) -> tuple[int | None, int | None]:
+def _neighbours(grid: ParallelGrid, stages: StageMap, chunk: int) -> tuple[int | None, int | None]:
     """The global ranks that chunk ``chunk`` of this rank receives from and sends to: the
-    messages of its forward on the grid's stage map, as the pipeline engine has them
+    messages of its forward on the stage map, as the pipeline engine has them
     (``schedules.messages_of``). None at the model's two ends, and at ZB-V's turn, where the
     message stays on this rank (``x`` flows on into the other chunk in ``_forward_step``)."""
-    stages = grid.layout.stages
     receive, send = messages_of(Action("F", 0, chunk), grid.pp_rank, stages)
 
     def peer(message: Message | None, rank_of_stage) -> int | None:
@@ -172,13 +172,15 @@ def _neighbours(grid: ParallelGrid, chunk: int) -> tuple[int | None, int | None]
     return peer(receive, stages.sender), peer(send, stages.receiver)
 
 
-def _stages(grid: ParallelGrid, chunks: Sequence[GPT]) -> StageMap:
-    """The grid's stage map, which the chunks must have been built on."""
-    stages = grid.layout.stages
+def _stage_map(chunks: Sequence[GPT], grid: ParallelGrid | None,
+               stages: StageMap | None) -> StageMap:
+    """The stage map the chunks were built on: ``stages``, or one chunk per rank (None, as
+    ``build_chunks``'s default)."""
+    stages = stages or StageMap.plain(grid.pp if grid is not None else 1)
     if len(chunks) != stages.v:
-        raise ValueError(f"{len(chunks)} chunks on this rank, but the grid's layout places "
-                         f"{stages.v} per rank ({stages}): build them with build_chunks(config, "
-                         "grid, grid.layout.stages)")
+        raise ValueError(f"{len(chunks)} chunks on this rank, but the stage map places "
+                         f"{stages.v} per rank ({stages}): pass generate the stage map that "
+                         "build_chunks(config, grid, stages) built them on")
     return stages
 
 
@@ -255,12 +257,13 @@ def _as_chunks(model: GPT | Sequence[GPT], grid: ParallelGrid | None) -> list[GP
 @torch.no_grad()
 def generate(model: GPT | Sequence[GPT], grid: ParallelGrid | None,
              prompt_ids: list[int] | torch.Tensor, max_new_tokens: int, *,
-             temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-             greedy: bool = False, seed: int = 0, eos_id: int | None = None) -> list[int]:
+             stages: StageMap | None = None, temperature: float = 1.0,
+             top_k: int | None = None, top_p: float | None = None, greedy: bool = False,
+             seed: int = 0, eos_id: int | None = None) -> list[int]:
     """The tokens that follow ``prompt_ids``: ``max_new_tokens`` of them, or fewer ending with
-    ``eos_id``. ``model``: a whole GPT (grid None) or this rank's chunks, built on the grid's
-    stage map (``build_chunks(config, grid, grid.layout.stages)``). Under a grid, a
-    collective: every rank calls it alike and gets the same list — or raises the same
+    ``eos_id``. ``model``: a whole GPT (grid None) or this rank's chunks, built on the stage
+    map ``stages`` (``build_chunks(config, grid, stages)``; None: one chunk per rank). Under a
+    grid, a collective: every rank calls it alike and gets the same list — or raises the same
     ``NonFiniteLogits`` where the logits hold a NaN or an infinity."""
     chunks = _as_chunks(model, grid)
     sampling = Sampling(temperature, top_k, top_p, greedy)
@@ -268,14 +271,14 @@ def generate(model: GPT | Sequence[GPT], grid: ParallelGrid | None,
     ids = _prompt(prompt_ids, max_new_tokens, chunks[0].config).to(device)   # [1, s]
     generator = torch.Generator().manual_seed(seed)
     caches = [KVCache() for _ in chunks]
-    last_stage_rank = 0 if grid is None else _stages(grid, chunks).last_rank
+    stages = _stage_map(chunks, grid, stages)
     tokens: list[int] = []
     with _eval_mode(chunks):
         for _ in range(max_new_tokens):
-            logits = _forward_step(chunks, grid, ids, caches)
+            logits = _forward_step(chunks, grid, stages, ids, caches)
             position = len(prompt_ids) + len(tokens) - 1          # whose logits these are
             tokens.append(_next_token(logits, grid, sampling, generator, device,
-                                      last_stage_rank, position))
+                                      stages.last_rank, position))
             if tokens[-1] == eos_id:
                 break
             ids = torch.tensor([[tokens[-1]]], device=device)            # [1, 1]: the cache
@@ -344,7 +347,7 @@ def _generate_on_rank(path: Path, config: GPTConfig, tp: int, pp: int, prompt: l
                       eos_id: int) -> list[int] | str:
     """The new tokens, or the message of non-finite logits (every rank meets them alike)."""
     grid = ParallelGrid(tp=tp, pp=pp)
-    chunks = build_chunks(config, grid, grid.layout.stages)
+    chunks = build_chunks(config, grid)
     load_model_chunks(path, chunks, grid)
     try:
         return generate(chunks, grid, prompt, max_new_tokens, seed=seed, eos_id=eos_id,

@@ -1,11 +1,12 @@
-"""The layout of a PTD-P run, and the process grid it gives: which rank does which slice of the
-work (2104.04473 §3).
+"""The mesh of a PTD-P run: how many ranks split each dimension, and which rank does which
+slice of the work (2104.04473 §3).
 
-``Layout`` is the one description of how a run is split — tp × pp × dp ranks, the pipeline
-schedule and its chunks per rank, the microbatches, ZeRO-1 — validated once, when it is made,
-before any process starts (torchtitan's ``ParallelDims`` plays this part). Everything else takes
-it: the grid, PTD-P, the training script, the memory model and the advisor. It is pure arithmetic
-(no processes), so a notebook can draw a 1024-GPU cluster with it.
+``Layout`` holds the degrees only — tp, cp, pp, dp — validated once, when it is made, before any
+process starts (torchtitan's ``ParallelDims``). What each dimension then does is said elsewhere,
+by the package that does it: the pipeline's schedule, chunks and microbatches by
+``pipeline.PipelineConfig``, the ZeRO stage by ``data_parallel``; ``ptdp.Parallelism`` puts the
+three together for a run, the memory model and the advisor. A layout is pure arithmetic (no
+processes), so a notebook can draw a 1024-GPU cluster with it.
 
 ``world = tp · dp · pp`` ranks are laid out as a tensor ``ranks[pp, dp, tp]`` — tensor-parallel
 rank fastest, then data-parallel, then pipeline — exactly like Megatron-LM:
@@ -30,85 +31,34 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from megatron_edu.comm import CommGroup
-from megatron_edu.pipeline.schedules import Schedule, check_layout, make_schedule, stage_map
-from megatron_edu.pipeline.stages import StageMap
-
-if TYPE_CHECKING:  # the model is built on a grid: the model package imports this module
-    from megatron_edu.model.config import GPTConfig
 
 __all__ = ["Layout", "ParallelGrid", "all_layouts"]
 
 
 @dataclass(frozen=True)
 class Layout:
-    """How one run is split: tp × pp × dp ranks; the pipeline ``schedule`` (a name of
-    ``pipeline.schedules.SCHEDULES``) with ``chunks`` model chunks per rank (None: the
-    schedule's own — 2 for ZB-V, else 1); ``num_microbatches`` m of ``microbatch`` b sequences
-    per replica and step; ``zero``: the ZeRO stage — 1 shards the optimizer state over the dp × cp
-    ranks that hold the same weights, 2 the gradients too, 3 the parameters too
-    (``data_parallel``); ``cp``: context-parallel ranks per replica. A ValueError naming the
-    numbers if any of it cannot work."""
+    """How many ranks split each dimension: tp × cp × pp × dp. A ValueError naming the number
+    if one is not a positive integer."""
 
     tp: int = 1
     pp: int = 1
     dp: int = 1
-    schedule: str = "1f1b"
-    chunks: int | None = None
-    microbatch: int = 1
-    num_microbatches: int = 1
-    zero: int = 0
     cp: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp", "microbatch", "cp"):
+        for name in ("tp", "pp", "dp", "cp"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.zero not in (0, 1, 2, 3):
-            raise ValueError(f"zero is a ZeRO stage 0, 1, 2 or 3, got {self.zero!r}")
-        v = check_layout(self.schedule, self.pp, self.num_microbatches, self.chunks)
-        if v > 1 and self.pp == 1:
-            raise ValueError(f"{v} model chunks per rank need a pipeline (pp ≥ 2): with one "
-                             "stage there is nothing to interleave")
-        object.__setattr__(self, "chunks", v)
 
     @property
     def world_size(self) -> int:
         return self.tp * self.cp * self.pp * self.dp
-
-    @property
-    def global_batch(self) -> int:
-        """B = dp · m · b sequences per optimizer step."""
-        return self.dp * self.num_microbatches * self.microbatch
-
-    @property
-    def stages(self) -> StageMap:
-        """Where the schedule puts the pp · v virtual stages."""
-        return stage_map(self.schedule, self.pp, self.chunks)
-
-    def make_schedule(self) -> Schedule:
-        """The schedule every pipeline runs: p stages, m microbatches, v chunks per rank."""
-        return make_schedule(self.schedule, self.pp, self.num_microbatches, self.chunks)
-
-    def check(self, config: GPTConfig) -> None:
-        """Raise a ValueError naming the numbers if ``config``'s model cannot be split this way:
-        tp must divide the heads and the MLP, the pp · v stages the layers."""
-        config.validate(self.tp, self.pp, self.chunks, self.cp)
-        if self.zero >= 2 and (self.pp > 1 or self.make_schedule().splits_backward):
-            raise ValueError(f"ZeRO-{self.zero} reduce-scatters the gradients in every backward "
-                             f"pass (and ZeRO-3 gathers the weights for each): with pp = "
-                             f"{self.pp} and the {self.schedule} schedule that is every "
-                             "microbatch's; Megatron pairs pipelines with ZeRO-1 (2104.04473 §3), "
-                             "as DeepSpeed does: use zero = 1, or pp = 1 with 1f1b")
-        if config.async_tp and self.make_schedule().splits_backward:  # B and W: one node here
-            raise ValueError(f"async_tp computes dX and dW in one node: {self.schedule}'s B/W "
-                             "split would run it, and its collectives, twice")
 
     def check_world(self, world_size: int) -> None:
         """Raise a ValueError unless this layout fills exactly ``world_size`` ranks."""
@@ -122,7 +72,7 @@ class Layout:
     def ranks(self) -> torch.Tensor:
         """``ranks[pp_rank, dp_rank, tp_rank]`` = global rank (tp fastest); with cp > 1
         ``ranks[pp_rank, dp_rank, cp_rank, tp_rank]`` (cp next to tp)."""
-        return self._ranks if self.cp > 1 else self._ranks.squeeze(2)
+        return self._ranks.squeeze(2)                     # (squeeze drops a cp of 1 only)
 
     @property
     def _ranks(self) -> torch.Tensor:
@@ -158,10 +108,10 @@ class Layout:
     def pp_groups(self) -> list[list[int]]:
         return self._ranks.permute(1, 2, 3, 0).reshape(-1, self.pp).tolist()
 
-    def embedding_groups(self) -> list[list[int]]:
-        """The ranks of the first and the last stage of each pipeline, which hold the tied
-        input/output embedding: the two ends of the pipeline, or one rank under ZB-V's V."""
-        ends = (self.stages.first_rank, self.stages.last_rank)
+    def embedding_groups(self, ends: tuple[int, int] = (0, -1)) -> list[list[int]]:
+        """The ranks of each pipeline that hold the tied input/output embedding: pipeline ranks
+        ``ends`` — its first and its last stage's (by default the pipeline's two ends; one rank
+        under ZB-V's V, whose stage map puts both on rank 0)."""
         return [sorted({group[r] for r in ends}) for group in self.pp_groups()]
 
     def model_parallel_groups(self) -> list[list[int]]:
@@ -173,13 +123,16 @@ class Layout:
 class ParallelGrid:
     """This rank's place in a ``Layout`` and its tp, cp, pp, dp, dp × cp, embedding and
     model-parallel process groups: ``ParallelGrid(layout)``, or ``ParallelGrid(tp, pp, dp)``
-    for ``Layout(tp, pp, dp)`` (1F1B: the first and the last stage are the pipeline's ends).
+    for ``Layout(tp, pp, dp)``. ``embedding_ranks``: the pipeline ranks of the first and the
+    last stage, which share the tied embedding (megatron-core's ``get_embedding_ranks``; by
+    default the pipeline's ends, ``PipelineConfig.stages(pp).ends`` for another stage map).
 
     Build it inside a launched rank (``megatron_edu.launch.run``): every rank must construct the
     same grid, since creating a process group is itself a collective.
     """
 
-    def __init__(self, tp: int | Layout = 1, pp: int = 1, dp: int = 1) -> None:
+    def __init__(self, tp: int | Layout = 1, pp: int = 1, dp: int = 1, *,
+                 embedding_ranks: tuple[int, int] = (0, -1)) -> None:
         if not dist.is_initialized():
             raise RuntimeError("ParallelGrid needs torch.distributed initialised: build it inside "
                                "a function started by megatron_edu.launch.run")
@@ -197,7 +150,9 @@ class ParallelGrid:
         self.dp_group = self._new_group("dp", self.layout.dp_groups())
         self.dp_cp_group = (self._new_group("dp_cp", self.layout.dp_cp_groups()) if self.cp > 1
                             else self.dp_group)
-        self.embedding_group = self._new_group("embedding", self.layout.embedding_groups())
+        self.embedding_ranks = tuple(r % self.pp for r in embedding_ranks)
+        self.embedding_group = self._new_group(
+            "embedding", self.layout.embedding_groups(self.embedding_ranks))
         # Model-parallel ranks (tp × pp) share one model replica: global gradient norms reduce here.
         self.mp_group = self._new_group("mp", self.layout.model_parallel_groups())
         # gloo's pipeline messages travel on channels of their own; NCCL's in batches over the
@@ -219,8 +174,9 @@ class ParallelGrid:
         message, (kind, src, dst) — each keeps its messages in order, so a receive can stay
         posted on it. Each is used once here: every pair connects now, in the same order."""
         channels = {}
-        for pipeline in self.layout.pp_groups() if self.pp > 1 else []:
-            for a, b in zip(pipeline, pipeline[1:] + pipeline[:1], strict=True):
+        for pipeline in self.layout.pp_groups():
+            ring = zip(pipeline, pipeline[1:] + pipeline[:1], strict=True)
+            for a, b in [(a, b) for a, b in ring if a != b]:     # (none in a pipeline of one)
                 for kind, src, dst in (("act", a, b), ("grad", b, a)):
                     pg = dist.new_group(sorted((src, dst)))
                     if self.rank in (src, dst):
@@ -241,7 +197,7 @@ class ParallelGrid:
 
 
 def all_layouts(world_size: int) -> list[Layout]:
-    """Every (tp, pp, dp) factorisation of ``world_size`` (1F1B, one microbatch)."""
+    """Every (tp, pp, dp) factorisation of ``world_size``."""
     sizes = [d for d in range(1, world_size + 1) if world_size % d == 0]
     return [Layout(tp, pp, world_size // (tp * pp))
             for tp, pp in itertools.product(sizes, sizes) if world_size % (tp * pp) == 0]

@@ -17,18 +17,18 @@ and must be counted once (Megatron-LM's ``param_is_not_tensor_parallel_duplicate
   embedding; the caller names them in ``tied_copies``) — never counted; its original is.
 
 After the dp all-reduce every dp replica holds the same gradients, so no sum over dp is needed.
-Under ZeRO-1 each rank holds only its shard of them, 1/(dp·cp) (the dp × cp ranks that hold the
+Under ZeRO each rank holds only its shard of them, 1/(dp·cp) (the dp × cp ranks that hold the
 same weights share the optimizer, as in megatron-core): then the sums are also added over
-``grid.dp_cp_group`` (``dp_sharded=True``; the dp group when cp = 1). Either way the returned
-norm is equal on every rank — also when it is not finite: a NaN or inf on any rank makes it inf
-on all of them, so that every rank skips the step together (a replica that stepped alone would
-drift from the others).
+``grid.dp_cp_group`` (``sum_over``; the dp group when cp = 1). Either way the returned norm is
+equal on every rank — also when it is not finite: a NaN or inf on any rank makes it inf on all
+of them, so that every rank skips the step together (a replica that stepped alone would drift
+from the others).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +38,8 @@ from megatron_edu import comm
 from megatron_edu.grid import ParallelGrid
 
 __all__ = ["clip_grad_norm_", "global_grad_norm", "counted_in_norm", "scale_grads",
-           "build_param_groups", "warmup_cosine", "optimizer_state_bytes", "DynamicLossScale"]
+           "build_param_groups", "warmup_cosine", "optimizer_state_bytes", "FixedLossScale",
+           "DynamicLossScale"]
 
 EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_: max_norm / (norm + 1e-6)
 
@@ -50,22 +51,20 @@ def counted_in_norm(param: torch.Tensor, tp_rank: int) -> bool:
 
 @torch.no_grad()
 def global_grad_norm(grads: Iterable[torch.Tensor], grid: ParallelGrid | None = None,
-                     dp_sharded: bool = False) -> float:
-    """The norm of the whole model's gradient from the gradients this rank counts (a collective
-    over ``grid.mp_group``, and ``grid.dp_cp_group``; see the module docstring)."""
+                     sum_over: Sequence[comm.CommGroup] = ()) -> float:
+    """The norm of the whole model's gradient from the gradients this rank counts: their squares
+    summed over ``grid.mp_group`` and the groups ``sum_over`` (a sharded optimizer's dp × cp
+    ranks); then the replicas, ``grid.dp_cp_group``, agree on a non-finite norm whichever saw
+    it. Collectives: every rank must call it (see the module docstring)."""
     device, grads = grid.device if grid is not None else torch.device("cpu"), list(grads)
     squares = (torch.stack(torch._foreach_norm(grads, dtype=torch.float32)).square().sum()
                if grads else torch.zeros((), device=device))  # one foreach, not 4 kernels a tensor
     if grid is None:
         return squares.sqrt().item()
-    squares = comm.all_reduce(squares, grid.mp_group, "grad norm")
-    if dp_sharded:
-        squares = comm.all_reduce(squares, grid.dp_cp_group, "grad norm")
-    elif grid.dp_cp_group.size > 1:  # replicas agree on a non-finite norm, whichever saw it
-        bad = torch.tensor(float(not torch.isfinite(squares)), device=device)
-        if comm.all_reduce(bad, grid.dp_cp_group, "grad norm") > 0:
-            return math.inf
-    return squares.sqrt().item()
+    for group in (grid.mp_group, *sum_over):
+        squares = comm.all_reduce(squares, group, "grad norm")
+    bad = comm.all_reduce((~squares.isfinite()).float(), grid.dp_cp_group, "grad norm")
+    return torch.where(bad > 0, math.inf, squares.sqrt()).item()   # one host sync
 
 
 @torch.no_grad()
@@ -131,6 +130,16 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes held by the optimizer's state tensors (Adam: exp_avg, exp_avg_sq, step)."""
     return sum(t.numel() * t.element_size() for state in optimizer.state.values()
                for t in state.values() if torch.is_tensor(t))
+
+
+@dataclass
+class FixedLossScale:
+    """No loss scaling (fp32, bf16): backward from the loss itself, every step."""
+
+    scale: float = 1.0
+
+    def update(self, overflow: bool) -> None:
+        """Nothing to adapt."""
 
 
 @dataclass

@@ -1,7 +1,9 @@
 """PTD-P: one GPT trained on a tp × pp × dp grid of ranks (2104.04473 §3, Figure 5 idea).
 
-How the run is split — sizes, schedule, chunks, microbatches, ZeRO-1 — is the grid's ``Layout``;
-how it optimises is ``PTDPOptions``.
+How the run is split is ``Parallelism``: the mesh's degrees (``grid.Layout``), how its pipelines
+run (``pipeline.PipelineConfig``: schedule, chunks, microbatches) and the ZeRO stage of its data
+parallelism (``data_parallel``) — each owned by its package, put together here, checked against
+the model once. How it optimises is ``PTDPOptions``.
 
 The three parallelisms compose without knowing much of each other:
 
@@ -47,28 +49,89 @@ Started from the same seed, every layout takes the serial model's steps (tests/t
 from __future__ import annotations
 
 import math
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 import torch
 
 from megatron_edu import comm
 from megatron_edu.context_parallel import split
-from megatron_edu.data_parallel import DataParallel, DistributedOptimizer
-from megatron_edu.grid import ParallelGrid
+from megatron_edu.data_parallel import STAGES
+from megatron_edu.grid import Layout, ParallelGrid
 from megatron_edu.model import GPTConfig
 from megatron_edu.model.gpt import IGNORE_INDEX
-from megatron_edu.optim import DynamicLossScale, build_param_groups, clip_grad_norm_
-from megatron_edu.pipeline.engine import build_chunks, run_schedule
-from megatron_edu.pipeline.schedules import Action, forward_only
-from megatron_edu.tensor_parallel.layers import sum_replicated_grads_
+from megatron_edu.optim import DynamicLossScale, FixedLossScale, build_param_groups
+from megatron_edu.pipeline.engine import Batch, RunSettings, build_chunks, run_schedule
+from megatron_edu.pipeline.schedules import Action, PipelineConfig, forward_only
+from megatron_edu.pipeline.stages import StageMap
+from megatron_edu.tensor_parallel.sequence_parallel import sum_replicated_grads_
 
-__all__ = ["PTDPOptions", "PTDP", "StepResult"]
+__all__ = ["Parallelism", "PTDPOptions", "PTDP", "StepResult"]
 
 
-@dataclass
+@dataclass(frozen=True)
+class Parallelism:
+    """How one run is split: the mesh (``layout``: tp × cp × pp × dp ranks), how each pipeline
+    runs (``pipeline``: its schedule, chunks, microbatches) and ``zero``, the ZeRO stage of the
+    data parallelism — 1 shards the optimizer state over the dp × cp ranks that hold the same
+    weights, 2 the gradients too, 3 the parameters too (``data_parallel``). A ValueError naming
+    the numbers, when made, if the pipeline cannot run on ``layout.pp`` stages; ``check(config)``
+    adds the model's rules. Read by PTDP, the training script, the memory model and the
+    advisor."""
+
+    layout: Layout = field(default_factory=Layout)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    zero: int = 0
+
+    def __post_init__(self) -> None:
+        if self.zero not in STAGES:
+            raise ValueError(f"zero is a ZeRO stage 0, 1, 2 or 3, got {self.zero!r}")
+        self.pipeline.check(self.layout.pp)
+
+    # The sizes, read through (the memory model and the advisor read little else).
+    tp = property(lambda self: self.layout.tp)
+    cp = property(lambda self: self.layout.cp)
+    pp = property(lambda self: self.layout.pp)
+    dp = property(lambda self: self.layout.dp)
+    world_size = property(lambda self: self.layout.world_size)
+    schedule = property(lambda self: self.pipeline.schedule)
+    chunks = property(lambda self: self.pipeline.chunks)
+    microbatch = property(lambda self: self.pipeline.microbatch)
+    num_microbatches = property(lambda self: self.pipeline.num_microbatches)
+
+    @property
+    def global_batch(self) -> int:
+        """B = dp · m · b sequences per optimizer step."""
+        return self.layout.dp * self.pipeline.num_microbatches * self.pipeline.microbatch
+
+    @property
+    def stages(self) -> StageMap:
+        """Where the schedule puts the pp · v virtual stages."""
+        return self.pipeline.stages(self.layout.pp)
+
+    def make_schedule(self):
+        """The schedule every pipeline runs: p stages, m microbatches, v chunks per rank."""
+        return self.pipeline.make_schedule(self.layout.pp)
+
+    def check(self, config: GPTConfig) -> None:
+        """Raise a ValueError naming the numbers if ``config``'s model cannot be split this way:
+        tp must divide the heads and the MLP, the pp · v stages the layers."""
+        config.validate(self.layout.tp, self.layout.pp, self.pipeline.chunks, self.layout.cp)
+        splits = self.pipeline.splits_backward
+        if self.zero >= 2 and (self.layout.pp > 1 or splits):
+            raise ValueError(f"ZeRO-{self.zero} reduce-scatters the gradients in every backward "
+                             f"pass (and ZeRO-3 gathers the weights for each): with pp = "
+                             f"{self.layout.pp} and the {self.pipeline.schedule} schedule that is "
+                             "every microbatch's; Megatron pairs pipelines with ZeRO-1 (2104.04473 "
+                             "§3), as DeepSpeed does: use zero = 1, or pp = 1 with 1f1b")
+        if config.async_tp and splits:  # B and W: one node here
+            raise ValueError(f"async_tp computes dX and dW in one node: {self.pipeline.schedule}'s "
+                             "B/W split would run it, and its collectives, twice")
+
+
+@dataclass(kw_only=True)
 class PTDPOptions:
-    """How to optimise (how to split is the grid's ``Layout``; the model a ``GPTConfig``)."""
+    """How to optimise (how to split is ``Parallelism``; the model a ``GPTConfig``)."""
 
     scatter_gather: bool = True      # 2104.04473 §4.1, used when tp > 1
     bucket_mb: float = 25.0
@@ -94,14 +157,22 @@ class StepResult:
 
 class PTDP:
     """This rank's share of a GPT — its model chunks, its dp wrapper, its optimizer — and the
-    collective training step. Build it on every rank of the grid with the same arguments."""
+    collective training step. Build it on every rank of the grid with the same arguments:
+    ``pipeline`` says how the grid's pipelines run, ``zero`` the ZeRO stage (``Parallelism``)."""
 
     def __init__(self, config: GPTConfig, grid: ParallelGrid,
-                 options: PTDPOptions | None = None) -> None:
-        self.config, self.grid, self.layout = config, grid, grid.layout
+                 options: PTDPOptions | None = None, *,
+                 pipeline: PipelineConfig | None = None, zero: int = 0) -> None:
+        self.config, self.grid = config, grid
+        self.parallelism = Parallelism(grid.layout, pipeline or PipelineConfig(), zero)
+        self.parallelism.check(config)
         self.options = options = options or PTDPOptions()
-        self.layout.check(config)
-        self.schedule = self.layout.make_schedule()
+        self.schedule = self.parallelism.make_schedule()
+        if grid.embedding_ranks != self.schedule.stages.ends:
+            raise ValueError(f"the {self.parallelism.schedule} schedule holds the tied embedding "
+                             f"on pipeline ranks {self.schedule.stages.ends}, the grid's embedding "
+                             f"group on {grid.embedding_ranks}: build the grid with "
+                             "ParallelGrid(layout, embedding_ranks=pipeline.stages(pp).ends)")
         self.chunks = build_chunks(config, grid, self.schedule.stages)
         self.iteration = 0                # optimizer steps taken (skipped ones included)
         tied = [c.embedding.word.weight for c in self.chunks if c.first or c.last]
@@ -109,16 +180,16 @@ class PTDP:
         # the last stage's copy: its original, on the first stage, is the one the norm counts
         self.tied_copies = [c.embedding.word.weight for c in self.chunks
                             if c.last and not c.first and self.tied]
-        zero = self.layout.zero
-        self.ddp = DataParallel(self.chunks, grid.dp_cp_group, options.bucket_mb, options.overlap,
-                                zero=zero, average=False, alone=self.tied if zero else (),
+        self.ddp = STAGES[zero](self.chunks, grid.dp_cp_group, options.bucket_mb, options.overlap,
+                                average=False, alone=self.tied,
                                 units=[b for c in self.chunks for b in c.blocks.values()])
-        groups = build_param_groups(self.chunks, options.weight_decay)
-        adamw = dict(lr=options.lr, betas=options.betas, eps=options.eps)
-        self.optimizer = (DistributedOptimizer(groups, self.ddp, torch.optim.AdamW, **adamw)
-                          if zero else torch.optim.AdamW(groups, **adamw))
-        self.loss_scale = DynamicLossScale() if options.loss_scaling else None
-        self.sequence_parts = grid.tp if config.sequence_parallel else 1
+        self.optimizer = self.ddp.optimizer(
+            build_param_groups(self.chunks, options.weight_decay), torch.optim.AdamW,
+            lr=options.lr, betas=options.betas, eps=options.eps)
+        self.loss_scale = DynamicLossScale() if options.loss_scaling else FixedLossScale()
+        # sequence parallelism: each tp rank's replicated parameters saw its part of the sequence
+        self.replicated = ([p for p in self.parameters() if p.tp_dim is None]
+                           if config.sequence_parallel else [])
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return [p for chunk in self.chunks for p in chunk.parameters()]
@@ -126,26 +197,25 @@ class PTDP:
     def gathered(self) -> AbstractContextManager:
         """Inside, every parameter is whole (ZeRO-3 gathers them, and keeps what is written
         into them; otherwise they are): to save, load or sample from the model."""
-        return self.ddp.sharding.gathered() if self.ddp.sharding is not None else nullcontext()
+        return self.ddp.gathered()
 
     def train_step(self, input_ids: torch.Tensor, labels: torch.Tensor, lr: float) -> StepResult:
         """One optimizer step on this replica's slice [b/dp, s] of the global batch."""
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        scale = self.loss_scale.scale if self.loss_scale else 1.0
+        scale = self.loss_scale.scale
         result = self._run(self.schedule, input_ids, labels, scale,
                            grad_sync=lambda chunk, last: self.ddp.sync(last))
         self.ddp.finish_grad_sync()                      # dp sum, once per step (§2.1)
         self._sum_tied_embedding_grads()
-        self._sum_sequence_parallel_grads()
-        if scale != 1.0:
-            torch._foreach_mul_(self.ddp.held_grads(), 1.0 / scale)  # all live in buckets
+        # 2205.05198 §4.2.2: sum the replicated parameters' gradients over tp
+        sum_replicated_grads_(self.ddp.local_grads(self.replicated), self.grid.tp_group)
+        torch._foreach_mul_(self.ddp.held_grads(), 1.0 / scale)  # all live in buckets
         grad_norm = self._clip()
         skipped = not math.isfinite(grad_norm)
         if not skipped:
             self.optimizer.step()
-        if self.loss_scale:
-            self.loss_scale.update(overflow=skipped)
+        self.loss_scale.update(overflow=skipped)
         self.ddp.zero_grad()
         self.iteration += 1
         return StepResult(self._dp_sum(result.loss), grad_norm, skipped, scale, result.timeline)
@@ -161,49 +231,32 @@ class PTDP:
         if self.grid.cp > 1:                               # this rank's chunks of each sequence
             input_ids, labels = (split(x, self.grid.cp_rank, self.grid.cp)
                                  for x in (input_ids, labels))
+        input_ids, labels = input_ids.to(device), labels.to(device)
         tokens = comm.all_reduce(torch.tensor(float((labels != IGNORE_INDEX).sum()),
                                               device=device), self.grid.dp_cp_group, "dp tokens")
-        return run_schedule(schedule, self.chunks, self.grid, input_ids.to(device),
-                            labels.to(device), self.config.hidden,
-                            scatter_gather=(self.options.scatter_gather and self.grid.tp > 1
-                                            and self.sequence_parts == 1),
-                            grad_sync=grad_sync, num_tokens=int(tokens.item()),
-                            step=self.iteration, first_sample=self.grid.dp_rank * b,
-                            loss_scale=loss_scale, sequence_parts=self.sequence_parts)
+        batch = Batch(input_ids, labels, self.iteration, self.grid.dp_rank * b, int(tokens.item()))
+        settings = RunSettings(self.options.scatter_gather and not self.config.sequence_parallel,
+                               grad_sync=grad_sync, loss_scale=loss_scale)
+        return run_schedule(schedule, self.chunks, self.grid, batch, settings)
 
     @torch.no_grad()
     def _sum_tied_embedding_grads(self) -> None:
         """Both copies of the word embedding get the sum of their gradients (the serial model's
-        gradient of the one shared matrix), so that they stay equal after the step. Under ZeRO-1
-        each copy has a bucket of its own, laid out alike on both stages: only the shard this
+        gradient of the one shared matrix), so that they stay equal after the step. Each copy
+        has a bucket of its own, laid out alike on both stages: under ZeRO only the shard this
         rank updates is summed — 1/dp of the bytes. Under ZB-V's V placement the first and the
         last stage are both on pipeline rank 0, whose embedding group is itself: the sum is
         local, and nothing is sent."""
-        if not self.tied:
-            return
-        grads = [self.ddp.bucket_of(p).grad_shard if self.layout.zero else p.grad
-                 for p in self.tied]                       # ZeRO: the shard this rank owns
-        total = comm.all_reduce(sum(grads), self.grid.embedding_group, "embedding grads")
-        for grad in grads:
-            grad.copy_(total)
-
-    def _sum_sequence_parallel_grads(self) -> None:
-        """Sequence parallelism: each tp rank has the replicated parameters' gradients of its
-        part of the sequence only; sum them over tp (under ZeRO-1, the shard this rank holds)."""
-        if self.sequence_parts == 1:
-            return
-        if self.layout.zero:
-            grads = [piece.tensor.grad for piece in self.optimizer.pieces
-                     if piece.param.tp_dim is None]
-        else:
-            grads = [p.grad for p in self.parameters() if p.tp_dim is None]
-        sum_replicated_grads_(grads, self.grid.tp_group)
+        grads = self.ddp.local_grads(self.tied)           # ZeRO: the shard this rank owns
+        if grads:
+            total = comm.all_reduce(sum(grads), self.grid.embedding_group, "embedding grads")
+            for grad in grads:
+                grad.copy_(total)
 
     def _clip(self) -> float:
-        max_norm = self.options.clip if self.options.clip > 0 else float("inf")
-        if self.layout.zero:
-            return self.optimizer.clip_grad_norm_(max_norm, self.grid, self.tied_copies)
-        return clip_grad_norm_(self.parameters(), max_norm, self.grid, self.tied_copies)
+        """Clip by the global norm (``clip`` 0: never); return the norm (inf: not finite)."""
+        max_norm = self.options.clip if self.options.clip > 0 else math.inf
+        return self.ddp.clip_grad_norm_(max_norm, self.grid, self.tied_copies)
 
     def _dp_sum(self, loss: torch.Tensor) -> float:
         """The replicas' (and cp ranks') shares of the token mean, added up: the global mean."""

@@ -11,20 +11,31 @@ an event: waiting for it), on the ``perf_counter`` scale in both cases — a GPU
 the perf_counter time of an origin event synchronised when the clock was made — so timelines from
 either device, and CPU-side times such as a completion callback's, share one axis.
 
-``BucketTimer`` uses it beside the data-parallel algorithm: ``DataParallel`` tells it three moments
-per gradient bucket (ready, launched, done — on a GPU, an event behind the collective on its
-stream), the overlap notebook 06 draws; nothing in the bucket algorithm depends on them.
+Observers use it beside the algorithms, which call no timer themselves. The data-parallel
+stages tag their collectives with their bucket, and ``comm.record(TimedLog(clock))`` notes when
+each was launched and done; the observers add what only hooks see:
+
+* ``BucketTimer`` — per gradient bucket, when its last gradient arrived, when its collective was
+  launched and done: the overlap notebook 06 draws;
+* ``UnitTimer`` — per ZeRO-3 unit, its gathers, its forward and its backward: notebook 13's;
+* ``record_ring`` — per ring-attention step, when it computed and when it waited for its
+  exchanges: notebook 12's.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from numbers import Real
 
 import torch
-import torch.distributed as dist
 
-__all__ = ["Clock", "Stamp", "BucketTiming", "BucketTimer"]
+from megatron_edu import comm, context_parallel
+
+__all__ = ["Clock", "Stamp", "TimedLog", "BucketTiming", "BucketTimer", "UnitEvent", "UnitTimer",
+           "RingInterval", "RingLog", "record_ring"]
 
 Stamp = float | torch.cuda.Event
 
@@ -68,55 +79,195 @@ class BucketTiming:
     done_at: float
 
 
+class TimedLog(comm.CommLog):
+    """A ``comm.CommLog`` that also notes when each call was made and when its work was done:
+    ``comm.record(TimedLog(clock))``. An asynchronous call is done when its future completes —
+    on NCCL the future completes when the work is queued and its callback runs on a stream made
+    to wait for the collective (``Future.then``): an event recorded there completes with it;
+    gloo runs the callback when it is done. A gloo work without a future (reduce-scatter, send,
+    receive) is stamped when it is waited for."""
+
+    def __init__(self, clock: Clock) -> None:
+        super().__init__()
+        self.clock, self.times = clock, []
+
+    def add(self, event: comm.CommEvent, work):
+        self.events.append(event)
+        made, done = self.clock.stamp(), torch.futures.Future()
+        self.times.append((made, done))
+        if work is None:                                   # it ran synchronously
+            done.set_result(made)
+            return None
+        try:
+            self.times[-1] = (made, work.get_future().then(lambda _: self.clock.stamp()))
+            return work
+        except RuntimeError:
+            return _StampedWork(work, done, self.clock)
+
+    def interval(self, event: comm.CommEvent) -> tuple[float, float]:
+        """When ``event``'s call was made and when its work was done, in perf_counter seconds
+        (waits for the work)."""
+        made, done = self.times[self.events.index(event)]
+        return self.clock.seconds(made), self.clock.seconds(done.wait())
+
+
+class _StampedWork:
+    """A work that stamps ``done`` when ``wait()`` returns (gloo's works without a future)."""
+
+    def __init__(self, work, done: torch.futures.Future, clock: Clock) -> None:
+        self.work, self.done, self.clock = work, done, clock
+
+    def wait(self) -> bool:
+        self.work.wait()
+        if not self.done.done():
+            self.done.set_result(self.clock.stamp())
+        return True
+
+
 class BucketTimer:
-    """Collects ``BucketTiming``s for one optimizer step of a ``DataParallel``."""
+    """The buckets of a data-parallel stage (``data_parallel.STAGES``), step by step::
 
-    def __init__(self, device: torch.device) -> None:
-        self.clock = Clock(device)
-        self.ready: dict[int, Stamp] = {}
-        self.launched: dict[int, tuple[Stamp, torch.futures.Future]] = {}
+        timer = BucketTimer(ddp)
+        with timer.step():          # a step's backward passes and ddp.finish_grad_sync()
+            ...
+        timer.timeline              # that step's BucketTiming of each bucket (its last collective)
 
-    def on_ready(self, index: int) -> None:
-        """A gradient of bucket ``index`` arrived (the last one's time is kept)."""
-        self.ready[index] = self.clock.stamp()
+    Its own gradient hooks (which run before the stage's, as a gradient is made) stamp each
+    bucket's last arrival; a ``TimedLog`` sees the bucket collectives ("dp grads", tagged with
+    the bucket's index)."""
 
-    def on_launch(self, index: int, work: dist.Work | None) -> None:
-        """Bucket ``index``'s collective started (``work`` None: it ran synchronously)."""
-        self.launched[index] = (self.clock.stamp(), _completion_time(work, self.clock))
+    def __init__(self, ddp) -> None:
+        self.clock = Clock(ddp.buckets[0].device)
+        self.timeline: list[BucketTiming] = []
+        self._ready: dict[int, Stamp] = {}
+        for bucket in ddp.buckets:
+            for p in bucket.params:
+                p.register_hook(lambda grad, i=bucket.index: self._arrived(i, grad))
 
-    def on_wait(self, index: int) -> None:
-        """Bucket ``index``'s collective was waited for: its completion, if its work has no
-        future to tell it (gloo's reduce-scatter)."""
-        launched, done = self.launched[index]
-        if done is None:
-            self.launched[index] = (launched, _completion_time(None, self.clock))
+    def _arrived(self, index: int, grad: torch.Tensor) -> torch.Tensor:
+        self._ready[index] = self.clock.stamp()
+        return grad
 
-    def collect(self, sizes: list[int]) -> list[BucketTiming]:
-        """Every bucket's timing (call after waiting for all); resets for the next step."""
-        timings = []
-        for index, nbytes in enumerate(sizes):
-            launched, done = self.launched.pop(index)
-            ready = self.ready.pop(index, launched)
-            timings.append(BucketTiming(index, nbytes, self.clock.seconds(ready),
-                                        self.clock.seconds(launched),
-                                        self.clock.seconds(done.wait())))
-        return timings
+    @contextmanager
+    def step(self) -> Iterator[None]:
+        self._ready.clear()
+        with comm.record(TimedLog(self.clock)) as log:
+            yield
+        last = {e.tag: e for e in log.select(label="dp grads")}        # per bucket, its last
+        self.timeline = []
+        for index, event in sorted(last.items()):
+            launched, done = log.interval(event)
+            ready = self.clock.seconds(self._ready[index]) if index in self._ready else launched
+            self.timeline.append(BucketTiming(index, event.bytes, ready, launched, done))
 
 
-def _completion_time(work: dist.Work | None, clock: Clock) -> torch.futures.Future | None:
-    """A future whose value stamps the collective's completion (now, if it ran synchronously).
+@dataclass(frozen=True)
+class UnitEvent:
+    """When unit ``unit`` (its index in forward order; 0: the chunk's root) did ``kind``:
+    "gather" (launched → done), "forward" or "backward" (perf_counter seconds)."""
 
-    On NCCL the future completes when the work is *queued*, not done, and its callback runs on
-    the current stream made to wait for the communication stream (``torch.futures.Future.then``):
-    a CUDA event recorded there completes when the all-reduce does — a CPU clock would give the
-    launch time. On gloo the callback runs when the work is done, and the CPU clock is right.
-    """
-    if work is None:
-        done = torch.futures.Future()
-        done.set_result(clock.stamp())
-        return done
+    unit: int
+    kind: str
+    start: float
+    end: float
+
+
+class UnitTimer:
+    """A ZeRO-3 stage's units (``data_parallel.ZeRO3``), step by step, as ``BucketTimer``::
+
+        with timer.step(): ...      # then timer.events: every UnitEvent of the step
+
+    Its module hooks, registered after the sharding's, stamp each unit's forward (from when its
+    gather is done) and the start of its backward; the backward ends when its bucket's
+    reduce-scatter is launched. The gathers ("dp params gather") and the reduce-scatters ("dp
+    grads", ``scatters``: (unit, launched, done)) are the tagged collectives a ``TimedLog``
+    sees. A forward run again inside backward (recomputation) is not one."""
+
+    def __init__(self, zero3) -> None:
+        sharding = zero3.sharding
+        self.clock = Clock(zero3.buckets[0].device)
+        self.unit_of = sharding.unit_of
+        self.events: list[UnitEvent] = []
+        self.scatters: list[tuple[int, float, float]] = []
+        self._began: dict[tuple[str, int], Stamp] = {}
+        self._stamps: list[tuple[int, str, Stamp, Stamp]] = []
+        for i, (module, _) in enumerate(sharding.units):
+            module.register_forward_pre_hook(lambda m, args, i=i: self._begin("forward", i))
+            module.register_forward_hook(lambda m, args, out, i=i: self._after_forward(i, out))
+
+    def _begin(self, kind: str, i: int) -> None:
+        if not _in_backward():
+            self._began[kind, i] = self.clock.stamp()
+
+    def _after_forward(self, i: int, output) -> None:
+        if ("forward", i) not in self._began:          # recomputed inside backward
+            return
+        self._stamps.append((i, "forward", self._began.pop(("forward", i)), self.clock.stamp()))
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(lambda grad: self._backward_began(i, grad))
+
+    def _backward_began(self, i: int, grad: torch.Tensor) -> torch.Tensor:
+        self._began["backward", i] = self.clock.stamp()
+        return grad
+
+    @contextmanager
+    def step(self) -> Iterator[None]:
+        self._stamps, self._began = [], {}
+        with comm.record(TimedLog(self.clock)) as log:
+            yield
+        seconds = self.clock.seconds
+        self.events = [UnitEvent(i, kind, seconds(a), seconds(b)) for i, kind, a, b in self._stamps]
+        for event in log.select(label="dp params gather"):
+            self.events.append(UnitEvent(self.unit_of[event.tag], "gather", *log.interval(event)))
+        self.scatters = [(self.unit_of[e.tag], *log.interval(e))
+                         for e in log.select(label="dp grads")]
+        for unit, launched, _ in self.scatters:
+            began = self._began.pop(("backward", unit), None)
+            if began is not None:
+                self.events.append(UnitEvent(unit, "backward", seconds(began), launched))
+
+
+def _in_backward() -> bool:
+    """Is autograd running a backward pass right now (a recomputed forward)?"""
+    return torch._C._current_graph_task_id() != -1
+
+
+@dataclass(frozen=True)
+class RingInterval:
+    """One phase of one ring-attention step on one rank: ``kind`` "compute" (from the step's
+    start — its exchange posted — until it waits) or "wait" (for its exchanges: forward steps
+    0 … cp − 2, every backward step). Seconds (perf_counter) when recorded, cost units when
+    simulated (``perf.ring.simulate_ring``)."""
+
+    backward: bool
+    step: int
+    kind: str
+    start: Real
+    end: Real
+
+
+@dataclass
+class RingLog:
+    """The ring's phases on this rank while a ``record_ring()`` block was active, in order."""
+
+    clock: Clock
+    stamps: list[tuple[bool, int, str, Stamp, Stamp]] = field(default_factory=list)
+
+    @property
+    def intervals(self) -> list[RingInterval]:
+        """The phases in perf_counter seconds (on a GPU: waits for their events)."""
+        return [RingInterval(backward, step, kind, self.clock.seconds(t0), self.clock.seconds(t1))
+                for backward, step, kind, t0, t1 in self.stamps]
+
+
+@contextmanager
+def record_ring(device: torch.device | str = "cpu") -> Iterator[RingLog]:
+    """Record when this rank's ring attention computes and waits, inside the block: an observer
+    of the ring's exchange driver (``context_parallel._Ring``); with none active the ring pays
+    one list test per phase."""
+    log = RingLog(Clock(device))
+    context_parallel.observers.append(log)
     try:
-        future = work.get_future()
-    except RuntimeError:   # a work without a future: stamped when waited for (``on_wait``)
-        return None
-    return future.then(lambda _: clock.stamp())
+        yield log
+    finally:
+        context_parallel.observers.remove(log)

@@ -10,9 +10,9 @@ sentence pairs, order swaps, 15 % masking; ``model/bert.py``), through the same 
 ``--ln-placement`` chooses Figure 7's layer-norm arrangement.
 
 One script for both: under torchrun every process is one rank already; otherwise ``--nproc N``
-starts N local ranks (``launch.run``). Everything is checked before any rank starts (DESIGN
-principle 7): the layout against the world size, the model against tp and pp, the batch
-against dp and the microbatches, the data and the checkpoint to resume from.
+starts N local ranks (``launch.run``). Everything is checked before any rank starts
+(docs/principles.md, principle 7): the layout against the world size, the model against tp and
+pp, the batch against dp and the microbatches, the data and the checkpoint to resume from.
 
 Each step: the global batch of B sequences is cut into dp slices, each slice into m = B/(dp·b)
 microbatches of b; the pipeline schedule runs them; gradients are averaged over dp once; the
@@ -70,15 +70,15 @@ from megatron_edu.cli import (
 from megatron_edu.data import BatchSampler, TokenDataset, prepare_data, unigram_entropy
 from megatron_edu.data.bert import prepare_bert_data
 from megatron_edu.grid import Layout, ParallelGrid
-from megatron_edu.launch import RankError, run, under_torchrun
+from megatron_edu.launch import RankError, resolve_backend, run, under_torchrun
 from megatron_edu.model import BertConfig, GPTConfig
-from megatron_edu.model.config import LN_PLACEMENTS, PRESETS, RECOMPUTE
+from megatron_edu.model.config import ATTENTION, LN_PLACEMENTS, PRESETS, RECOMPUTE
 from megatron_edu.optim import DynamicLossScale, warmup_cosine
 from megatron_edu.perf import model_flops_utilization, training_flops
 from megatron_edu.perf.flops import datasheet_peak_flops, measure_matmul_flops
 from megatron_edu.pipeline.engine import build_chunks
-from megatron_edu.pipeline.schedules import SCHEDULES
-from megatron_edu.ptdp import PTDP, PTDPOptions, StepResult
+from megatron_edu.pipeline.schedules import SCHEDULES, PipelineConfig
+from megatron_edu.ptdp import PTDP, Parallelism, PTDPOptions, StepResult
 from megatron_edu.run_folder import (
     RunFolderError,
     acquire_lock,
@@ -139,8 +139,14 @@ def build_parser() -> argparse.ArgumentParser:
                        "only the attention core (selective) (2104.04473 §3.5, 2205.05198 §5)")
     model.add_argument("--sequence-parallel", action="store_true", help="split the sequence over "
                        "tp outside the tensor-parallel regions (2205.05198 §4.2.2; needs tp > 1)")
-    model.add_argument("--fused", action="store_true", help="fused kernels: attention, bias+GeLU, "
-                       "bias+dropout+add (2104.04473 §4.2; torch.compile on first use)")
+    model.add_argument("--fused", action="store_true", help="fused kernels: bias+GeLU, "
+                       "bias+dropout+add (2104.04473 §4.2; torch.compile on first use), and the "
+                       "fused attention core unless --attention says otherwise")
+    model.add_argument("--attention", choices=["auto", *ATTENTION], default="auto",
+                       help="the attention core: eager (op by op; the serial model's dropout "
+                       "masks at every layout) or fused (one kernel, flash attention on a GPU; "
+                       "its dropout the device's); auto: fused on GPUs or with --fused, else "
+                       "eager (context parallelism runs the ring)")
     model.add_argument("--async-tp", action="store_true", help="overlap the backward's "
                        "tensor-parallel all-reduce (or reduce-scatter) of dX with dW, as "
                        "Megatron-LM does (not with the zero-bubble schedules)")
@@ -206,6 +212,7 @@ def model_config(args: argparse.Namespace) -> GPTConfig:
     config_class = BertConfig if args.model == "bert" else GPTConfig
     return config_class.preset(args.preset, dropout=args.dropout, recompute=args.recompute,
                                sequence_parallel=args.sequence_parallel, fused=args.fused,
+                               attention=args.attention,
                                async_tp=args.async_tp,
                                seed=args.seed, ln_placement=args.ln_placement, **overrides)
 
@@ -214,7 +221,7 @@ def model_config(args: argparse.Namespace) -> GPTConfig:
 class Plan:
     """What validation derives: how the run is split, and the model."""
 
-    layout: Layout
+    parallelism: Parallelism
     config: GPTConfig
 
 
@@ -235,11 +242,15 @@ def validate(args: argparse.Namespace, world_size: int | None = None) -> Plan:
     if args.global_batch % (args.dp * args.micro_batch):
         raise ValueError(f"global batch {args.global_batch} is not divisible by dp·micro-batch "
                          f"= {args.dp}·{args.micro_batch}: each replica runs whole microbatches")
-    layout = Layout(args.tp, args.pp, args.dp, args.schedule, args.chunks, args.micro_batch,
-                    args.global_batch // (args.dp * args.micro_batch), args.zero, args.cp)
-    layout.check_world(world)
+    if args.attention == "auto":                          # flash attention where there is one
+        gpu = resolve_backend(args.backend, world) == "nccl"
+        args.attention = "fused" if args.fused or gpu else "eager"
+    pipeline = PipelineConfig(args.schedule, args.chunks, args.micro_batch,
+                              args.global_batch // (args.dp * args.micro_batch))
+    parallelism = Parallelism(Layout(args.tp, args.pp, args.dp, args.cp), pipeline, args.zero)
+    parallelism.layout.check_world(world)
     config = model_config(args)
-    layout.check(config)
+    parallelism.check(config)
     if args.sequence_parallel and args.tp == 1:
         raise ValueError("--sequence-parallel splits the sequence over the tensor-parallel "
                          "ranks: it needs --tp > 1")
@@ -255,7 +266,7 @@ def validate(args: argparse.Namespace, world_size: int | None = None) -> Plan:
     if args.resume not in (None, "auto") or (args.resume == "auto" and
                                               (args.out / "checkpoints" / "latest").exists()):
         check_model(read_metadata(resume_from), config)  # missing, incomplete or another model
-    return Plan(layout, config)
+    return Plan(parallelism, config)
 
 
 def check_data(args: argparse.Namespace, train_set: TokenDataset) -> None:
@@ -273,13 +284,15 @@ def train(args: argparse.Namespace, plan: Plan) -> dict[str, Any]:
     it diverged (``--max-bad-steps``), or a checkpoint could not be written — returns only
     ``{"error": one line saying why}``: no text is sampled from broken weights, no curve drawn.
     """
-    grid = ParallelGrid(plan.layout)
+    parallelism = plan.parallelism
+    grid = ParallelGrid(parallelism.layout, embedding_ranks=parallelism.stages.ends)
     torch.manual_seed(args.seed)
     config = plan.config
     tokenizer, train_set, val_set = _data(args, config)
     trainer = PTDP(config, grid, PTDPOptions(
         scatter_gather=not args.no_scatter_gather, lr=args.lr, weight_decay=args.weight_decay,
-        clip=args.clip, loss_scaling=args.dtype == "fp16"))
+        clip=args.clip, loss_scaling=args.dtype == "fp16"),
+        pipeline=parallelism.pipeline, zero=parallelism.zero)
     sampler = BatchSampler(len(train_set), args.global_batch, grid.dp_rank, grid.dp, args.seed)
     start, resumed_from = _resume(args, trainer, sampler)
     saved: list[Path] = []                               # the checkpoints this run wrote
@@ -319,7 +332,7 @@ def _save(args, step: int, trainer: PTDP, sampler: BatchSampler, tokenizer, stre
     if streak.count:
         meter.say(f"step {step}: checkpoint not saved: the step was bad ({streak.reason})")
         return []
-    scale = asdict(trainer.loss_scale) if trainer.loss_scale else None
+    scale = asdict(trainer.loss_scale) if trainer.options.loss_scaling else None
     try:
         return [save_checkpoint(args.out, step, trainer, {
             "sampler": sampler.state_dict(), "data": args.data, "loss_scale": scale},
@@ -405,7 +418,7 @@ def _resume(args, trainer: PTDP, sampler: BatchSampler) -> tuple[int, Path | Non
         return 0, None  # nothing saved yet: start afresh
     meta = load_checkpoint(path, trainer)
     sampler.load_state_dict(meta["state"]["sampler"])
-    if trainer.loss_scale and meta["state"].get("loss_scale"):  # fp16: where the scale was
+    if trainer.options.loss_scaling and meta["state"].get("loss_scale"):  # fp16: the scale
         trainer.loss_scale = DynamicLossScale(**meta["state"]["loss_scale"])
     return meta["step"], Path(meta["path"])
 
@@ -583,7 +596,7 @@ def _sample(args, trainer: PTDP, prompt: list[int]) -> list[int]:
             for twin, chunk in zip(chunks, trainer.chunks, strict=True):
                 twin.load_state_dict(chunk.state_dict())
         return generate(chunks, trainer.grid, prompt, min(args.sample_tokens, room), top_k=20,
-                        seed=args.seed)
+                        seed=args.seed, stages=trainer.schedule.stages)
 
 
 def _perplexity(loss: float) -> float:
@@ -633,7 +646,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _check_space(args: argparse.Namespace, plan: Plan) -> None:
     """Refuse if one checkpoint cannot fit in ``--out``; warn if all of them cannot."""
-    one = checkpoint_bytes(plan.config, plan.layout)
+    one = checkpoint_bytes(plan.config, plan.parallelism)
     free = check_space(args.out, one, "one checkpoint (weights and AdamW state)")
     saves = len({*range(args.save_interval, args.steps + 1, args.save_interval), args.steps})
     if saves * one > free:
@@ -645,8 +658,10 @@ def _check_space(args: argparse.Namespace, plan: Plan) -> None:
 
 def _launch(args: argparse.Namespace, plan: Plan, torchrun: bool) -> int:
     """Run ``train`` on the ranks; report; the exit status."""
+    if plan.config.attention == "fused" and (not torchrun or int(os.environ["RANK"]) == 0):
+        print(_attention_line(plan), flush=True)        # not the default on a CPU: say so
     try:
-        summaries = run(train, plan.layout.world_size, args, plan, backend=args.backend,
+        summaries = run(train, plan.parallelism.world_size, args, plan, backend=args.backend,
                         timeout=None, collective_timeout=60 * args.collective_timeout,
                         capture_output=False)
     except RankError as err:  # the failing rank's traceback, without the launcher's own
@@ -660,6 +675,15 @@ def _launch(args: argparse.Namespace, plan: Plan, torchrun: bool) -> int:
     if shown:
         _report(summaries[0])
     return 0
+
+
+def _attention_line(plan: Plan) -> str:
+    """Which attention core the run computes with, and what that means for its dropout."""
+    config = plan.config
+    core = "ring (context parallelism)" if plan.parallelism.cp > 1 else config.attention
+    masks = ("" if config.dropout == 0 else "; dropout masks from the device's generator, "
+             "not the serial model's" if core == "fused" else "; the serial model's dropout masks")
+    return f"attention core: {core}{masks}"
 
 
 def _report(s: dict[str, Any]) -> None:

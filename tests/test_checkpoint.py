@@ -29,7 +29,7 @@ KINDS = ("param", *MOMENTS)
 
 
 def _trainer(tp, pp, dp=1, zero=0):
-    return PTDP(CONFIG, ParallelGrid(Layout(tp, pp, dp, zero=zero)), PTDPOptions(lr=1e-2))
+    return PTDP(CONFIG, ParallelGrid(Layout(tp, pp, dp)), PTDPOptions(lr=1e-2), zero=zero)
 
 
 def _save(out, tp, pp, dp, zero):

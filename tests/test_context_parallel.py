@@ -13,15 +13,14 @@ from megatron_edu.context_parallel import (
     causal_work,
     chunk_ids,
     merge,
-    record_ring,
     ring_attention,
-    simulate_ring,
     split,
-    step_pairs,
     unsplit,
 )
 from megatron_edu.launch import run
+from megatron_edu.perf.ring import simulate_ring, step_pairs
 from megatron_edu.tensor_parallel.random import Dropout, DropoutKey
+from megatron_edu.timing import record_ring
 
 B, A, S, D = 2, 3, 16, 4
 KEY = DropoutKey(step=5, samples=(4, 9))
@@ -32,7 +31,7 @@ def _dropout(p):
 
 
 def _serial(q, k, v, p):
-    """The model's unfused attention core (``Attention.core``), its dropout keyed by KEY."""
+    """The model's eager attention core (``attention.EagerCore``), its dropout keyed by KEY."""
     scores = q @ k.transpose(-2, -1) / D**0.5
     future = torch.ones(S, S, dtype=torch.bool).triu(1)
     return _dropout(p)(scores.masked_fill(future, float("-inf")).softmax(-1), KEY) @ v
@@ -178,7 +177,7 @@ def test_the_costs_fitted_from_a_timeline_are_those_it_was_simulated_with():
 def _gpt_rank(tp, cp, dropout, recompute, sp=False):
     from megatron_edu.grid import Layout, ParallelGrid
     from megatron_edu.model import GPT
-    from megatron_edu.tensor_parallel.layers import sum_replicated_grads_
+    from megatron_edu.tensor_parallel.sequence_parallel import sum_replicated_grads_
     from tests.helpers import batch, tiny_config
 
     grid = ParallelGrid(Layout(tp=tp, cp=cp))
@@ -204,9 +203,8 @@ def _gpt_rank(tp, cp, dropout, recompute, sp=False):
 def test_a_context_parallel_gpt_equals_the_serial_gpt(tp, cp, dropout, recompute, sp):
     """Positions, the embedding's and residual dropouts of each rank's chunks (under sequence
     parallelism each tp rank's part of them), attention as a ring: the loss and every gradient
-    equal the model's at cp = 1 (the serial model at tp = 1; dropout on: the same masks — at
-    tp > 1 the attention masks are per tp rank, notebook 02)."""
-    serial = run(_gpt_rank, tp, tp, 1, dropout, "none")[0]
+    equal the serial model's, dropout on (the same masks, at tp = 2 too)."""
+    serial = run(_gpt_rank, 1, 1, 1, dropout, "none")[0]
     results = run(_gpt_rank, tp * cp, tp, cp, dropout, recompute, sp)
     for loss, grads in results:
         torch.testing.assert_close(loss, serial[0], rtol=0, atol=1e-5)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_edu import comm
-from megatron_edu.data_parallel import DataParallel, DistributedOptimizer
+from megatron_edu.data_parallel import STAGES, DataParallel
 from megatron_edu.grid import ParallelGrid
 from megatron_edu.launch import run
 from megatron_edu.optim import (
@@ -20,6 +20,7 @@ from megatron_edu.optim import (
     optimizer_state_bytes,
     warmup_cosine,
 )
+from megatron_edu.timing import BucketTimer, UnitTimer
 
 TOL = 1e-6
 STEPS = 3
@@ -71,15 +72,16 @@ def _dp_training(grid, bucket_mb, overlap, steps=STEPS, lr=1e-2):
     model = _mlp()
     ddp = DataParallel(model, grid.dp_group, bucket_mb=bucket_mb, overlap=overlap)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
-    timelines = []
+    timer, timelines = BucketTimer(ddp), []
     for step in range(steps):
         x, y = _batch(step)
-        F.mse_loss(model(_my_slice(x, grid)), _my_slice(y, grid)).backward()
-        backward_end = time.perf_counter()
-        ddp.finish_grad_sync()
+        with timer.step():
+            F.mse_loss(model(_my_slice(x, grid)), _my_slice(y, grid)).backward()
+            backward_end = time.perf_counter()
+            ddp.finish_grad_sync()
         opt.step()
         ddp.zero_grad()
-        timelines.append((ddp.timeline, backward_end))
+        timelines.append((timer.timeline, backward_end))
     return _flat(model.parameters()), timelines
 
 
@@ -123,7 +125,7 @@ def _bucket_names(ddp: DataParallel, chunks) -> list[list[str]]:
 def _accumulated_step(dp, microbatches, bucket_mb, zero=0):
     grid = ParallelGrid(dp=dp)
     chunks = _chunks()
-    ddp = DataParallel(chunks, grid.dp_group, bucket_mb=bucket_mb, zero=zero,
+    ddp = STAGES[zero](chunks, grid.dp_group, bucket_mb=bucket_mb,
                        units=[m for c in chunks for m in c if isinstance(m, nn.Linear)])
     x, y = (_my_slice(t, grid) for t in _batch(0))
     with comm.record() as log:
@@ -180,8 +182,8 @@ def test_accumulated_gradients_equal_the_serial_global_batch_gradient(dp):
 
 def _bucket_sizes(alone) -> list[int]:
     model = _mlp()
-    ddp = DataParallel(model, comm.CommGroup("dp", (0,)), bucket_mb=1000.0, zero=1,
-                       alone=[model[i].weight for i in alone])
+    ddp = STAGES[1](model, comm.CommGroup("dp", (0,)), bucket_mb=1000.0,
+                    alone=[model[i].weight for i in alone])
     return [len(b.params) for b in ddp.buckets]
 
 
@@ -253,12 +255,11 @@ class _Partly(nn.Module):
 
 def _partly_used_step(grid, zero):
     model = _Partly()
-    ddp = DataParallel(model, grid.dp_group, bucket_mb=1e-6, zero=zero)
+    ddp = STAGES[zero](model, grid.dp_group, bucket_mb=1e-6)
     out = model(torch.ones(2, 4) * (grid.dp_rank + 1), use_sometimes=grid.dp_rank == 0)
     out.pow(2).mean().backward()
     ddp.finish_grad_sync()
-    if zero:
-        DistributedOptimizer(model.parameters(), ddp, lr=0.1).step()
+    ddp.optimizer(model.parameters(), torch.optim.AdamW, lr=0.1).step()
     return model
 
 
@@ -304,37 +305,29 @@ def _zero_vs_plain(grid, zero):
     optimizer state bytes, the number of buckets, the bytes each rank holds between steps of
     parameters and gradients, the comm log and ZeRO-3's unit timeline of the last step."""
     model = _mlp(ODD)
-    ddp = DataParallel(model, grid.dp_group, bucket_mb=ODD_BUCKET_MB, zero=zero,
+    ddp = STAGES[zero](model, grid.dp_group, bucket_mb=ODD_BUCKET_MB,
                        units=[m for m in model if isinstance(m, nn.Linear)])
-    groups = build_param_groups(model, weight_decay=0.1)
-    if zero:
-        opt = DistributedOptimizer(groups, ddp, lr=0.0, betas=(0.9, 0.95))
-    else:
-        opt = torch.optim.AdamW(groups, lr=0.0, betas=(0.9, 0.95))
+    opt = ddp.optimizer(build_param_groups(model, weight_decay=0.1), torch.optim.AdamW,
+                        lr=0.0, betas=(0.9, 0.95))
+    timer = UnitTimer(ddp) if zero == 3 else BucketTimer(ddp)
     norms = []
     for step in range(STEPS):
         for group in opt.param_groups:
             group["lr"] = warmup_cosine(step, warmup=1, total=STEPS, lr=3e-3, min_lr=3e-4)
         x, y = _batch(step, ODD[0], ODD[-1])
-        with comm.record() as log:
+        with comm.record() as log, timer.step():
             F.mse_loss(model(_my_slice(x, grid)), _my_slice(y, grid)).backward()
             ddp.finish_grad_sync()
-            if zero:
-                norms.append(opt.clip_grad_norm_(MAX_NORM, grid))
-            else:
-                norms.append(clip_grad_norm_(model.parameters(), MAX_NORM, grid))
+            norms.append(ddp.clip_grad_norm_(MAX_NORM, grid))
             opt.step()
         ddp.zero_grad()
     held = {"params": _storage_bytes([*model.parameters(),
                                       *(b.param_shard for b in ddp.buckets)]),
             "grads": _storage_bytes([*ddp.held_grads(), *(b.grad_data for b in ddp.buckets)])}
-    if ddp.sharding is not None:
-        with ddp.sharding.gathered():
-            params = _flat(model.parameters())
-    else:
+    with ddp.gathered():
         params = _flat(model.parameters())
     return (params, norms, optimizer_state_bytes(opt), len(ddp.buckets), held, log,
-            ddp.unit_timeline)
+            getattr(timer, "events", None))
 
 
 def _storage_bytes(tensors) -> int:
@@ -401,9 +394,8 @@ def _state_of_a_tiny_model(dp, sharded):
     grid = ParallelGrid(dp=dp)
     torch.manual_seed(0)
     model = nn.Linear(2, 1)
-    ddp = DataParallel(model, grid.dp_group, zero=int(sharded))
-    opt = (DistributedOptimizer(model.parameters(), ddp, lr=0.1) if sharded else
-           torch.optim.AdamW(model.parameters(), lr=0.1))
+    ddp = STAGES[int(sharded)](model, grid.dp_group)
+    opt = ddp.optimizer(model.parameters(), torch.optim.AdamW, lr=0.1)
     model(torch.ones(4, 2)).sum().backward()
     ddp.finish_grad_sync()
     opt.step()

@@ -1,9 +1,10 @@
 """The same tests on CPUs (gloo) and on GPUs (NCCL): ``pytest tests/test_device.py --device cuda``
 (``make gpu-check`` runs them so); the default ``--device cpu`` runs them on gloo.
 
-Each checks the device against the serial model on the CPU, the one serial truth (DESIGN
-principle 1): a GPT's forward and backward, bf16 autocast against fp32, PTD-P training steps at
-world size 1 and over a two-stage pipeline (1F1B, interleaved) on two devices. Then what only a
+Each checks the device against the serial model on the CPU, the one serial truth
+(docs/principles.md, principle 1): a GPT's forward and backward, bf16 autocast against fp32,
+PTD-P training steps at world size 1 and over a two-stage pipeline (1F1B, interleaved) on two
+devices. Then what only a
 GPU runs differently, on one device: dropout masks computed there (the CPU's, bit for bit; one
 microbatch or four, the same masks), the compiled fused kernels, fused attention and selective
 and full recomputation with dropout on, fp16 loss scaling skipping an overflow and recovering.
@@ -18,6 +19,7 @@ from megatron_edu.grid import Layout, ParallelGrid
 from megatron_edu.launch import run
 from megatron_edu.model import GPT, GPTConfig
 from megatron_edu.optim import build_param_groups
+from megatron_edu.pipeline import PipelineConfig
 from megatron_edu.ptdp import PTDP, PTDPOptions
 
 BACKEND = {"cpu": "gloo", "cuda": "nccl"}
@@ -103,11 +105,12 @@ def _serial() -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, model.full_state_dict()
 
 
-def _ptdp(layout: Layout, options: PTDPOptions) -> tuple[str, list[float], dict[str, torch.Tensor]]:
+def _ptdp(layout: Layout, options: PTDPOptions,
+          pipeline: PipelineConfig) -> tuple[str, list[float], dict[str, torch.Tensor]]:
     """In a rank: this rank's device, the losses of ``STEPS`` steps and its stage's parameters."""
     _exact_fp32()
     grid = ParallelGrid(layout)
-    trainer = PTDP(CONFIG, grid, options)
+    trainer = PTDP(CONFIG, grid, options, pipeline=pipeline)
     losses = [trainer.train_step(ids, labels, LR).loss for ids, labels in _batches()]
     params = {name: value.cpu() for chunk in trainer.chunks
               for name, value in chunk.full_state_dict().items()}
@@ -126,8 +129,9 @@ def test_ptdp_steps_on_the_device_equal_the_serial_cpu_steps(device, serial, pp,
                                                              chunks):
     if device == "cuda" and torch.cuda.device_count() < pp:
         pytest.skip(f"pp = {pp} needs {pp} GPUs, this machine has {torch.cuda.device_count()}")
-    layout = Layout(pp=pp, schedule=schedule, chunks=chunks, num_microbatches=2)
-    out = run(_ptdp, pp, layout, PTDPOptions(lr=LR, clip=CLIP, eps=EPS), backend=BACKEND[device])
+    pipeline = PipelineConfig(schedule, chunks, num_microbatches=2)
+    out = run(_ptdp, pp, Layout(pp=pp), PTDPOptions(lr=LR, clip=CLIP, eps=EPS), pipeline,
+              backend=BACKEND[device])
     serial_losses, serial_params = serial
     merged = {}
     for on, losses, params in out:
@@ -173,20 +177,21 @@ def test_dropout_masks_on_the_device_are_the_cpus_bit_for_bit(device):
     from megatron_edu.tensor_parallel import Dropout, DropoutKey
 
     key, x = DropoutKey(3, (5, 9, 2)), torch.ones(3, 64, 4, 33)
-    for dropout in (Dropout(0.1, 7, 2, "attention probs", tp_rank=1),
-                    Dropout(0.5, 7, 2, "mlp output", sequence_parts=((1, 2),))):
+    for dropout in (Dropout(0.1, 7, 2, "attention probs", parts=((1, 2),)),
+                    Dropout(0.5, 7, 2, "mlp output", parts=((1, 2),))):
         assert torch.equal(dropout.keep(key, x.to(device)).cpu(), dropout.keep(key, x))
 
 
-@pytest.mark.parametrize(("change", "dropout"), [(dict(fused=True), 0.0),
+@pytest.mark.parametrize(("change", "dropout"), [(dict(fused=True, attention="fused"), 0.0),
                                                  (dict(fused=True), 0.1),
                                                  (dict(recompute="selective"), 0.1),
                                                  (dict(recompute="full"), 0.1)],
                          ids=["fused", "fused-dropout", "selective", "full"])
 def test_fused_kernels_and_recomputation_on_the_device_equal_the_plain_model(device, change,
                                                                              dropout):
-    """The compiled kernels (Triton on a GPU) give the plain model's values; with dropout on,
-    the fused path and the recomputed forward its masks too."""
+    """The compiled kernels (Triton on a GPU) and the fused attention core (flash attention)
+    give the plain model's values; with dropout on, the fused bias kernels and the recomputed
+    forward its masks too."""
     _on_device_only(device)
     import dataclasses
 

@@ -5,7 +5,8 @@ import pytest
 
 from megatron_edu.course.exercises import check
 from megatron_edu.grid import Layout
-from megatron_edu.pipeline.schedules import make_schedule
+from megatron_edu.pipeline.schedules import PipelineConfig, make_schedule
+from megatron_edu.ptdp import Parallelism
 
 
 def stub(*args):
@@ -14,6 +15,12 @@ def stub(*args):
 
 def failed(result, *fragments):
     return result.passed is False and all(f in result.message for f in fragments)
+
+
+def split(tp: int, pp: int, dp: int, m: int, schedule: str = "1f1b",
+          chunks: int | None = None) -> Parallelism:
+    """tp × pp × dp ranks running ``schedule`` over m microbatches of one sequence."""
+    return Parallelism(Layout(tp, pp, dp), PipelineConfig(schedule, chunks, num_microbatches=m))
 
 
 @pytest.mark.parametrize(("answer", "fragments"), [
@@ -32,12 +39,13 @@ def test_16_1(answer, fragments):
 
 
 @pytest.mark.parametrize(("answer", "fragments"), [
-    (lambda: (Layout(4, 8, 16, "interleaved", 3, 1, 96), "selective"), ()),
-    (lambda: (Layout(8, 2, 32, "1f1b", None, 1, 48), "full"), ("3.5 GiB more",)),
-    (lambda: (Layout(16, 2, 16, "1f1b", None, 1, 96), "full"), ("NVLink",)),
-    (lambda: (Layout(8, 8, 8, "1f1b", None, 1, 192), "full"), ("short of 130",)),
-    (lambda: (Layout(8, 8, 8, "1f1b", None, 1, 96), "full"), ("B = 1536",)),
-    (lambda: Layout(8, 8, 8), ("return a pair",)),
+    (lambda: (split(4, 8, 16, 96, "interleaved", 3), "selective"), ()),
+    (lambda: (split(8, 2, 32, 48), "full"), ("3.5 GiB more",)),
+    (lambda: (split(16, 2, 16, 96), "full"), ("NVLink",)),
+    (lambda: (split(8, 8, 8, 192), "full"), ("short of 130",)),
+    (lambda: (split(8, 8, 8, 96), "full"), ("B = 1536",)),
+    (lambda: (Layout(8, 8, 8), "full"), ("should be a megatron_edu.ptdp.Parallelism",)),
+    (lambda: split(8, 8, 8, 192), ("return a pair",)),
     (stub, ("not done yet",)),
 ])
 def test_16_2(answer, fragments):

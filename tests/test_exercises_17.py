@@ -11,15 +11,16 @@ from megatron_edu.data_parallel import DataParallel
 from megatron_edu.model import GPT
 from megatron_edu.model.gpt import IGNORE_INDEX
 from megatron_edu.optim import build_param_groups, clip_grad_norm_
-from megatron_edu.pipeline.engine import build_chunks, run_schedule
+from megatron_edu.pipeline.engine import Batch, RunSettings, build_chunks, run_schedule
 
 
 def stub(*args):
     raise NotImplementedError("exercise NN.k: your code here")
 
 
-def build(config, grid, options, group="dp", average=False, decay_all=False, whole=False):
-    schedule = grid.layout.make_schedule()
+def build(config, grid, options, pipeline, group="dp", average=False, decay_all=False,
+          whole=False):
+    schedule = pipeline.make_schedule(grid.pp)
     chunks = [GPT(config)] if whole else build_chunks(config, grid, schedule.stages)
     ddp = DataParallel(chunks, getattr(grid, f"{group}_group"), options.bucket_mb,
                        options.overlap, average=average)
@@ -37,11 +38,10 @@ def step(parts, input_ids, labels, lr, iteration, *, local_tokens=False, tied=Tr
     tokens = torch.tensor(float((labels != IGNORE_INDEX).sum()))
     if not local_tokens:
         tokens = comm.all_reduce(tokens, grid.dp_group, "dp tokens")
-    result = run_schedule(parts.schedule, chunks, grid, input_ids, labels, parts.config.hidden,
-                          scatter_gather=sg,
-                          grad_sync=lambda chunk, last: parts.ddp.sync(last and finish),
-                          num_tokens=int(tokens.item()), step=iteration,
-                          first_sample=grid.dp_rank * input_ids.shape[0])
+    batch = Batch(input_ids, labels, iteration, grid.dp_rank * input_ids.shape[0],
+                  int(tokens.item()))
+    result = run_schedule(parts.schedule, chunks, grid, batch, RunSettings(
+        scatter_gather=sg, grad_sync=lambda chunk, last: parts.ddp.sync(last and finish)))
     if finish:
         parts.ddp.finish_grad_sync()
     if tied and grid.pp > 1:

@@ -19,6 +19,7 @@ from megatron_edu.launch import run
 from megatron_edu.model import GPT, BertConfig
 from megatron_edu.model.transformer import KVCache
 from megatron_edu.pipeline.engine import build_chunks
+from megatron_edu.pipeline.schedules import stage_map
 from megatron_edu.ptdp import PTDP, PTDPOptions
 
 PROMPT = [5, 17, 42]
@@ -201,16 +202,17 @@ LAYOUTS = [(1, 1, 4, "1f1b", 1), (2, 1, 2, "1f1b", 1), (1, 2, 2, "1f1b", 1), (2,
 def _generate_at_every_layout():
     out = {}
     for tp, pp, dp, schedule, v in LAYOUTS:
-        grid = ParallelGrid(Layout(tp, pp, dp, schedule, v, num_microbatches=2))
-        chunks = build_chunks(gen_config(), grid, grid.layout.stages)
-        out[tp, pp, dp, schedule] = (generate(chunks, grid, PROMPT, NEW, greedy=True),
-                                     generate(chunks, grid, PROMPT, NEW, **SAMPLED))
+        grid, stages = ParallelGrid(Layout(tp, pp, dp)), stage_map(schedule, pp, v)
+        chunks = build_chunks(gen_config(), grid, stages)
+        out[tp, pp, dp, schedule] = (generate(chunks, grid, PROMPT, NEW, stages=stages,
+                                              greedy=True),
+                                     generate(chunks, grid, PROMPT, NEW, stages=stages, **SAMPLED))
     with torch.no_grad():                     # position 7's embedding NaN, on the first stage
         for chunk in chunks:
             if chunk.first:
                 chunk.embedding.position.weight[7] = float("nan")
     try:
-        generate(chunks, grid, PROMPT, NEW, greedy=True)
+        generate(chunks, grid, PROMPT, NEW, stages=stages, greedy=True)
     except NonFiniteLogits as err:
         return out, str(err)
     return out, None
@@ -236,6 +238,23 @@ def test_non_finite_logits_stop_every_rank_with_the_same_message(layouts):
     assert [poisoned for _, poisoned in layouts] == [
         "the model's logits are not finite (NaN) at position 7: the checkpoint holds "
         "non-finite weights?"] * 4
+
+
+def _chunks_without_their_stage_map():
+    grid = ParallelGrid(pp=2)
+    chunks = build_chunks(gen_config(), grid, stage_map("interleaved", 2, 2))
+    try:
+        generate(chunks, grid, PROMPT, NEW)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_interleaved_chunks_need_the_stage_map_they_were_built_on():
+    messages = run(_chunks_without_their_stage_map, 2)
+    assert messages == ["2 chunks on this rank, but the stage map places 1 per rank (StageMap("
+                        "p=2, v=1, kind='interleaved')): pass generate the stage map that "
+                        "build_chunks(config, grid, stages) built them on"] * 2
 
 
 # --- the command line -----------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """The layout and its process grid: Megatron's rank order (tp fastest, then dp, then pp), its
-groups, and every impossible layout refused with its numbers before any process starts."""
+groups, and every impossible split — of the mesh, of the pipeline, of the model — refused with
+its numbers before any process starts."""
 
 import pytest
 import torch.distributed as dist
@@ -7,6 +8,8 @@ import torch.distributed as dist
 from megatron_edu.grid import Layout, ParallelGrid, all_layouts
 from megatron_edu.launch import RankError, run
 from megatron_edu.model import GPTConfig
+from megatron_edu.pipeline import PipelineConfig
+from megatron_edu.ptdp import Parallelism
 
 
 def test_rank_order_is_tp_fastest_then_dp_then_pp():
@@ -45,15 +48,16 @@ def test_cp_sits_next_to_tp_and_its_gradients_reduce_over_dp_x_cp():
         assert sorted(r for g in groups for r in g) == list(range(16))
     with pytest.raises(ValueError, match="tp·cp·pp·dp = 2·2·2·2 = 16 ranks, but the world has 8"):
         layout.check_world(8)
-    layout.check(GPTConfig(num_layers=2, hidden=32, num_heads=4, seq_len=16))
+    split = Parallelism(layout)
+    split.check(GPTConfig(num_layers=2, hidden=32, num_heads=4, seq_len=16))
     with pytest.raises(ValueError, match="2·cp = 4 chunks: seq_len = 6 is not divisible by 4"):
-        layout.check(GPTConfig(num_layers=2, hidden=32, num_heads=4, seq_len=6))
+        split.check(GPTConfig(num_layers=2, hidden=32, num_heads=4, seq_len=6))
     with pytest.raises(ValueError, match="each into tp = 2 parts by sequence parallelism: "
                                          "seq_len = 12 is not divisible by 8"):
-        layout.check(GPTConfig(num_layers=2, hidden=32, num_heads=4, seq_len=12,
-                               sequence_parallel=True))
+        split.check(GPTConfig(num_layers=2, hidden=32, num_heads=4, seq_len=12,
+                              sequence_parallel=True))
     with pytest.raises(ValueError, match=r"cp = 2\) runs causal attention .* causal=False"):
-        layout.check(GPTConfig(num_layers=2, hidden=32, num_heads=4, causal=False))
+        split.check(GPTConfig(num_layers=2, hidden=32, num_heads=4, causal=False))
     with pytest.raises(ValueError, match="cp must be a positive integer, got 0"):
         Layout(cp=0)
 
@@ -71,11 +75,13 @@ def test_a_grid_builds_its_cp_groups():
 def test_the_embedding_groups_follow_the_stage_map():
     """Under ZB-V's V the first and the last stage are both on pipeline rank 0: each tied
     embedding's two copies are on one rank, whose embedding group is itself."""
-    layout = Layout(tp=2, pp=4, dp=2, schedule="zb-v", num_microbatches=8)
-    assert layout.chunks == 2 and layout.stages.kind == "v"
-    assert layout.embedding_groups() == [[0], [1], [2], [3]]
-    interleaved = Layout(pp=4, schedule="interleaved", chunks=2, num_microbatches=8)
-    assert interleaved.embedding_groups() == [[0, 3]]
+    layout = Layout(tp=2, pp=4, dp=2)
+    zb_v = PipelineConfig("zb-v", num_microbatches=8)
+    assert zb_v.chunks == 2 and zb_v.stages(4).kind == "v" and zb_v.stages(4).ends == (0, 0)
+    assert layout.embedding_groups(zb_v.stages(4).ends) == [[0], [1], [2], [3]]
+    assert layout.embedding_groups() == [[0, 12], [1, 13], [2, 14], [3, 15]]
+    interleaved = PipelineConfig("interleaved", 2, num_microbatches=8).stages(4)
+    assert Layout(pp=4).embedding_groups(interleaved.ends) == [[0, 3]]
 
 
 @pytest.mark.parametrize("layout", all_layouts(8), ids=str)
@@ -92,20 +98,24 @@ def test_all_layouts_of_8_are_the_ten_factorisations():
     (lambda: Layout(2, 2, 2).check_world(4), r"tp·pp·dp = 2·2·2 = 8 ranks, but the world has 4"),
     (lambda: Layout(tp=0), "tp must be a positive integer, got 0"),
     (lambda: Layout(pp=1.5), "pp must be a positive integer"),
-    (lambda: Layout(microbatch=0), "microbatch must be a positive integer, got 0"),
-    (lambda: Layout(num_microbatches=0), "num_microbatches must be at least 1, got 0"),
-    (lambda: Layout(schedule="zigzag"), "unknown schedule 'zigzag'"),
-    (lambda: Layout(pp=2, schedule="interleaved", num_microbatches=4), "needs its number of"),
-    (lambda: Layout(pp=4, schedule="interleaved", chunks=2, num_microbatches=6),
+    (lambda: PipelineConfig(microbatch=0), "microbatch must be a positive integer, got 0"),
+    (lambda: PipelineConfig(num_microbatches=0), "num_microbatches must be at least 1, got 0"),
+    (lambda: PipelineConfig("zigzag"), "unknown schedule 'zigzag'"),
+    (lambda: PipelineConfig("interleaved", num_microbatches=4), "needs its number of"),
+    (lambda: PipelineConfig("interleaved", 2, num_microbatches=6).check(4),
      "num_microbatches=6, num_stages=4"),
-    (lambda: Layout(pp=2, chunks=2), "the 1f1b schedule has one model chunk per rank; got v=2"),
-    (lambda: Layout(pp=1, schedule="zb-v"), "2 model chunks per rank need a pipeline"),
-    (lambda: Layout(tp=3).check(GPTConfig(num_heads=4, hidden=64)),
+    (lambda: PipelineConfig(chunks=2), "the 1f1b schedule has one model chunk per rank; got v=2"),
+    (lambda: Parallelism(Layout(pp=2), PipelineConfig("interleaved", 2, num_microbatches=3)),
+     "num_microbatches=3, num_stages=2"),
+    (lambda: Parallelism(pipeline=PipelineConfig("zb-v")),
+     "2 model chunks per rank need a pipeline"),
+    (lambda: Parallelism(zero=4), "zero is a ZeRO stage 0, 1, 2 or 3, got 4"),
+    (lambda: Parallelism(Layout(tp=3)).check(GPTConfig(num_heads=4, hidden=64)),
      "num_heads = 4 is not divisible by the tensor-parallel size tp = 3"),
-    (lambda: Layout(pp=4, schedule="zb-v", num_microbatches=8).check(GPTConfig(num_layers=4)),
-     "num_layers = 4 is not divisible by pp·chunks = 4·2"),
+    (lambda: Parallelism(Layout(pp=4), PipelineConfig("zb-v", num_microbatches=8)).check(
+        GPTConfig(num_layers=4)), "num_layers = 4 is not divisible by pp·chunks = 4·2"),
 ])
-def test_bad_layouts_name_the_numbers(build, message):
+def test_bad_splits_name_the_numbers(build, message):
     with pytest.raises(ValueError, match=message):
         build()
 
@@ -153,11 +163,17 @@ def test_a_mismatched_grid_raises_before_any_collective():
 
 def _sizes_of(*args, **kwargs):
     grid = ParallelGrid(*args, **kwargs)
-    return grid.tp, grid.pp, grid.dp, grid.layout.schedule
+    return grid.tp, grid.pp, grid.dp, grid.embedding_group.ranks
 
 
 def test_a_grid_is_made_from_sizes_or_from_a_layout():
-    assert run(_sizes_of, 4, 2, 2, 1)[0] == (2, 2, 1, "1f1b")
-    assert run(_sizes_of, 4, tp=2, dp=2)[0] == (2, 1, 2, "1f1b")
-    layout = Layout(pp=4, schedule="zb-v", num_microbatches=8)
-    assert run(_sizes_of, 4, layout)[0] == (1, 4, 1, "zb-v")
+    assert run(_sizes_of, 4, 2, 2, 1)[0] == (2, 2, 1, (0, 2))
+    assert run(_sizes_of, 4, tp=2, dp=2)[0] == (2, 1, 2, (0,))
+    assert run(_sizes_of, 4, Layout(pp=4))[3] == (1, 4, 1, (0, 3))
+
+
+def test_a_grid_puts_the_embedding_group_on_the_stage_maps_ends():
+    """ZB-V's V: the first and the last stage on pipeline rank 0, each rank a group of itself."""
+    ends = PipelineConfig("zb-v", num_microbatches=8).stages(4).ends
+    embedding = [facts[3] for facts in run(_sizes_of, 4, Layout(pp=4), embedding_ranks=ends)]
+    assert embedding == [(0,), (1,), (2,), (3,)]

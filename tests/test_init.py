@@ -1,5 +1,6 @@
 """Initialisation: every tp layout holds the serial model's numbers, each rank drawing only about
-its own shard (DESIGN: "Nothing whole on one rank at scale"); vocabulary padding is zero.
+its own shard (docs/principles.md: "Nothing whole on one rank at
+scale"); vocabulary padding is zero.
 
 One launch per tp ∈ {1, 2, 3, 4}; the tests below read one claim each from it. At tp = 3 the
 model is 48 wide: 48 qkv rows per rank, so shard edges fall inside the 64-row blocks.

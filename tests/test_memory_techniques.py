@@ -16,9 +16,10 @@ from megatron_edu.model import GPT, GPTConfig
 from megatron_edu.optim import DynamicLossScale
 from megatron_edu.perf import activation_bytes_per_layer, megatron_core_activation_bytes
 from megatron_edu.perf.measure import layer_activation_bytes
+from megatron_edu.pipeline import PipelineConfig
 from megatron_edu.ptdp import PTDP, PTDPOptions
-from megatron_edu.tensor_parallel.layers import sum_replicated_grads_
 from megatron_edu.tensor_parallel.random import DropoutKey
+from megatron_edu.tensor_parallel.sequence_parallel import sum_replicated_grads_
 
 DROPOUT = tiny_config(dropout=0.2)  # seq 16, 2 layers, hidden 32, 4 heads
 
@@ -84,8 +85,9 @@ def test_sequence_parallel_turns_each_all_reduce_into_an_all_gather_and_a_reduce
 
 
 def _ptdp_losses(config, tp, pp, steps=3):
-    grid = ParallelGrid(Layout(tp=tp, pp=pp, num_microbatches=2))
-    trainer = PTDP(config, grid, PTDPOptions(lr=1e-2, eps=1e-4))
+    grid = ParallelGrid(Layout(tp=tp, pp=pp))
+    trainer = PTDP(config, grid, PTDPOptions(lr=1e-2, eps=1e-4),
+                   pipeline=PipelineConfig(num_microbatches=2))
     losses = [trainer.train_step(*_batch(4, seed=step), 1e-2).loss for step in range(steps)]
     params = {}
     for chunk in trainer.chunks:
@@ -209,13 +211,14 @@ def test_an_fp16_overflow_on_one_rank_skips_the_step_everywhere_and_halves_the_s
 
 # --- fused operations -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("dropout", [0.0, 0.2])
-def test_fused_operations_equal_the_unfused_ones(dropout):
-    """With dropout on too: the fused path draws the unfused path's masks (its attention core
-    runs op by op then, on the whole batch; bias+dropout+add takes ``Dropout.keep``'s mask)."""
+@pytest.mark.parametrize(("dropout", "attention"), [(0.0, "fused"), (0.2, "eager")])
+def test_fused_operations_equal_the_unfused_ones(dropout, attention):
+    """The fused bias kernels draw the unfused path's masks (bias+dropout+add takes
+    ``Dropout.keep``'s mask); the fused attention core, whose dropout is the device's, equals the
+    eager one without dropout."""
     config = tiny_config(dropout=dropout)
     reference = GPT(config)
-    fused = GPT(dataclasses.replace(config, fused=True))
+    fused = GPT(dataclasses.replace(config, fused=True, attention=attention))
     ids, labels = _batch()
     losses = [model(ids, labels, dropout_key=DropoutKey(3, (4, 5, 6, 7)))
               for model in (reference, fused)]

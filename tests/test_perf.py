@@ -47,8 +47,9 @@ from megatron_edu.perf import (
     training_flops,
     training_time_seconds,
 )
-from megatron_edu.pipeline.schedules import make_schedule
+from megatron_edu.pipeline.schedules import PipelineConfig, make_schedule
 from megatron_edu.pipeline.simulate import simulate
+from megatron_edu.ptdp import Parallelism
 
 DAY = 86400
 TABLE1 = read_paper_table("2104.04473_table1.csv")  # 2104.04473 Table 1 (V 51,200, s 2048)
@@ -60,6 +61,13 @@ def gpt(layers: int, hidden: int, heads: int, vocab: int, seq_len: int, **fields
     """A GPT in the papers' letters: l layers, h hidden, a heads, V vocabulary, s sequence."""
     return GPTConfig(vocab_size=vocab, seq_len=seq_len, num_layers=layers, hidden=hidden,
                      num_heads=heads, **fields)
+
+
+def split(tp: int = 1, pp: int = 1, dp: int = 1, cp: int = 1, *, zero: int = 0,
+          **pipeline) -> Parallelism:
+    """A run's split in the tests' shorthand: the mesh's sizes, the pipeline's fields
+    (``PipelineConfig``'s, by name), the ZeRO stage."""
+    return Parallelism(Layout(tp, pp, dp, cp), PipelineConfig(**pipeline), zero)
 
 
 def test_table1_models_keep_their_vocabulary_at_every_tp_the_advisor_tries():
@@ -241,48 +249,47 @@ def saved_bytes(model: nn.Module, fn, *args) -> int:
 
 def test_parameters_per_rank_count_the_plain_model():
     model = PlainGPT(TINY)
-    assert sum(p.numel() for p in model.parameters()) == parameters_per_rank(TINY, Layout())
+    assert sum(p.numel() for p in model.parameters()) == parameters_per_rank(TINY, Parallelism())
 
 
 def test_parameters_per_rank_is_the_papers_count_plus_the_final_layer_norm():
     l, h, v, s = TINY.num_layers, TINY.hidden, TINY.vocab_size, TINY.seq_len
-    assert parameters_per_rank(TINY, Layout()) == num_parameters(l, h, v, s) + 2 * h
+    assert parameters_per_rank(TINY, Parallelism()) == num_parameters(l, h, v, s) + 2 * h
 
 
 STAGED = dict(vocab_size=100, seq_len=16, num_layers=8, hidden=32, num_heads=4, ffn_hidden=48)
 
 
-@pytest.mark.parametrize("layout", [Layout(pp=4), Layout(pp=2, schedule="interleaved", chunks=2,
-                                                         num_microbatches=2),
-                                    Layout(pp=2, schedule="zb-v")],
-                         ids=["1f1b", "interleaved", "zb-v"])
+@pytest.mark.parametrize("parallelism", [
+    split(pp=4), split(pp=2, schedule="interleaved", chunks=2, num_microbatches=2),
+    split(pp=2, schedule="zb-v")], ids=["1f1b", "interleaved", "zb-v"])
 @pytest.mark.parametrize("kind", [GPTConfig, BertConfig])
-def test_parameters_per_rank_are_what_the_models_stages_hold(layout, kind):
+def test_parameters_per_rank_are_what_the_models_stages_hold(parallelism, kind):
     """Each pipeline rank's chunks, built as the model's stages (ZB-V: rank 0 holds the first
     and the last stage, each chunk its own copy of the word embedding), any ffn width."""
-    config, stages = kind(**STAGED), layout.stages
-    for rank in range(layout.pp):
+    config, stages = kind(**STAGED), parallelism.stages
+    for rank in range(parallelism.pp):
         held = 0
         for chunk in range(stages.v):
             stage = stages.stage(rank, chunk)
             model = build_model(config, layers=stages.layers(stage, config.num_layers),
                                 first=stage == 0, last=stage == stages.num_stages - 1)
             held += sum(p.numel() for p in model.parameters())
-        assert parameters_per_rank(config, layout, rank) == held, rank
+        assert parameters_per_rank(config, parallelism, rank) == held, rank
 
 
 @pytest.mark.parametrize("tp, pp", [(2, 1), (1, 4), (4, 2)])
 def test_shards_add_up_to_the_model_plus_replicas(tp, pp):
     m, h = gpt(8, 64, 8, 512, 32), 64  # 512: no padding at tp ≤ 4
-    held = sum(tp * parameters_per_rank(m, Layout(tp=tp, pp=pp), stage) for stage in range(pp))
+    held = sum(tp * parameters_per_rank(m, split(tp, pp), stage) for stage in range(pp))
     replicated = m.num_layers * 6 * h + m.seq_len * h + 2 * h  # layer norms, row biases, wpe
     tied_copy = m.vocab_size * h if pp > 1 else 0  # the last stage's output-layer copy
-    assert held == parameters_per_rank(m, Layout()) + (tp - 1) * replicated + tied_copy
+    assert held == parameters_per_rank(m, Parallelism()) + (tp - 1) * replicated + tied_copy
 
 
 def test_a_layout_that_cannot_split_the_model_is_refused_with_the_models_rule():
     with pytest.raises(ValueError, match="num_heads = 4 is not divisible by the tensor-parallel"):
-        parameters_per_rank(TINY, Layout(tp=3))
+        parameters_per_rank(TINY, split(tp=3))
 
 
 def test_weights_grads_and_adam_bytes_equal_the_real_model():
@@ -299,7 +306,7 @@ def test_weights_grads_and_adam_bytes_equal_the_real_model():
         # exp_avg and exp_avg_sq; Adam's one-element `step` counter per tensor is left out
         sum(s[k].nbytes for s in adam.state.values() for k in ("exp_avg", "exp_avg_sq")),
     )
-    est = memory_per_rank(TINY, Layout(num_microbatches=B), precision=FP32)
+    est = memory_per_rank(TINY, split(num_microbatches=B), precision=FP32)
     assert measured == (est.weights, est.grads, est.optimizer)
 
 
@@ -372,9 +379,10 @@ def test_bytes_per_parameter(precision, per_param):
 def test_zero_stages_shard_over_the_dp_cp_ranks_that_hold_the_same_weights(cp):
     """1910.02054 Figure 1: stage 1 the optimizer, 2 the gradients too, 3 the weights too —
     over the dp·cp ranks that hold the same weights; activations untouched."""
-    layout = Layout(tp=2, pp=1 if cp == 1 else 2, dp=4, num_microbatches=16, cp=cp)
+    layout = Layout(tp=2, pp=1 if cp == 1 else 2, dp=4, cp=cp)
+    pipeline = PipelineConfig(num_microbatches=16)
     stages = range(4) if layout.pp == 1 else range(2)   # ZeRO-2 and 3 run without a pipeline
-    plain, *sharded = (memory_per_rank(GPT_22B, replace(layout, zero=z)) for z in stages)
+    plain, *sharded = (memory_per_rank(GPT_22B, Parallelism(layout, pipeline, z)) for z in stages)
     for zero, estimate in enumerate(sharded, start=1):
         for part, from_stage in (("optimizer", 1), ("grads", 2), ("weights", 3)):
             whole = getattr(plain, part)
@@ -390,8 +398,8 @@ def test_zero_stages_cost_the_bytes_of_the_zero_paper_per_step():
     model = replace(GPT_22B, num_layers=8)
 
     def dp_time(zero, m):
-        layout = Layout(tp=8, dp=8, num_microbatches=m, zero=zero)
-        return predict(model, layout, DGX_H100).time.data_parallel
+        return predict(model, split(tp=8, dp=8, zero=zero, num_microbatches=m),
+                       DGX_H100).time.data_parallel
 
     for m in (1, 4):
         assert dp_time(1, m) == pytest.approx(dp_time(0, m))
@@ -426,10 +434,10 @@ def test_context_parallel_activations_are_a_cp_th_without_the_scores_plus_the_ri
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
 def test_a_pipeline_ranks_activations_fall_as_one_over_cp(recompute):
     config = replace(GPT_22B, recompute=recompute, dropout=0.1)
-    layout = Layout(tp=2, pp=4, dp=2, schedule="interleaved", chunks=2, num_microbatches=8)
+    pipeline = PipelineConfig("interleaved", 2, num_microbatches=8)
+    by_cp = {cp: Parallelism(Layout(tp=2, pp=4, dp=2, cp=cp), pipeline) for cp in (2, 4)}
     for stage in (0, 3):   # the embedding's rank and the output layer's
-        half, quarter = (activation_bytes_per_rank(config, replace(layout, cp=cp), stage)
-                         for cp in (2, 4))
+        half, quarter = (activation_bytes_per_rank(config, by_cp[cp], stage) for cp in (2, 4))
         assert half == 2 * quarter, stage
         assert embedding_activation_bytes(config, 1, tp=2, cp=4) * 4 == \
             embedding_activation_bytes(config, 1, tp=2)
@@ -441,21 +449,21 @@ def test_a_pipeline_ranks_activations_fall_as_one_over_cp(recompute):
 
 
 def test_gpipe_holds_every_microbatch():
-    assert forwards_in_flight(Layout(pp=4, schedule="gpipe", num_microbatches=16)) == [16]
+    assert forwards_in_flight(PipelineConfig("gpipe", num_microbatches=16), p=4) == [16]
 
 
 def test_1f1b_first_stage_holds_p_and_last_holds_one():
-    layout = Layout(pp=4, num_microbatches=16)
-    assert [forwards_in_flight(layout, stage) for stage in range(4)] == [[4], [3], [2], [1]]
+    pipeline = PipelineConfig(num_microbatches=16)
+    assert [forwards_in_flight(pipeline, 4, stage) for stage in range(4)] == [[4], [3], [2], [1]]
 
 
 def test_1f1b_with_fewer_microbatches_than_stages_holds_them_all():
-    assert forwards_in_flight(Layout(pp=8, num_microbatches=3)) == [3]
+    assert forwards_in_flight(PipelineConfig(num_microbatches=3), p=8) == [3]
 
 
 def test_interleaved_first_stage_holds_p_plus_p_minus_1_over_v_stages():
     p, m, v = 4, 16, 2
-    held = forwards_in_flight(Layout(pp=p, schedule="interleaved", chunks=v, num_microbatches=m))
+    held = forwards_in_flight(PipelineConfig("interleaved", v, num_microbatches=m), p)
     assert sum(held) / v == p + (p - 1) / v
 
 
@@ -464,8 +472,8 @@ def test_zero_bubble_ranks_hold_k_times_p_minus_1_plus_1_everywhere(name, k):
     """2401.10241 §2: ZB-H1 holds p microbatches on every rank (1F1B's rank-0 peak), ZB-H2
     2p − 1, between each forward and its weight-gradient pass W."""
     p = 4
-    layout = Layout(pp=p, schedule=name, num_microbatches=16)
-    assert [forwards_in_flight(layout, stage) for stage in range(p)] == [[k * (p - 1) + 1]] * p
+    pipeline = PipelineConfig(name, num_microbatches=16)
+    assert [forwards_in_flight(pipeline, p, stage) for stage in range(p)] == [[k * (p - 1) + 1]] * p
 
 
 SCHEDULES = [("gpipe", None), ("1f1b", None), ("interleaved", 2), ("interleaved", 3),
@@ -476,34 +484,34 @@ SCHEDULES = [("gpipe", None), ("1f1b", None), ("interleaved", 2), ("interleaved"
     (name, v, p, m) for name, v in SCHEDULES for p, m in [(4, 8), (3, 12), (2, 1)]
     if name != "interleaved" or m % p == 0])
 def test_forwards_in_flight_add_up_to_the_simulators_peak(name, v, p, m):
-    layout = Layout(pp=p, schedule=name, chunks=v, num_microbatches=m)
+    pipeline = PipelineConfig(name, v, num_microbatches=m)
     peaks = simulate(make_schedule(name, p, m, v)).peak_activations
-    assert [sum(forwards_in_flight(layout, stage)) for stage in range(p)] == peaks
+    assert [sum(forwards_in_flight(pipeline, p, stage)) for stage in range(p)] == peaks
 
 
 TINY_DEEP = gpt(layers=8, hidden=64, heads=4, vocab=128, seq_len=32)
 
 
 def test_activation_memory_grows_with_the_schedules_in_flight_count():
-    layouts = [Layout(pp=4, schedule=s, num_microbatches=16) for s in ("1f1b", "gpipe")]
-    one_f_one_b, gpipe = (memory_per_rank(TINY_DEEP, x).activations for x in layouts)
+    splits = [split(pp=4, schedule=s, num_microbatches=16) for s in ("1f1b", "gpipe")]
+    one_f_one_b, gpipe = (memory_per_rank(TINY_DEEP, x).activations for x in splits)
     assert gpipe > 3 * one_f_one_b  # GPipe keeps m = 16 microbatches, 1F1B keeps p = 4
 
 
 def test_a_middle_zb_h2_rank_holds_2p_minus_1_microbatches_of_its_layers():
     p, b = 4, 2
     per_layer = activation_bytes_per_layer(TINY_DEEP, b)
-    layout = Layout(pp=p, schedule="zb-h2", microbatch=b, num_microbatches=16)
-    assert activation_bytes_per_rank(TINY_DEEP, layout, 1) == (2 * p - 1) * 2 * per_layer
+    zb_h2 = split(pp=p, schedule="zb-h2", microbatch=b, num_microbatches=16)
+    assert activation_bytes_per_rank(TINY_DEEP, zb_h2, 1) == (2 * p - 1) * 2 * per_layer
 
 
 def test_zb_v_rank_0_holds_the_embedding_and_the_output_layer():
     """ZB-V's V puts the first and the last stage on rank 0: both ends' activations are there,
     each on its own chunk (half a stage's layers), none on the other ranks."""
     b, p = 2, 2
-    layout = Layout(pp=p, schedule="zb-v", microbatch=b, num_microbatches=8)
-    first, middle = (activation_bytes_per_rank(TINY_DEEP, layout, rank) for rank in (0, 1))
-    held0, held1 = forwards_in_flight(layout, 0), forwards_in_flight(layout, 1)
+    zb_v = split(pp=p, schedule="zb-v", microbatch=b, num_microbatches=8)
+    first, middle = (activation_bytes_per_rank(TINY_DEEP, zb_v, rank) for rank in (0, 1))
+    held0, held1 = (forwards_in_flight(zb_v.pipeline, p, rank) for rank in (0, 1))
     layers = TINY_DEEP.num_layers // (2 * p) * activation_bytes_per_layer(TINY_DEEP, b)
     ends = (held0[0] * embedding_activation_bytes(TINY_DEEP, b)
             + held0[1] * output_layer_activation_bytes(TINY_DEEP, b))
@@ -517,16 +525,17 @@ def test_zb_v_rank_0_holds_the_embedding_and_the_output_layer():
 @pytest.mark.parametrize("recompute, with_recompute", [("full", True), ("none", False)])
 def test_predicted_flops_are_the_papers_formula(recompute, with_recompute):
     row = TABLE1[4]
-    layout = Layout(8, 2, 32, num_microbatches=int(row["batch"]) // 32)
-    pred = predict(replace(shape(row), recompute=recompute), layout)
+    parallelism = split(8, 2, 32, num_microbatches=int(row["batch"]) // 32)
+    pred = predict(replace(shape(row), recompute=recompute), parallelism)
     expected = training_flops(int(row["batch"]), 2048, int(row["layers"]), int(row["hidden"]),
                               51200, recompute=with_recompute)
     assert pred.flops_per_iteration == pytest.approx(expected, rel=1e-12)
 
 
 def test_throughput_is_flops_over_gpus_and_iteration_time():
-    layout = Layout(8, 4, 32, "interleaved", 5, microbatch=2, num_microbatches=28)
-    pred = predict(shape(TABLE1[5]), layout)
+    parallelism = split(8, 4, 32, schedule="interleaved", chunks=5, microbatch=2,
+                        num_microbatches=28)
+    pred = predict(shape(TABLE1[5]), parallelism)
     assert pred.time.total == pytest.approx(pred.flops_per_iteration
                                             / (1024 * pred.tflops_per_gpu * 1e12))
 
@@ -548,38 +557,28 @@ def test_table1_advisors_choice_within_15_percent(row):
 @pytest.mark.parametrize("row", TABLE1[::3], ids=ROW_IDS[::3])
 def test_advisor_proposes_only_layouts_that_divide_and_fit(row):
     m, batch, n = shape(row), int(row["batch"]), int(row["gpus"])
-    for layout, pred in advise(m, batch, n):
-        assert (layout.world_size, layout.global_batch) == (n, batch)
-        assert m.num_heads % layout.tp == 0 and SELENE_A100.gpus_per_node % layout.tp == 0
-        assert m.num_layers % (layout.pp * layout.chunks) == 0
-        assert layout.schedule != "interleaved" or layout.num_microbatches % layout.pp == 0
+    for proposed, pred in advise(m, batch, n):
+        assert (proposed.world_size, proposed.global_batch) == (n, batch)
+        assert m.num_heads % proposed.tp == 0 and SELENE_A100.gpus_per_node % proposed.tp == 0
+        assert m.num_layers % (proposed.pp * proposed.chunks) == 0
+        assert proposed.schedule != "interleaved" or proposed.num_microbatches % proposed.pp == 0
         assert pred.memory.total <= SELENE_A100.memory_bytes
-        assert (pred.layout, pred.config) == (layout, m)
+        assert (pred.parallelism, pred.config) == (proposed, m)
 
 
 MODEL_24 = gpt(layers=24, hidden=5120, heads=40, vocab=51200, seq_len=2048, recompute="full")
 
 
-@pytest.mark.parametrize("layout, recompute, reason", [
-    (Layout(tp=3, dp=8), "full", "num_heads = 40 is not divisible by the tensor-parallel size"),
-    (Layout(tp=5, dp=8), "full", "tp 5 does not divide the 8 GPUs of a node"),
-    (Layout(pp=5, dp=6), "full", "num_layers = 24 is not divisible by pp·chunks = 5·1"),
-    (Layout(pp=2, dp=7), "full", "but the world has 16"),
-    (Layout(tp=2, dp=30, num_microbatches=16), "none", "GiB > 80 GiB"),
+@pytest.mark.parametrize("parallelism, recompute, reason", [
+    (split(tp=3, dp=8), "full", "num_heads = 40 is not divisible by the tensor-parallel size"),
+    (split(tp=5, dp=8), "full", "tp 5 does not divide the 8 GPUs of a node"),
+    (split(pp=5, dp=6), "full", "num_layers = 24 is not divisible by pp·chunks = 5·1"),
+    (split(pp=2, dp=7), "full", "but the world has 16"),
+    (split(tp=2, dp=30, num_microbatches=16), "none", "GiB > 80 GiB"),
 ])
-def test_rejection_names_the_reason(layout, recompute, reason):
-    gpus = 16 if "world" in reason else layout.world_size
-    assert reason in rejection_reason(replace(MODEL_24, recompute=recompute), layout, gpus)
-
-
-@pytest.mark.parametrize("fields, reason", [
-    (dict(dp=0), "dp must be a positive integer"),
-    (dict(pp=2, chunks=2), "the 1f1b schedule has one model chunk per rank"),
-    (dict(pp=2, schedule="interleaved", chunks=2), "a multiple of num_stages"),
-])
-def test_a_layout_that_cannot_work_is_refused_when_it_is_made(fields, reason):
-    with pytest.raises(ValueError, match=reason):
-        Layout(**fields)
+def test_rejection_names_the_reason(parallelism, recompute, reason):
+    gpus = 16 if "world" in reason else parallelism.world_size
+    assert reason in rejection_reason(replace(MODEL_24, recompute=recompute), parallelism, gpus)
 
 
 def test_the_advisor_sweeps_recomputation_and_sequence_parallelism_as_config_variants():
@@ -600,8 +599,8 @@ CPS = (1, 2, 4, 8)
 
 def _fastest_by_cp(config, batch, gpus, hw=DGX_H100) -> dict[int, float]:
     best: dict[int, float] = {}
-    for layout, pred in advise(config, batch, gpus, hw, cp=CPS):  # fastest first
-        best.setdefault(layout.cp, pred.time.total)
+    for parallelism, pred in advise(config, batch, gpus, hw, cp=CPS):  # fastest first
+        best.setdefault(parallelism.cp, pred.time.total)
     return best
 
 
@@ -614,8 +613,8 @@ def test_at_32k_tokens_the_advisor_proposes_context_parallelism():
     tight = replace(DGX_H100, memory_bytes=60 * GIB)
     assert advise(LONG_7B, 64, 64, tight) == []
     proposed = advise(LONG_7B, 64, 64, tight, cp=CPS)
-    assert proposed and all(lay.cp > 1 and p.memory.total <= tight.memory_bytes
-                            for lay, p in proposed)
+    assert proposed and all(parallelism.cp > 1 and p.memory.total <= tight.memory_bytes
+                            for parallelism, p in proposed)
 
 
 def test_at_2048_tokens_context_parallelism_gains_little():
@@ -632,19 +631,21 @@ def test_the_ring_shows_only_where_it_outlasts_the_attention_core():
     2·b·s·h/(t·cp) 16-bit K, V values forward, twice that backward, every layer and
     microbatch."""
     t, cp, b, m = 8, 8, 8, 2
-    layout, short = Layout(tp=t, microbatch=b, num_microbatches=m, cp=cp), replace(LONG_7B,
-                                                                                   seq_len=2048)
-    assert predict(LONG_7B, layout, DGX_H100).time.context_parallel == 0.0
-    assert predict(short, replace(layout, tp=1, dp=8), DGX_H100).time.context_parallel == 0.0
-    pred = predict(short, layout, DGX_H100)
+    pipeline, short = PipelineConfig(microbatch=b, num_microbatches=m), replace(LONG_7B,
+                                                                                seq_len=2048)
+    ring = Parallelism(Layout(tp=t, cp=cp), pipeline)
+    assert predict(LONG_7B, ring, DGX_H100).time.context_parallel == 0.0
+    assert predict(short, Parallelism(Layout(dp=8, cp=cp), pipeline),
+                   DGX_H100).time.context_parallel == 0.0
+    pred = predict(short, ring, DGX_H100)
     parts = ("compute", "bubble", "tensor_parallel", "context_parallel", "pipeline_p2p",
              "data_parallel", "optimizer")
     assert pred.time.context_parallel == 0.0
     assert pred.time.total == pytest.approx(sum(getattr(pred.time, x) for x in parts))
     assert str(pred).startswith("tp=8 cp=8 pp=1 dp=1") and "cp=" not in str(
-        predict(short, replace(layout, dp=cp, cp=1), DGX_H100))
+        predict(short, Parallelism(Layout(tp=t, dp=cp), pipeline), DGX_H100))
     bandwidths = (8e9, 4e9)   # a node's adapters; both slow enough to expose every pass
-    slow = [predict(short, layout, replace(DGX_H100, inter_node_bandwidth=bw)).time
+    slow = [predict(short, ring, replace(DGX_H100, inter_node_bandwidth=bw)).time
             for bw in bandwidths]
     block = 2 * b * 2048 * 4096 // (t * cp) * 2        # bytes of a rank's K, V block
     hops = 3 * (cp - 1) * short.num_layers * m         # forward + backward, every layer and mb
@@ -671,12 +672,12 @@ def test_zero_bubble_schedules_shrink_the_bubble_and_hold_more():
     """2401.10241 Table 2: ZB-H1's bubble is (t_F + t_B − t_W)/(t_F + t_B + t_W) of 1F1B's;
     with t_F ≈ t_W and B carrying the recomputed forward (t_B ≈ 2t_F), a little over half."""
     model, gpus = GPT3, 96
-    plain, h1, h2 = (predict(model, Layout(8, 12, 1, name, num_microbatches=48))
+    plain, h1, h2 = (predict(model, split(8, 12, schedule=name, num_microbatches=48))
                      for name in ("1f1b", "zb-h1", "zb-h2"))
     assert 0.5 < h1.time.bubble / plain.time.bubble < 2 / 3
     assert h2.time.bubble <= h1.time.bubble
     assert plain.memory.activations <= h1.memory.activations < h2.memory.activations
-    assert plain.layout.world_size == gpus
+    assert plain.parallelism.world_size == gpus
 
 
 def test_the_advisor_weighs_zero_bubble_schedules_too():
@@ -694,7 +695,7 @@ def test_takeaway_1_tensor_parallel_peaks_at_the_gpus_of_a_node():
     (2, 32) to (32, 2): throughput peaks at t = 8 = GPUs per DGX A100."""
     m = gpt(layers=32, hidden=20480, heads=128, vocab=51200, seq_len=2048, recompute="full")
     for batch in (32, 128):
-        by_tp = {t: predict(m, Layout(t, 64 // t, num_microbatches=batch)).tflops_per_gpu
+        by_tp = {t: predict(m, split(t, 64 // t, num_microbatches=batch)).tflops_per_gpu
                  for t in (2, 4, 8, 16, 32)}
         assert max(by_tp, key=by_tp.get) == 8
 
@@ -702,8 +703,8 @@ def test_takeaway_1_tensor_parallel_peaks_at_the_gpus_of_a_node():
 def test_takeaway_2_data_parallel_when_the_model_fits():
     """§5.4.2: with a model that fits on one GPU, the advisor uses data parallelism only."""
     row = TABLE1[0]
-    layout, _ = advise(shape(row), int(row["batch"]), int(row["gpus"]))[0]
-    assert (layout.tp, layout.pp) == (1, 1)
+    best, _ = advise(shape(row), int(row["batch"]), int(row["gpus"]))[0]
+    assert (best.tp, best.pp) == (1, 1)
 
 
 GPT3 = gpt(layers=96, hidden=12288, heads=96, vocab=51200, seq_len=2048, recompute="full")
@@ -720,8 +721,8 @@ def test_interleaving_gain_shrinks_as_the_batch_grows():
 
 def test_scatter_gather_speeds_up_interleaving():
     """§5.7, Fig. 17: the p2p message split over the t adapters of a node, gathered on NVLink."""
-    layout = Layout(8, 12, 1, "interleaved", 2, num_microbatches=60)
-    times = [predict(GPT3, layout, scatter_gather=sg).time.total for sg in (True, False)]
+    interleaved = split(8, 12, schedule="interleaved", chunks=2, num_microbatches=60)
+    times = [predict(GPT3, interleaved, scatter_gather=sg).time.total for sg in (True, False)]
     assert times[0] < times[1]
 
 
@@ -730,7 +731,7 @@ MICROBATCHES = (1, 2, 4, 8)
 
 def _gpt3_by_microbatch() -> list:
     """GPT-3 on t = 8, p = 12, B = 96: b·m = B, so the microbatch size sets m."""
-    return [predict(GPT3, Layout(8, 12, 1, microbatch=b, num_microbatches=96 // b))
+    return [predict(GPT3, split(8, 12, microbatch=b, num_microbatches=96 // b))
             for b in MICROBATCHES]
 
 
@@ -754,16 +755,16 @@ def test_larger_microbatches_raise_efficiency_outside_the_bubble():
 def test_without_a_pipeline_memory_caps_the_microbatch():
     """No bubble to pay: the advisor takes the largest microbatch that fits in memory."""
     m, batch, n = shape(TABLE1[0]), 4096, 32
-    layout, _ = advise(m, batch, n, tp=1, pp=1)[0]
-    b = 2 * layout.microbatch
-    bigger = Layout(1, 1, n, microbatch=b, num_microbatches=batch // (n * b))
+    best, _ = advise(m, batch, n, tp=1, pp=1)[0]
+    b = 2 * best.microbatch
+    bigger = split(dp=n, microbatch=b, num_microbatches=batch // (n * b))
     assert "GiB >" in rejection_reason(m, bigger, n)
 
 
 def test_1909_tensor_parallel_weak_scaling_efficiency_is_77_percent():
     """1909.08053 §5.1, Fig. 5: 1.2B on 1 V100 to 8.3B on 8 (DGX-2H), batch 8: 77% of linear."""
-    one = predict(GPTConfig.preset("megatron-1.2b", recompute="full"), Layout(microbatch=8),
+    one = predict(GPTConfig.preset("megatron-1.2b", recompute="full"), split(microbatch=8),
                   DGX2H_V100)
     eight = predict(GPTConfig.preset("megatron-8.3b", recompute="full"),
-                    Layout(tp=8, microbatch=8), DGX2H_V100)
+                    split(tp=8, microbatch=8), DGX2H_V100)
     assert eight.tflops_per_gpu / one.tflops_per_gpu == pytest.approx(0.77, abs=0.05)

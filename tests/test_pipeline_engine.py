@@ -7,7 +7,7 @@ from megatron_edu import comm
 from megatron_edu.grid import ParallelGrid
 from megatron_edu.launch import run
 from megatron_edu.model import GPT, GPTConfig
-from megatron_edu.pipeline.engine import build_chunks, run_schedule
+from megatron_edu.pipeline.engine import Batch, RunSettings, build_chunks, run_schedule
 from megatron_edu.pipeline.p2p import LABELS
 from megatron_edu.pipeline.schedules import make_schedule, messages_of
 
@@ -33,8 +33,8 @@ def _pipelined(name, tp, pp, v, scatter_gather=False, transport="auto"):
     schedule = make_schedule(name, pp, MICROBATCHES, v)
     chunks = build_chunks(CONFIG, grid, schedule.stages)
     with comm.record() as log:
-        result = run_schedule(schedule, chunks, grid, *_batch(), CONFIG.hidden,
-                              scatter_gather=scatter_gather, transport=transport)
+        result = run_schedule(schedule, chunks, grid, Batch(*_batch()),
+                              RunSettings(scatter_gather, transport))
     grads = [chunk.full_state_dict(grads=True) for chunk in chunks]
     return result.loss, grads, result.timeline, log
 
@@ -102,10 +102,10 @@ def test_scatter_gather_sends_a_tp_th_of_the_bytes_with_the_same_result(serial):
 
 def _bytes_per_activation_element(autocast: bool, param_dtype: torch.dtype) -> float:
     grid = ParallelGrid(pp=2)
-    chunks = [c.to(param_dtype) for c in build_chunks(CONFIG, grid, grid.layout.stages)]
+    chunks = [c.to(param_dtype) for c in build_chunks(CONFIG, grid)]
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), comm.record() as log:
-        result = run_schedule(make_schedule("1f1b", 2, MICROBATCHES), chunks, grid, *_batch(),
-                              CONFIG.hidden)
+        result = run_schedule(make_schedule("1f1b", 2, MICROBATCHES), chunks, grid,
+                              Batch(*_batch()))
     assert torch.isfinite(result.loss)
     send = log.select("send")[0]
     return send.bytes / (BATCH // MICROBATCHES * CONFIG.seq_len * CONFIG.hidden)

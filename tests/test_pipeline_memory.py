@@ -14,7 +14,7 @@ from megatron_edu.launch import run
 from megatron_edu.model import GPTConfig
 from megatron_edu.perf.measure import MemoryMeter
 from megatron_edu.pipeline.backward import backward_input
-from megatron_edu.pipeline.engine import build_chunks, run_schedule
+from megatron_edu.pipeline.engine import Batch, RunSettings, build_chunks, run_schedule
 from megatron_edu.pipeline.schedules import make_schedule
 from megatron_edu.tensor_parallel.random import DropoutKey
 
@@ -59,8 +59,8 @@ def _memory(grid, name, transport):
     for p in (p for c in chunks for p in c.parameters()):  # as in training, gradients exist:
         p.grad = torch.zeros_like(p)                       # accumulated in place, not counted
     with MemoryMeter() as meter:
-        result = run_schedule(schedule, chunks, grid, *_batch(), CONFIG.hidden,
-                              transport=transport)
+        result = run_schedule(schedule, chunks, grid, Batch(*_batch()),
+                              RunSettings(transport=transport))
     actions = schedule[grid.pp_rank]
     return dict(peak=meter.peak, boundary=result.peak_boundary_tensors,
                 expected=_held_by_schedule(actions, per_microbatch, after_b),

@@ -11,7 +11,7 @@ from megatron_edu import comm
 from megatron_edu.grid import ParallelGrid
 from megatron_edu.launch import run
 from megatron_edu.model import GPT, GPTConfig
-from megatron_edu.pipeline.engine import build_chunks, run_schedule
+from megatron_edu.pipeline.engine import Batch, RunSettings, build_chunks, run_schedule
 from megatron_edu.pipeline.p2p import exchange_plan
 from megatron_edu.pipeline.schedules import make_schedule, messages_of
 from megatron_edu.pipeline.stages import Message, StageMap
@@ -100,8 +100,9 @@ def _batches_of_every_schedule(p):
         m = 2 * p
         schedule = make_schedule(name, p, m, v)
         chunks = build_chunks(_config(p, v), grid, schedule.stages)
+        batched = RunSettings(transport="batched")
         with comm.record() as log:
-            run_schedule(schedule, chunks, grid, *_batch(m), 16, transport="batched")
+            run_schedule(schedule, chunks, grid, Batch(*_batch(m)), batched)
         grads = [c.full_state_dict(grads=True) for c in chunks]
         results[name, v] = (_batches(log), grads)
     return results

@@ -11,7 +11,7 @@ from megatron_edu import comm
 from megatron_edu.grid import ParallelGrid
 from megatron_edu.launch import run
 from megatron_edu.model import GPTConfig
-from megatron_edu.pipeline.engine import build_chunks, run_schedule
+from megatron_edu.pipeline.engine import Batch, build_chunks, run_schedule
 from megatron_edu.pipeline.reference import pipeline_step
 from megatron_edu.pipeline.schedules import gpipe, one_f_one_b
 
@@ -54,7 +54,7 @@ def _pp_messages(log, op):
 def _compare(p, cases):
     """On this rank: for every case, the reference and the engine on copies of one stage."""
     grid = ParallelGrid(pp=p)
-    [stage] = build_chunks(CONFIG, grid, grid.layout.stages)
+    [stage] = build_chunks(CONFIG, grid)
     ids, labels = _batch()
     outcomes = {}
     for name, m in cases:
@@ -62,8 +62,7 @@ def _compare(p, cases):
         with comm.record() as ref_log:
             ref_loss = pipeline_step(ref, grid, ids, labels, m, CONFIG.hidden, schedule=name)
         with comm.record() as eng_log:
-            eng_loss = run_schedule(SCHEDULES[name](p, m), [eng], grid, ids, labels,
-                                    CONFIG.hidden).loss
+            eng_loss = run_schedule(SCHEDULES[name](p, m), [eng], grid, Batch(ids, labels)).loss
         outcomes[name, m] = Outcome(
             (ref_loss, eng_loss), (_grads(ref), _grads(eng)),
             (_pp_messages(ref_log, "send"), _pp_messages(eng_log, "send")),

@@ -12,6 +12,7 @@ from megatron_edu.launch import run
 from megatron_edu.model import GPT, GPTConfig
 from megatron_edu.model.transformer import IGNORE_INDEX
 from megatron_edu.optim import build_param_groups
+from megatron_edu.pipeline import PipelineConfig
 from megatron_edu.ptdp import PTDP, PTDPOptions
 from megatron_edu.tensor_parallel.random import DropoutKey
 
@@ -53,9 +54,9 @@ def _serial(config=CONFIG, masked=False):
     return losses, norms, model.full_state_dict()
 
 
-def _ptdp(layout, options, config=CONFIG, masked=False):
-    grid = ParallelGrid(layout)
-    trainer = PTDP(config, grid, options)
+def _ptdp(layout, options, split, config=CONFIG, masked=False):
+    grid = ParallelGrid(layout, embedding_ranks=split["pipeline"].stages(layout.pp).ends)
+    trainer = PTDP(config, grid, options, **split)
     dp = layout.dp
     losses, norms = [], []
     with comm.record() as log:
@@ -93,15 +94,16 @@ def _check_equal_to_serial(serial, out):
     assert held == serial_params.keys()
 
 
-LAYOUT_FIELDS = {"schedule", "chunks", "num_microbatches", "zero", "cp"}
+PIPELINE_FIELDS = {"schedule", "chunks", "num_microbatches"}
 
 
-def _split(tp, pp, dp, **overrides):
-    """(the Layout, the PTDPOptions) of a run: two microbatches unless said otherwise."""
-    layout = {k: v for k, v in overrides.items() if k in LAYOUT_FIELDS}
-    options = {k: v for k, v in overrides.items() if k not in LAYOUT_FIELDS}
-    return (Layout(tp, pp, dp, **{"num_microbatches": 2, **layout}),
-            PTDPOptions(**{"lr": LR, "clip": CLIP, "eps": EPS, **options}))
+def _split(tp, pp, dp, cp=1, zero=0, **overrides):
+    """(the Layout, the PTDPOptions, PTDP's pipeline and zero) of a run: two microbatches
+    unless said otherwise."""
+    pipeline = {k: v for k, v in overrides.items() if k in PIPELINE_FIELDS}
+    options = {k: v for k, v in overrides.items() if k not in PIPELINE_FIELDS}
+    return (Layout(tp, pp, dp, cp), PTDPOptions(**{"lr": LR, "clip": CLIP, "eps": EPS, **options}),
+            dict(pipeline=PipelineConfig(**{"num_microbatches": 2, **pipeline}), zero=zero))
 
 
 DROPOUT = dataclasses.replace(CONFIG, dropout=0.1)
@@ -112,9 +114,9 @@ def _every_layout_of_8():
 
 
 def _inf_on_one_rank(tp, pp, dp, zero1, bad_rank):
-    layout, options = _split(tp, pp, dp, zero=int(zero1))
+    layout, options, split = _split(tp, pp, dp, zero=int(zero1))
     grid = ParallelGrid(layout)
-    trainer = PTDP(CONFIG, grid, options)
+    trainer = PTDP(CONFIG, grid, options, **split)
     (ids, labels), *_ = _batches()
     mine = slice(grid.dp_rank * GLOBAL_BATCH // dp, (grid.dp_rank + 1) * GLOBAL_BATCH // dp)
     before = {k: v.clone() for c in trainer.chunks for k, v in c.state_dict().items()}
@@ -177,6 +179,10 @@ CASES = {  # name -> (world size, function, arguments); every case of one size i
     "dropout-cp4": _training(1, 1, 1, DROPOUT, cp=4),
     "dropout-dp2-zero2": _training(1, 1, 2, DROPOUT, zero=2),
     "dropout-dp4-zero3": _training(1, 1, 4, DROPOUT, zero=3),
+    "dropout-tp2": _training(2, 1, 1, DROPOUT),
+    "dropout-tp2-pp2-dp2": _training(2, 2, 2, DROPOUT, schedule="interleaved", chunks=2),
+    "dropout-tp2-cp2-sp": _training(2, 1, 1, dataclasses.replace(DROPOUT, sequence_parallel=True),
+                                    cp=2),
     "masked-pp2-dp2": _training(1, 2, 2, masked=True),
     "masked-tp2-dp2": _training(2, 1, 2, masked=True),
     "masked-dp4": _training(1, 1, 4, masked=True),
@@ -240,8 +246,9 @@ def test_zero3_with_recomputation_and_sequence_parallelism_takes_the_serial_step
 
 
 def test_dp_gradients_are_all_reduced_once_per_step_not_per_microbatch():
-    for *_, log in _result("accumulate-4"):
-        assert log.count("all_reduce", group="dp", label="dp grads") == STEPS  # one bucket
+    for _, _, params, log in _result("accumulate-4"):
+        buckets = 2 if "embedding.word.weight" in params else 1   # the tied embedding: its own
+        assert log.count("all_reduce", group="dp", label="dp grads") == buckets * STEPS
         assert log.count(label="embedding grads") == STEPS  # pp=2: both stages hold a copy
 
 
@@ -252,7 +259,7 @@ def test_scatter_gather_divides_the_bytes_between_stages_by_tp():
         assert log_a.total_bytes("send") == 2 * log_b.total_bytes("send") > 0
 
 
-# --- dropout on: every tp = 1 layout draws the serial model's masks -----------------------------
+# --- dropout on: every layout draws the serial model's masks, tp > 1 too -------------------------
 
 @pytest.fixture(scope="module")
 def serial_with_dropout():
@@ -260,8 +267,10 @@ def serial_with_dropout():
 
 
 @pytest.mark.parametrize("name", ["serial-ptdp", "pp2", "pp4", "interleaved", "dp2", "dp4",
-                                  "pp2-dp2-zero1", "cp4", "dp2-zero2", "dp4-zero3"])
-def test_with_dropout_every_tp1_layout_takes_the_serial_steps(serial_with_dropout, name):
+                                  "pp2-dp2-zero1", "cp4", "dp2-zero2", "dp4-zero3", "tp2",
+                                  "tp2-pp2-dp2", "tp2-cp2-sp"])
+def test_with_dropout_every_layout_takes_the_serial_steps(serial_with_dropout, name):
+    """Each tp rank draws its heads' part of the serial attention masks (``random.py``)."""
     _check_equal_to_serial(serial_with_dropout, _result(f"dropout-{name}"))
 
 

@@ -32,6 +32,7 @@ from megatron_edu.tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 from megatron_edu.tensor_parallel.random import keep_mask, mask_seed
+from megatron_edu.tensor_parallel.sequence_parallel import STYLES
 
 B, S, H, FFN, VOCAB, PADDED = 2, 5, 8, 16, 100, 128
 CE_VOCAB = 60  # < 128/2: at tp = 2 and 4 some ranks hold nothing but padding
@@ -50,12 +51,12 @@ def _grad_diff(param, ref_grad, group):
 
 
 def _column(group):
-    layer = ColumnParallelLinear(H, FFN, group, gather_output=True)
+    layer = ColumnParallelLinear(H, FFN, group)
     init_parameters(layer, seed=1, group=group)
     w, b = _leaf(gather_full(layer.weight, 0, group)), _leaf(gather_full(layer.bias, 0, group))
     x, x_ref, r = _leaf(_rand(B, S, H, seed=2)), _leaf(_rand(B, S, H, seed=2)), _rand(FFN, seed=3)
     with comm.record() as log:
-        y = layer(x)
+        y = comm.gather(layer(x), group)          # the slices gathered: the whole Y
         (y * r).sum().backward()
     y_ref = F.linear(x_ref, w, b)
     (y_ref * r).sum().backward()
@@ -240,8 +241,8 @@ def _block_on_the_wire(group, sp):
 def _overlap_step(config, grid, overlap, bf16):
     """Loss, this rank's gradients and the collectives of one GPT step, dropout on."""
     model = GPT(dataclasses.replace(config, async_tp=overlap), grid)
-    assert all(layer.async_tp == overlap for layer in model.modules()
-               if isinstance(layer, ColumnParallelLinear))
+    assert all(type(layer.style) is STYLES[config.sequence_parallel, overlap]
+               for layer in model.modules() if isinstance(layer, ColumnParallelLinear))
     ids = torch.randint(0, config.vocab_size, (4, 17), generator=torch.Generator().manual_seed(0))
     with comm.record() as log:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
@@ -301,21 +302,25 @@ def test_async_tp_gives_the_same_loss_gradients_and_collectives_bit_for_bit(wire
 KEY = DropoutKey(step=4, samples=(7, 8))
 
 
-def _mask(key=KEY, layer=3, tp_rank=None, rows=2, shape=(64,)):
-    return Dropout(0.5, seed=5, layer=layer, site="mlp output", tp_rank=tp_rank).train()(
+def _mask(key=KEY, layer=3, parts=((0, 1),), rows=2, shape=(64,)):
+    return Dropout(0.5, seed=5, layer=layer, site="mlp output", parts=parts).train()(
         torch.ones(rows, *shape), key) != 0
 
 
 def _check_dropout():
+    """Outside the regions every tp rank draws the whole mask; inside, its part of the heads:
+    rank r of t the r-th of t parts of dim 1 (here t = 2 parts of 4 heads × 16)."""
     group = ParallelGrid(tp=2).tp_group
     torch.manual_seed(123)
     expected_default = torch.rand(3)
     torch.manual_seed(123)
-    replicated, split = _mask(), _mask(tp_rank=group.rank)
+    replicated = _mask(shape=(8, 16))
+    split = _mask(parts=((group.rank, group.size),), shape=(4, 16))
     untouched = torch.equal(torch.rand(3), expected_default)
     gathered = [comm.all_gather(m.float()[None], group, dim=0) for m in (replicated, split)]
     return {"replicated_equal": torch.equal(gathered[0][0], gathered[0][1]),
             "split_equal": torch.equal(gathered[1][0], gathered[1][1]),
+            "split_is_the_whole": torch.equal(torch.cat(list(gathered[1]), 1), replicated.float()),
             "default_untouched": untouched}
 
 
@@ -330,6 +335,12 @@ def test_dropout_outside_split_regions_is_the_same_on_every_tp_rank(dropout):
 
 def test_dropout_inside_split_regions_differs_between_tp_ranks(dropout):
     assert not any(r["split_equal"] for r in dropout)
+
+
+def test_the_tp_ranks_heads_masks_are_the_serial_mask(dropout):
+    """1909.08053 App. B.2 wants different masks for different heads: here they are different
+    elements of the one serial mask, so any tp draws the serial model's masks."""
+    assert all(r["split_is_the_whole"] for r in dropout)
 
 
 def test_dropout_leaves_the_default_generator_untouched(dropout):
@@ -369,7 +380,7 @@ def test_a_mask_is_the_formula_computed_element_by_element():
 def test_a_sequence_parallel_rank_computes_exactly_its_slice_of_the_whole_mask(parts):
     whole = _mask(rows=2, shape=(8, 12))
     for part in range(parts):
-        mine = Dropout(0.5, seed=5, layer=3, site="mlp output", sequence_parts=((part, parts),))
+        mine = Dropout(0.5, seed=5, layer=3, site="mlp output", parts=((part, parts),))
         assert torch.equal(mine.keep(KEY, torch.ones(2, 8 // parts, 12)),
                            whole.chunk(parts, dim=1)[part])
 
@@ -378,8 +389,8 @@ N = 1 << 20                   # elements per mask: a standard deviation of ~0.05
 
 
 @functools.cache
-def _big(p=0.3, key=KEY, layer=3, site="mlp output", tp_rank=None, rows=2):
-    return Dropout(p, seed=5, layer=layer, site=site, tp_rank=tp_rank).keep(
+def _big(p=0.3, key=KEY, layer=3, site="mlp output", rows=2):
+    return Dropout(p, seed=5, layer=layer, site=site).keep(
         key, torch.empty(rows, N, dtype=torch.bool)).float()
 
 
@@ -390,10 +401,10 @@ def test_a_mask_keeps_one_minus_p_of_the_elements(p):
 
 
 @pytest.mark.parametrize("other", [dict(key=DropoutKey(5, (7, 8))), dict(layer=4),
-                                   dict(site="attention output"), dict(tp_rank=0),
+                                   dict(site="attention output"),
                                    dict(key=DropoutKey(4, (9, 10)))],
-                         ids=["step", "layer", "site", "region", "sample"])
-def test_masks_of_another_step_layer_site_region_or_sample_are_independent(other):
+                         ids=["step", "layer", "site", "sample"])
+def test_masks_of_another_step_layer_site_or_sample_are_independent(other):
     p = 0.3                    # independent masks agree on p² + (1 − p)² of the elements
     agree = (_big(p, **other) == _big(p)).float().mean().item()
     expected = p * p + (1 - p) ** 2

@@ -52,7 +52,19 @@ def test_loss_decreases_and_everything_is_written(tmp_path, cache):
     assert read_metadata(tmp_path)["step"] == 12
     written = sum(f.stat().st_size for f in (tmp_path / "checkpoints" / "step_000012").iterdir())
     plan = validate(parse_args([*TINY, "--nproc", "2", "--tp", "2"]))
-    assert checkpoint_bytes(plan.config, plan.layout) == pytest.approx(written, rel=0.1)
+    assert checkpoint_bytes(plan.config, plan.parallelism) == pytest.approx(written, rel=0.1)
+
+
+def test_with_dropout_tensor_parallel_runs_take_the_serial_runs_steps(tmp_path, cache):
+    """Dropout 0.1: tp = 2, alone and with cp = 2, ZeRO-3 and pp = 2, gives the serial run's
+    losses — each tp rank draws its heads' part of the serial attention masks."""
+    steps = ["--steps", "2", "--eval-interval", "100", "--save-interval", "100",
+             "--dropout", "0.1"]
+    serial = _losses(_train(tmp_path / "serial", cache, "--nproc", "1", *steps))
+    for layout in (["--nproc", "2"], ["--nproc", "4", "--cp", "2"],
+                   ["--nproc", "4", "--zero", "3"], ["--nproc", "4", "--pp", "2"]):
+        losses = _losses(_train(tmp_path / "_".join(layout), cache, "--tp", "2", *layout, *steps))
+        assert losses == pytest.approx(serial, abs=1e-5), layout
 
 
 def test_with_recompute_hfu_counts_the_recomputed_forward(tmp_path, cache):
@@ -250,7 +262,7 @@ def test_a_folder_in_use_or_too_small_is_refused_and_the_lock_always_released(
     release_lock(tmp_path)
 
     plan = validate(parse_args(argv))
-    need = checkpoint_bytes(plan.config, plan.layout)
+    need = checkpoint_bytes(plan.config, plan.parallelism)
     monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(free=1000))
     assert main(argv) == 2
     assert capsys.readouterr().err == (

@@ -13,9 +13,9 @@ from megatron_edu.course.viz.data_parallel import (
     format_bytes,
     show_zero1_memory,
 )
-from megatron_edu.data_parallel import BucketTiming
 from megatron_edu.model import GPTConfig
 from megatron_edu.perf import GIB, MemoryEstimate, wire_bytes_by_group
+from megatron_edu.timing import BucketTiming
 
 START = 10.0  # perf_counter seconds when backward started
 BUCKETS = [BucketTiming(0, 4000, START + 0.010, START + 0.010, START + 0.030),

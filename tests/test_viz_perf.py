@@ -35,6 +35,8 @@ from megatron_edu.perf import (
     table1_config,
 )
 from megatron_edu.perf.papers import PAPERS_DIR
+from megatron_edu.pipeline import PipelineConfig
+from megatron_edu.ptdp import Parallelism
 
 SMALL = GPTConfig(vocab_size=1024, seq_len=128, num_layers=8, hidden=256, num_heads=8,
                   recompute="full")
@@ -102,11 +104,11 @@ def test_gpipe_holds_every_microbatch_on_every_stage():
 
 
 def test_memory_bars_stack_up_to_the_estimate():
-    layouts = [Layout(1, 2, 8, num_microbatches=4), Layout(2, 4, 2, microbatch=2,
-                                                          num_microbatches=8)]
-    predictions = [predict(SMALL, x) for x in layouts]
+    splits = [Parallelism(Layout(1, 2, 8), PipelineConfig(num_microbatches=4)),
+              Parallelism(Layout(2, 4, 2), PipelineConfig(microbatch=2, num_microbatches=8))]
+    predictions = [predict(SMALL, x) for x in splits]
     ax = draw_memory_per_gpu(predictions)
-    heights = np.array(_bar_heights(ax)).reshape(4, len(layouts)).sum(axis=0)
+    heights = np.array(_bar_heights(ax)).reshape(4, len(splits)).sum(axis=0)
     totals = [p.memory.total / GIB for p in predictions]
     assert heights == pytest.approx(totals)
 
@@ -120,38 +122,37 @@ def test_table1_figure_has_two_bars_per_row_and_a_breakdown_per_row(table1):
     for r in rows:
         tp = int(r["tensor_parallel"])
         dp = int(r["gpus"]) // tp
-        preds.append(predict(table1_config(r), Layout(tp, 1, dp,
-                                                      num_microbatches=int(r["batch"]) // dp)))
+        pipeline = PipelineConfig(num_microbatches=int(r["batch"]) // dp)
+        preds.append(predict(table1_config(r), Parallelism(Layout(tp, 1, dp), pipeline)))
     fig = draw_table1(rows, preds)
     assert (len(fig.axes[0].patches), len(fig.axes[1].patches)) == (2 * 3, 6 * 3)
 
 
 def test_breakdown_shares_add_up_to_one(table1):
     row = table1[0]
-    pred = predict(table1_config(row), Layout(1, 1, 32, microbatch=4,
-                                              num_microbatches=int(row["batch"]) // 128))
+    pipeline = PipelineConfig(microbatch=4, num_microbatches=int(row["batch"]) // 128)
+    pred = predict(table1_config(row), Parallelism(Layout(dp=32), pipeline))
     fig = draw_table1([row], [pred])
     assert sum(_bar_heights(fig.axes[1])) == pytest.approx(1.0)
 
 
 def test_advisor_figure_has_three_bars_per_row(table1):
     rows = table1[:2]
-    preds = [predict(table1_config(r), Layout(1, 1, int(r["gpus"]), microbatch=4,
-                                              num_microbatches=int(r["batch"] / r["gpus"] / 4)))
-             for r in rows]
+    preds = [predict(table1_config(r), Parallelism(Layout(dp=int(r["gpus"])), PipelineConfig(
+        microbatch=4, num_microbatches=int(r["batch"] / r["gpus"] / 4)))) for r in rows]
     ax = draw_advisor_vs_table1(rows, preds, preds)
     assert len(ax.patches) == 3 * 2
 
 
-def test_best_per_split_keys_match_their_layouts():
+def test_best_per_split_keys_match_their_splits():
     best = best_per_split(SMALL, BATCH, GPUS)
-    assert all((p.layout.tp, p.layout.pp) == key for key, p in best.items())
+    assert all((p.parallelism.tp, p.parallelism.pp) == key for key, p in best.items())
 
 
 def test_best_per_split_is_the_fastest_of_its_split():
     best = best_per_split(SMALL, BATCH, GPUS)[2, 4]
-    rivals = [predict(SMALL, Layout(2, 4, 2, microbatch=b, num_microbatches=16 // b)).time.total
-              for b in (1, 2, 4, 8, 16)]
+    rivals = [predict(SMALL, Parallelism(Layout(2, 4, 2), PipelineConfig(
+        microbatch=b, num_microbatches=16 // b))).time.total for b in (1, 2, 4, 8, 16)]
     assert best.time.total <= min(rivals)
 
 

@@ -12,10 +12,8 @@ from megatron_edu.course.viz.zero import (
     draw_zero_stages,
     gather_leads,
     held_per_param,
-    reduce_scatters,
 )
-from megatron_edu.data_parallel import BucketTiming
-from megatron_edu.data_parallel.zero3 import UnitEvent
+from megatron_edu.timing import UnitEvent
 from tests.test_viz_dp import _agg_backend  # noqa: F401  (autouse: draw only, no window)
 from tests.test_viz_dp import _bars as _patches
 
@@ -137,14 +135,6 @@ def test_a_gather_launched_after_the_pass_ended_has_a_negative_lead():
 class _Bucket:
     def __init__(self, index):
         self.index = index
-
-
-def test_reduce_scatters_are_put_on_their_units():
-    timeline = [BucketTiming(0, 800, T + 0.038, T + 0.040, T + 0.040),
-                BucketTiming(1, 800, T + 0.058, T + 0.060, T + 0.060)]
-    units = [("root", [_Bucket(2)]), ("block 0", [_Bucket(1)]), ("block 1", [_Bucket(0)])]
-    assert reduce_scatters(timeline, units) == [(2, T + 0.038, T + 0.040),
-                                                (1, T + 0.058, T + 0.060)]
 
 
 def test_the_timeline_draws_every_event_on_its_unit_in_ms():

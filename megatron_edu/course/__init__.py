@@ -8,5 +8,5 @@ ln_placement.py  the layer-norm experiment behind notebook 11's Figure 7 curves
 
 The core (launch, grid, comm, tensor_parallel, model, pipeline, data_parallel, optim, ptdp) never
 imports this package (tests/test_packaging.py checks it); exercises plug into the core through
-its parameters (e.g. ``run_schedule(..., messages=...)``), never by patching it.
+its parameters (e.g. ``run_schedule(..., RunSettings(messages=...))``), never by patching it.
 """

@@ -24,7 +24,8 @@ class Bucket:
     """Consecutive parameters whose gradients (and, under ZeRO, values) share a flat buffer.
 
     The buffer is padded to a multiple of dp so that it splits into dp equal shards; dp rank r
-    owns shard r (``shard``). What lives when, by ZeRO stage (Rajbhandari et al. 2020, §5):
+    owns shard r, [``start``, ``end``). Which buffers exist, and when, is the data-parallel
+    stage's to say (Rajbhandari et al. 2020, §5; each class's docstring):
 
     ==========  =============================================  ===================================
     stage       gradients                                      parameters
@@ -40,9 +41,8 @@ class Bucket:
     ==========  =============================================  ===================================
     """
 
-    def __init__(self, index: int, params: list[nn.Parameter], dp: int, rank: int = 0,
-                 zero: int = 0) -> None:
-        self.index, self.params, self.dp, self.zero = index, params, dp, zero
+    def __init__(self, index: int, params: list[nn.Parameter], dp: int, rank: int = 0) -> None:
+        self.index, self.params, self.dp = index, params, dp
         self.offsets = [0, *itertools.accumulate(p.numel() for p in params)]  # [start of each]
         self._position = {id(p): i for i, p in enumerate(params)}
         self.numel = math.ceil(self.offsets[-1] / dp) * dp
@@ -53,15 +53,10 @@ class Bucket:
         self.grad_shard: torch.Tensor | None = None
         self.param_data: torch.Tensor | None = None
         self.param_shard: torch.Tensor | None = None
-        if zero <= 1:
-            self.grad_data = self._zeros(self.numel)
-        if zero == 1:
-            self.grad_shard = self.grad_data[self.start:self.end]
-        if zero >= 2:
-            self.grad_shard = self._zeros(self.numel // dp)
 
-    def _zeros(self, n: int) -> torch.Tensor:
-        return torch.zeros(n, dtype=self.dtype, device=self.device)
+    def zeros(self, n: int | None = None) -> torch.Tensor:
+        """A buffer of ``n`` zeros (default: the whole bucket) in its dtype, on its device."""
+        return torch.zeros(self.numel if n is None else n, dtype=self.dtype, device=self.device)
 
     @property
     def bytes(self) -> int:
@@ -85,50 +80,24 @@ class Bucket:
     @torch.no_grad()
     def flatten_params(self) -> None:
         """Move the parameters into one flat buffer, so that shards can be all-gathered in place
-        (ZeRO-1, 2); ZeRO-3 then keeps only this rank's shard of it (``free_params``)."""
-        self.param_data = self._zeros(self.numel)
+        (ZeRO): each parameter becomes a view of ``param_data``, ``param_shard`` this rank's
+        part of it."""
+        self.param_data = self.zeros()
         for p, view in self.views(self.param_data):
             view.copy_(p)
             p.data = view
         self.param_shard = self.param_data[self.start:self.end]
-        if self.zero == 3:
-            self.param_shard = self.param_shard.clone()      # the master copy, at rest
-            self.free_params()
-
-    @property
-    def params_gathered(self) -> bool:
-        """ZeRO-3: is ``param_data`` whole now (else its storage is empty)?"""
-        return self.param_data.untyped_storage().nbytes() > 0
-
-    @torch.no_grad()
-    def fill_params(self, whole: torch.Tensor) -> None:
-        """ZeRO-3: give ``param_data`` its storage back and the gathered values."""
-        self.param_data.untyped_storage().resize_(self.bytes)
-        self.param_data.copy_(whole)
-
-    def free_params(self) -> None:
-        """ZeRO-3: empty ``param_data``'s storage. The parameters stay its views — their shapes
-        intact, their values gone until ``fill_params`` — and so does what autograd saved of
-        them: in backward it reads the refilled storage (FSDP's storage resize)."""
-        self.param_data.untyped_storage().resize_(0)
-
-    def open_grads(self) -> torch.Tensor:
-        """ZeRO-2, 3: the whole gradient buffer of one backward, zeros until gradients land."""
-        if self.grad_data is None:
-            self.grad_data = self._zeros(self.numel)
-        return self.grad_data
 
 
 def make_buckets(modules: list[nn.Module], bucket_bytes: float, dp: int,
-                 alone: Iterable[nn.Parameter] = (), rank: int = 0,
-                 zero: int = 0) -> list[Bucket]:
+                 alone: Iterable[nn.Parameter] = (), rank: int = 0) -> list[Bucket]:
     """Trainable parameters in reverse registration order (last module first), cut into buckets.
 
     A bucket closes once it holds ``bucket_bytes``, at the end of each module and where the dtype
-    changes. Each parameter in ``alone`` gets a bucket of its own (ZeRO-1 gives one to a tied
-    embedding, so that its shards are laid out alike on the first and the last pipeline stage
-    and the two copies' gradients can be summed shard by shard, as in Megatron-LM). ``rank``
-    and ``zero``: this rank's place among the dp ranks and the ZeRO stage (``Bucket``).
+    changes. Each parameter in ``alone`` gets a bucket of its own (a tied embedding: its shards
+    are then laid out alike on the first and the last pipeline stage, and the two copies'
+    gradients can be summed shard by shard under ZeRO, as in Megatron-LM). ``rank``: this
+    rank's place among the dp ranks.
     """
     alone = {id(p) for p in alone}
     groups: list[list[nn.Parameter]] = []
@@ -148,7 +117,7 @@ def make_buckets(modules: list[nn.Module], bucket_bytes: float, dp: int,
                 current = []
         if current:
             groups.append(current)
-    return [Bucket(i, params, dp, rank, zero) for i, params in enumerate(groups)]
+    return [Bucket(i, params, dp, rank) for i, params in enumerate(groups)]
 
 
 def _nbytes(params: list[nn.Parameter]) -> int:

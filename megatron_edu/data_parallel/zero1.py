@@ -1,18 +1,20 @@
-"""ZeRO stage 1 (Rajbhandari et al. 2020; Megatron-LM's distributed optimizer): the optimizer
-state sharded over the dp ranks — and the optimizer of stages 2 and 3.
+"""ZeRO stage 1 (Rajbhandari et al. 2020, "P_os"; Megatron-LM's distributed optimizer): the
+optimizer state sharded over the dp ranks.
 
-With ``DataParallel(..., zero=1)`` each dp rank owns 1/dp of every bucket: backward
-reduce-scatters the gradients (a rank receives only its shard's sum), the optimizer — and so its
-Adam moments — exists for that shard only, and the updated shards are all-gathered back into
-every replica's weights. The traffic equals one all-reduce (= reduce-scatter + all-gather); the
-optimizer state per rank falls to 1/dp. Under ZeRO-2 the gradient shards are all a rank holds of
-the gradients, and under ZeRO-3 the parameter shards all it holds of the weights: the optimizer
-steps the same shards (``Bucket.param_shard``, ``grad_shard``); ZeRO-3 gathers nothing after
-the step — the next forward does (``zero3.py``).
+Each dp rank owns 1/dp of every bucket (``Bucket.shard``): backward reduce-scatters the
+gradients (a rank receives only its shard's sum), the optimizer — and so its Adam moments —
+exists for that shard only, and the updated shards are all-gathered back into every replica's
+weights. The traffic equals one all-reduce (= reduce-scatter + all-gather); the optimizer state
+per rank falls to 1/dp.
 
-"The dp ranks" are the ranks of ``ddp.group``: under context parallelism PTD-P gives it the
-dp × cp ranks that hold the same weights (``grid.dp_cp_group``), so the state falls to 1/(dp·cp),
-as megatron-core shards its distributed optimizer over data-parallel-with-context ranks.
+What a rank steps is its ``Piece``s: the parts of parameters that lie in its shards, views of
+the flat parameter and gradient buffers. ``DistributedOptimizer`` runs any element-wise
+optimizer over them; ZeRO-2 and ZeRO-3 (``zero2.py``, ``zero3.py``) keep the pieces and shard
+more.
+
+"The dp ranks" are the ranks of the group: under context parallelism PTD-P gives it the dp × cp
+ranks that hold the same weights (``grid.dp_cp_group``), so the state falls to 1/(dp·cp), as
+megatron-core shards its distributed optimizer over data-parallel-with-context ranks.
 """
 
 from __future__ import annotations
@@ -24,11 +26,12 @@ import torch
 from torch import nn
 
 from megatron_edu import comm
-from megatron_edu.data_parallel.ddp import DataParallel
+from megatron_edu.data_parallel.buckets import Bucket
+from megatron_edu.data_parallel.ddp import DataParallel, Launched
 from megatron_edu.grid import ParallelGrid
-from megatron_edu.optim import counted_in_norm, global_grad_norm, optimizer_state_bytes, scale_grads
+from megatron_edu.optim import counted_in_norm, global_grad_norm, scale_grads
 
-__all__ = ["Piece", "DistributedOptimizer"]
+__all__ = ["ZeRO1", "Piece", "DistributedOptimizer"]
 
 
 @dataclass(eq=False)
@@ -36,7 +39,7 @@ class Piece:
     """The part of parameter ``param`` that lies in this rank's shard of a bucket.
 
     ``tensor`` is a view of the bucket's flat parameter buffer (an update lands in the model's
-    weights) whose ``.grad`` views the same range of the gradient buffer; the optimizer steps it.
+    weights) whose ``.grad`` views the same range of the gradient shard; the optimizer steps it.
     ``offset``: where it starts in ``param`` flattened (to assemble whole states for checkpoints).
     """
 
@@ -45,31 +48,88 @@ class Piece:
     offset: int
 
 
+class ZeRO1(DataParallel):
+    """``DataParallel`` whose gradients are reduce-scattered — each rank receives its shard's
+    sum, launched as asynchronously and kept when waited for (Megatron-LM's
+    ``overlap_grad_reduce``) — and whose optimizer steps this rank's shard only, then
+    all-gathers the updated weights (``optimizer``: a ``DistributedOptimizer``). The arguments
+    are ``DataParallel``'s."""
+
+    shards_optimizer = True          # each rank holds its pieces' state only (checkpoints)
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if any(p.dtype != torch.float32 for p in self.params):
+            raise ValueError("ZeRO keeps fp32 parameters, the master weights (use autocast for "
+                             "bf16/fp16 compute)")
+        self.pieces = [piece for bucket in self.buckets for piece in _pieces(bucket)]
+
+    def _allocate(self, bucket: Bucket) -> None:
+        super()._allocate(bucket)                    # the whole gradients, as stage 0
+        bucket.grad_shard = bucket.grad_data[bucket.start:bucket.end]
+        bucket.flatten_params()
+
+    def _reduce(self, bucket: Bucket) -> Launched:
+        """Start the reduce-scatter: only this rank's shard's sum comes back."""
+        work, mine = comm.reduce_scatter(bucket.grad_data, self.group, dim=0, label="dp grads",
+                                         async_op=True, tag=bucket.index)
+        return work, lambda: bucket.grad_shard.copy_(mine)
+
+    def local_grads(self, params: Iterable[nn.Parameter]) -> list[torch.Tensor]:
+        """The gradients this rank holds of ``params``: their pieces in its shards."""
+        wanted = {id(p) for p in params}
+        return [piece.tensor.grad for piece in self.pieces if id(piece.param) in wanted]
+
+    def held_grads(self) -> list[torch.Tensor]:
+        return [b.grad_shard for b in self.buckets]
+
+    def clip_grad_norm_(self, max_norm: float, grid: ParallelGrid,
+                        tied_copies: Iterable[nn.Parameter] = ()) -> float:
+        """Clip by the global norm; each rank holds 1/dp of the gradients, so their squares are
+        summed over dp (× cp) too. ``tied_copies``: parameters whose original another stage
+        holds (counted there)."""
+        copies = {id(p) for p in tied_copies}
+        counted = [piece.tensor.grad for piece in self.pieces
+                   if counted_in_norm(piece.param, grid.tp_rank) and id(piece.param) not in copies]
+        norm = global_grad_norm(counted, grid, sum_over=(self.group,))
+        scale_grads([piece.tensor.grad for piece in self.pieces], norm, max_norm)
+        return norm
+
+    def optimizer(self, param_groups: list[dict], optimizer_cls: type[torch.optim.Optimizer],
+                  **defaults) -> DistributedOptimizer:
+        return DistributedOptimizer(param_groups, self, optimizer_cls, **defaults)
+
+    @torch.no_grad()
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Step this rank's pieces, then give every rank every updated shard."""
+        optimizer.step()
+        for bucket in self.buckets:
+            bucket.param_data.copy_(comm.all_gather(bucket.param_shard, self.group, dim=0,
+                                                    label="dp params"))
+
+
 class DistributedOptimizer:
-    """ZeRO stage 1: any element-wise optimizer, run by each dp rank on its 1/dp shard of every
-    bucket, then the shards are all-gathered.
+    """Any element-wise optimizer, run by each dp rank on its pieces of a ZeRO stage's buckets
+    (``ZeRO1.optimizer`` builds it).
 
     ``params``: parameters or param groups (as for ``torch.optim``; e.g. ``build_param_groups``),
-    covering exactly the parameters of ``ddp``, whose ``zero`` stage must be 1, 2 or 3.
-    ``optimizer_cls(**defaults)`` is built over the ``Piece`` tensors of this rank, each in its
-    parameter's group. Element-wise update rules (SGD, Adam, AdamW) give exactly the unsharded
-    result; rules that need a whole tensor (LAMB's trust ratio, Adafactor) would not. Parameters
-    are fp32 here — they are the master weights (mixed precision by autocast) — so ZeRO's
-    separate fp32 master copy is not needed.
+    covering exactly the parameters of ``zero``. ``optimizer_cls(**defaults)`` is built over the
+    ``Piece`` tensors of this rank, each in its parameter's group. Element-wise update rules
+    (SGD, Adam, AdamW) give exactly the unsharded result; rules that need a whole tensor (LAMB's
+    trust ratio, Adafactor) would not. Parameters are fp32 here — they are the master weights
+    (mixed precision by autocast) — so ZeRO's separate fp32 master copy is not needed.
     """
 
-    def __init__(self, params: Iterable, ddp: DataParallel,
+    def __init__(self, params: Iterable, zero: ZeRO1,
                  optimizer_cls: type[torch.optim.Optimizer] = torch.optim.AdamW,
                  **defaults) -> None:
-        if ddp.zero == 0:
-            raise ValueError("DistributedOptimizer needs DataParallel(..., zero=1, 2 or 3): its "
-                             "gradients must be reduce-scattered, not all-reduced")
-        if any(p.dtype != torch.float32 for p in ddp.params):
-            raise ValueError("DistributedOptimizer keeps fp32 parameters (use autocast for "
-                             "bf16/fp16 compute)")
-        self.ddp, self.group = ddp, ddp.group
-        groups = _param_groups(params, ddp)
-        self.pieces = _shard_pieces(ddp, groups)
+        self.ddp, self.group, self.pieces = zero, zero.group, zero.pieces
+        groups = _param_groups(params, zero)
+        group_of = {id(p): i for i, g in enumerate(groups) for p in g["params"]}
+        for g in groups:
+            g["params"] = []
+        for piece in self.pieces:
+            groups[group_of[id(piece.param)]]["params"].append(piece.tensor)
         self.optimizer = optimizer_cls(groups, **defaults)
         self.state_keys = _state_keys(optimizer_cls, defaults)
 
@@ -85,21 +145,9 @@ class DistributedOptimizer:
     def zero_grad(self) -> None:
         self.ddp.zero_grad()
 
-    def clip_grad_norm_(self, max_norm: float, grid: ParallelGrid,
-                        tied_copies: Iterable[nn.Parameter] = ()) -> float:
-        """Clip by the global norm; each rank holds 1/dp of the gradients, so sum over dp (× cp)
-        too (``global_grad_norm(dp_sharded=True)``).
-        ``tied_copies``: parameters whose original another stage holds (counted there)."""
-        copies = {id(p) for p in tied_copies}
-        counted = [piece.tensor.grad for piece in self.pieces
-                   if counted_in_norm(piece.param, grid.tp_rank) and id(piece.param) not in copies]
-        norm = global_grad_norm(counted, grid, dp_sharded=True)
-        scale_grads([piece.tensor.grad for piece in self.pieces], norm, max_norm)
-        return norm
-
-    def optimizer_state_bytes(self) -> int:
-        """Bytes of optimizer state on this rank: ≈ 1/dp of the unsharded optimizer's."""
-        return optimizer_state_bytes(self.optimizer)
+    def step(self) -> None:
+        """Step this rank's pieces; the stage then shares the result (``ZeRO1.step``)."""
+        self.ddp.step(self.optimizer)
 
     @torch.no_grad()
     def param_states(self) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
@@ -139,19 +187,6 @@ class DistributedOptimizer:
                     v.reshape(-1)[piece.offset:piece.offset + numel].clone())
                 for k, v in states[piece.param].items()}
 
-    @torch.no_grad()
-    def step(self) -> None:
-        """Step this rank's shard of each bucket; then every rank gets every updated shard
-        (ZeRO-1, 2) — or, under ZeRO-3, keeps its shard until the next forward gathers it."""
-        if self.ddp.sharding is not None:        # ZeRO-3
-            self.ddp.sharding.free_all()         # no gathered copy outlives the update
-            self.optimizer.step()
-            return
-        self.optimizer.step()
-        for bucket in self.ddp.buckets:
-            bucket.param_data.copy_(comm.all_gather(bucket.param_shard, self.group, dim=0,
-                                                    label="dp params"))
-
 
 def _state_keys(optimizer_cls, defaults) -> tuple[list[str], list[str]]:
     """(tensor keys, scalar keys) of the optimizer's per-parameter state, found by one step on a
@@ -180,21 +215,15 @@ def _param_groups(params: Iterable, ddp: DataParallel) -> list[dict]:
     return groups
 
 
-def _shard_pieces(ddp: DataParallel, groups: list[dict]) -> list[Piece]:
-    """Replace each group's parameters by the pieces of them that lie in this rank's shards."""
-    group_of = {id(p): i for i, g in enumerate(groups) for p in g["params"]}
-    for g in groups:
-        g["params"] = []
+def _pieces(bucket: Bucket) -> list[Piece]:
+    """The pieces of the bucket's parameters that lie in this rank's shard, each a view of the
+    flat parameter shard whose ``.grad`` views the gradient shard."""
+    lo, hi = bucket.start, bucket.end                     # this rank's shard of the buffer
     pieces = []
-    for bucket in ddp.buckets:
-        lo, hi = bucket.start, bucket.end                 # this rank's shard of the buffer
-        for p, start, stop in zip(bucket.params, bucket.offsets, bucket.offsets[1:],
-                                  strict=False):
-            a, b = max(lo, start), min(hi, stop)
-            if a >= b:
-                continue
+    for p, start, stop in zip(bucket.params, bucket.offsets, bucket.offsets[1:], strict=False):
+        a, b = max(lo, start), min(hi, stop)
+        if a < b:
             piece = Piece(bucket.param_shard[a - lo:b - lo], p, a - start)
             piece.tensor.grad = bucket.grad_shard[a - lo:b - lo]
-            groups[group_of[id(p)]]["params"].append(piece.tensor)
             pieces.append(piece)
     return pieces

@@ -1,15 +1,15 @@
-"""ZeRO stage 3 (Rajbhandari et al. 2020, §5.3; PyTorch's FSDP, Zhao et al. 2023): the parameters
-sharded over the dp ranks too, gathered only where they are used.
+"""ZeRO stage 3 (Rajbhandari et al. 2020, §5.3, "P_os+g+p"; PyTorch's FSDP, Zhao et al. 2023): the
+parameters sharded over the dp ranks too, gathered only where they are used.
 
 At rest a dp rank holds 1/dp of every parameter — its shard of each unit's flat buffer
 (``Bucket.param_shard``, which the ``DistributedOptimizer`` steps). A *unit* is a transformer
-block, or the rest of a model chunk (embeddings, final layer norm); each is one bucket of the
-``DataParallel`` (``units=``). Around every use of a unit:
+block, or the rest of a model chunk (embeddings, final layer norm); each is one bucket
+(``ZeRO3(..., units=)``). Around every use of a unit:
 
 1. forward: all-gather it just before its forward — the next unit's gather already on its way
    (prefetch: communication overlaps the current unit's compute) — and free it after;
 2. backward: gather it again when backward reaches its output (the previous unit prefetched),
-   and free it, and its whole gradients, once they are reduce-scattered (``DataParallel``).
+   and free it, and its whole gradients, once they are reduce-scattered (ZeRO-2's way).
 
 The rest of a chunk (the root) stays gathered from its forward to its backward: it is needed at
 both ends (the tied embedding reads the words in and scores them out), as FSDP2 keeps its root.
@@ -21,32 +21,67 @@ pairs pipelines, which run many microbatches, with ZeRO-1 only (2104.04473 §3),
 refuses ZeRO-2/3 inside a pipeline.
 
 How a parameter is emptied: it stays a view of its unit's flat buffer, whose storage is resized
-to nothing at rest and back when gathered (``Bucket.free_params``, ``fill_params``; FSDP's own
-mechanism). Shapes stay intact (an optimizer, a checkpoint can still read them), and whatever
-autograd saved of a parameter for backward reads the refilled storage there. Under full
-recomputation a block's forward runs again inside backward: its hooks see that
-(``_in_backward``) and neither free nor prefetch.
-
-**Timeline.** Beside the algorithm, as ``timing.BucketTimer`` is beside the buckets: each unit's
-gathers (launched → waited for), its forward and its backward (``collect``, one step's, read off
-at ``DataParallel.finish_grad_sync``; the reduce-scatters are the buckets' own timeline).
+to nothing at rest and back when gathered (``_fill``, ``_free``; FSDP's own mechanism). Shapes
+stay intact (an optimizer, a checkpoint can still read them), and whatever autograd saved of a
+parameter for backward reads the refilled storage there. Under full recomputation a block's
+forward runs again inside backward: its hooks see that (``_in_backward``) and neither free nor
+prefetch. The gathers are tagged with their bucket (``comm.record``): ``timing.UnitTimer``
+draws them, beside the units' passes, without a timer in here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+import math
+from collections.abc import Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 
 import torch
 from torch import nn
 
 from megatron_edu import comm
 from megatron_edu.comm import CommGroup
-from megatron_edu.data_parallel.buckets import Bucket
-from megatron_edu.timing import Clock, Stamp
+from megatron_edu.data_parallel.buckets import Bucket, make_buckets
+from megatron_edu.data_parallel.zero2 import ZeRO2
 
-__all__ = ["ParameterSharding", "UnitEvent"]
+__all__ = ["ZeRO3", "ParameterSharding"]
+
+
+class ZeRO3(ZeRO2):
+    """``ZeRO2`` whose parameters are sharded too: one bucket per unit (each module of
+    ``units``, a transformer block, and one for the rest of each of ``modules``), gathered
+    around its forward and its backward by a ``ParameterSharding``. The arguments are
+    ``DataParallel``'s."""
+
+    def _make_buckets(self, bucket_bytes: float, alone: Iterable[nn.Parameter],
+                      units: list[nn.Module]) -> list[Bucket]:
+        unit_ids = {id(u) for u in units}
+        self.units = [u for m in self.modules for u in m.modules() if u is m or id(u) in unit_ids]
+        return make_buckets(self.units, math.inf, self.group.size, alone, self.group.rank)
+
+    def _allocate(self, bucket: Bucket) -> None:
+        super()._allocate(bucket)
+        bucket.param_shard = bucket.param_shard.clone()      # the master copy, at rest
+        _free(bucket)
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.sharding = ParameterSharding(self.buckets, self.group, self.modules, self.units)
+
+    def _launch(self, bucket: Bucket) -> None:
+        super()._launch(bucket)
+        self.sharding.after_backward(bucket)     # its gradients are all in: free the unit
+
+    def held_params(self) -> list[torch.Tensor]:
+        return [b.param_shard for b in self.buckets]
+
+    def gathered(self) -> AbstractContextManager:
+        return self.sharding.gathered()
+
+    @torch.no_grad()
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Step this rank's pieces; each keeps its shard until the next forward gathers it."""
+        self.sharding.free_all()                 # no gathered copy outlives the update
+        optimizer.step()
 
 
 def _in_backward() -> bool:
@@ -54,21 +89,28 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-@dataclass(frozen=True)
-class UnitEvent:
-    """When unit ``unit`` (its index in forward order; 0: the chunk's root) did ``kind``:
-    "gather" (launched → waited for), "forward" or "backward" (perf_counter seconds)."""
+def _gathered(bucket: Bucket) -> bool:
+    """Is ``param_data`` whole now (else its storage is empty)?"""
+    return bucket.param_data.untyped_storage().nbytes() > 0
 
-    unit: int
-    kind: str
-    start: float
-    end: float
+
+@torch.no_grad()
+def _fill(bucket: Bucket, whole: torch.Tensor) -> None:
+    """Give ``param_data`` its storage back and the gathered values."""
+    bucket.param_data.untyped_storage().resize_(bucket.bytes)
+    bucket.param_data.copy_(whole)
+
+
+def _free(bucket: Bucket) -> None:
+    """Empty ``param_data``'s storage. The parameters stay its views — their shapes intact, their
+    values gone until ``_fill`` — and so does what autograd saved of them: in backward it reads
+    the refilled storage (FSDP's storage resize)."""
+    bucket.param_data.untyped_storage().resize_(0)
 
 
 class ParameterSharding:
-    """The gathers and frees of ZeRO-3 over ``group`` for a ``DataParallel``'s ``buckets``:
-    ``modules`` are the bucketed modules in forward order (each root — a model chunk —, then
-    its units), as ``DataParallel`` lists them."""
+    """The gathers and frees of ZeRO-3 over ``group`` for its ``buckets``: ``modules`` are the
+    bucketed modules in forward order (each root — a model chunk —, then its units)."""
 
     def __init__(self, buckets: list[Bucket], group: CommGroup, roots: list[nn.Module],
                  modules: list[nn.Module]) -> None:
@@ -91,10 +133,7 @@ class ParameterSharding:
         for start, end in zip(starts, [*starts[1:], len(self.units)], strict=False):
             self._backward_next[start] = end - 1 if end - 1 > start else -1
         self._pending: dict[int, tuple[torch.distributed.Work, torch.Tensor]] = {}
-        self._unit_of = {b.index: i for i, (_, bs) in enumerate(self.units) for b in bs}
-        self.clock = Clock(buckets[0].device if buckets else "cpu")
-        self._stamps: list[tuple[int, str, Stamp, Stamp]] = []
-        self._began: dict[tuple[str, int], Stamp] = {}       # (kind, unit or bucket) -> start
+        self.unit_of = {b.index: i for i, (_, bs) in enumerate(self.units) for b in bs}
         self._pinned = False                                 # inside ``gathered``
         for module, _ in self.units:
             module.register_forward_pre_hook(self._before_forward)
@@ -107,13 +146,11 @@ class ParameterSharding:
         self._gather(i)
         if not _in_backward():
             self._prefetch(i + 1)                        # the next unit, during this one
-            self._began["forward", i] = self.clock.stamp()
 
     def _after_forward(self, module: nn.Module, args, output) -> None:
         if _in_backward():                               # recomputed: backward needs it now
             return
         i = self._index[id(module)]
-        self._note(i, "forward")
         training = torch.is_grad_enabled()
         if not training or id(module) not in self._roots:
             self._free(i)
@@ -123,27 +160,13 @@ class ParameterSharding:
     def _before_backward(self, i: int) -> None:
         self._gather(i)
         self._prefetch(self._backward_next[i])           # backward runs the units in reverse
-        self._began["backward", i] = self.clock.stamp()
 
-    # --- called by DataParallel ------------------------------------------------------------
+    # --- called by ZeRO3 -------------------------------------------------------------------
 
     def after_backward(self, bucket: Bucket) -> None:
         """All the bucket's gradients are in (its reduce-scatter launched): nothing needs its
         parameters now."""
-        self._note(self._unit_of[bucket.index], "backward")
-        self._free(self._unit_of[bucket.index], bucket)
-
-    def collect(self) -> list[UnitEvent]:
-        """The events noted since the last call, in perf_counter seconds (then forgotten)."""
-        events = [UnitEvent(i, kind, self.clock.seconds(a), self.clock.seconds(b))
-                  for i, kind, a, b in self._stamps]
-        self._stamps, self._began = [], {}
-        return events
-
-    def _note(self, i: int, kind: str) -> None:
-        began = self._began.pop((kind, i), None)
-        if began is not None:                            # (a unit's other buckets: noted)
-            self._stamps.append((i, kind, began, self.clock.stamp()))
+        self._free(self.unit_of[bucket.index], bucket)
 
     def free_all(self) -> None:
         """Free every gathered unit (before an optimizer step: no stale copy survives it)."""
@@ -180,14 +203,11 @@ class ParameterSharding:
 
     def _start(self, bucket: Bucket) -> None:
         """Launch the all-gather of ``bucket``'s shards, unless it is gathered or on its way."""
-        if bucket.params_gathered or bucket.index in self._pending:
-            return
-        if self.group.size == 1:
-            bucket.fill_params(bucket.param_shard)
+        if _gathered(bucket) or bucket.index in self._pending:
             return
         self._pending[bucket.index] = comm.all_gather(bucket.param_shard, self.group, dim=0,
-                                                      label="dp params gather", async_op=True)
-        self._began["gather", bucket.index] = self.clock.stamp()
+                                                      label="dp params gather", async_op=True,
+                                                      tag=bucket.index)
 
     def _gather(self, i: int) -> None:
         for bucket in self.units[i][1]:
@@ -195,12 +215,10 @@ class ParameterSharding:
             if bucket.index in self._pending:
                 work, whole = self._pending.pop(bucket.index)
                 work.wait()
-                bucket.fill_params(whole)
-                began = self._began.pop(("gather", bucket.index))
-                self._stamps.append((i, "gather", began, self.clock.stamp()))
+                _fill(bucket, whole)
 
     def _free(self, i: int, only: Bucket | None = None) -> None:
         """Free unit ``i``'s buckets (``only`` one of them), unless ``gathered`` pins them."""
         for bucket in self.units[i][1] if only is None else [only]:
-            if bucket.params_gathered and not self._pinned:
-                bucket.free_params()
+            if _gathered(bucket) and not self._pinned:
+                _free(bucket)

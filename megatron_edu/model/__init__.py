@@ -1,7 +1,9 @@
 """The models (1909.08053 §3, §5.3; 2104.04473 §2.2): configurations, GPT, BERT, pipeline stages.
 
 config.py        GPTConfig, BertConfig: sizes, presets, checks before launching
+attention.py     self-attention split by heads; its cores (eager, fused, ring), picked once
 transformer.py   the tensor-parallel blocks both models share, and the pipeline stage of them
+fused.py         the block's elementwise chains, op by op or compiled (2104.04473 §4.2)
 gpt.py, bert.py  GPT-2 (causal, a KV cache to generate); BERT (bidirectional, its two heads)
 hf.py            Hugging Face GPT-2 weights in and out
 """

@@ -124,15 +124,6 @@ class BERT(TransformerStage):
     config_class = BertConfig
     vocab_rows = (WORD_EMBEDDING, MLM_BIAS)
 
-    def _build(self, config: BertConfig) -> None:
-        super()._build(config)
-        if self.first:
-            self.token_type = nn.Embedding(config.type_vocab_size, config.hidden, device="meta")
-            mark(self.token_type.weight, None, normal(config.init_std))
-        if self.last:
-            self.mlm = MaskedLMHead(config, self.tp_group)
-            self.order = SentenceOrderHead(config)
-
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None, *,
                 attention_mask: torch.Tensor | None = None,
                 dropout_key: DropoutKey | None = None,
@@ -143,21 +134,34 @@ class BERT(TransformerStage):
         ``loss_reduction="sum"``. ``attention_mask`` [b, s] bool (False: padding): by default
         the ids that are not ``pad_id``."""
         dropout_key = self._dropout_key(x, dropout_key)
-        mask = None
-        if self.first:
-            mask = padding_mask(x, self.config.pad_id) if attention_mask is None else \
-                attention_mask.bool()
-            if mask is not None and not self.last:
-                raise ValueError("a padded batch cannot cross pipeline stages: the stages after "
-                                 "the first get no ids to find the padding in. Pack the batch "
-                                 "to full length (no [PAD]; the training data is) or use pp=1")
-            types = self.token_type(token_types(x, self.config.sep_id))
-            h = self._embed(x, 0, dropout_key, extra=types)      # [b, s, h]
-        else:
-            h = x
+        h, mask = self.enter(x, dropout_key, attention_mask)
         h = self._blocks(h, dropout_key, mask=mask)
-        if not self.last:
-            return h
+        return self.leave(h, labels, loss_reduction)
+
+    def _build_first(self, config: BertConfig):
+        self.token_type = nn.Embedding(config.type_vocab_size, config.hidden, device="meta")
+        mark(self.token_type.weight, None, normal(config.init_std))
+        return self._ids_in
+
+    def _build_last(self, config: BertConfig):
+        self.mlm = MaskedLMHead(config, self.tp_group)
+        self.order = SentenceOrderHead(config)
+        return self._heads
+
+    def _ids_in(self, ids: torch.Tensor, dropout_key: DropoutKey | None,
+                attention_mask: torch.Tensor | None):
+        """The embeddings of ``ids`` with their token types, and the keys' padding mask."""
+        mask = padding_mask(ids, self.config.pad_id) if attention_mask is None else \
+            attention_mask.bool()
+        if mask is not None and not self.last:
+            raise ValueError("a padded batch cannot cross pipeline stages: the stages after "
+                             "the first get no ids to find the padding in. Pack the batch "
+                             "to full length (no [PAD]; the training data is) or use pp=1")
+        types = self.token_type(token_types(ids, self.config.sep_id))
+        return self._embed(ids, 0, dropout_key, extra=types), mask   # [b, s, h]
+
+    def _heads(self, h: torch.Tensor, labels: torch.Tensor | None,
+               loss_reduction: str) -> torch.Tensor | BertOutput:
         h = self.ln_f(h)
         out = BertOutput(self._logits(self.mlm(h)) + self.mlm.bias, self.order(h))
         if labels is None:

@@ -1,5 +1,6 @@
 """The model configurations: sizes, presets from the papers, and the checks that tensor and
-pipeline parallelism need, run before any process starts (DESIGN principle 7).
+pipeline parallelism need, run before any process starts (a bad configuration is a ValueError
+naming the numbers, raised in the parent, never a crash on some rank).
 
 ``GPTConfig`` describes GPT-2; ``BertConfig`` (a GPTConfig) the BERT of 1909.08053 §5.3, built
 from the same blocks: bidirectional attention, token types, and the layer-norm placement as a
@@ -21,10 +22,12 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-__all__ = ["GPTConfig", "BertConfig", "PRESETS", "RECOMPUTE", "LN_PLACEMENTS", "config_from_dict"]
+__all__ = ["GPTConfig", "BertConfig", "PRESETS", "RECOMPUTE", "LN_PLACEMENTS", "ATTENTION",
+           "config_from_dict"]
 
 RECOMPUTE = ("none", "selective", "full")
 LN_PLACEMENTS = ("rearranged", "original")
+ATTENTION = ("eager", "fused")
 
 
 @dataclass
@@ -37,11 +40,12 @@ class GPTConfig:
     backward pass (2104.04473 §3.5); "selective" recomputes only the attention core — softmax,
     its dropout and the product with V, the 5·a·s²·b part that grows with s²; "none" keeps
     everything. ``sequence_parallel`` splits the activations along the sequence over the tp ranks
-    wherever they would be replicated (layer norms, dropouts, residual adds). ``fused``: the
-    attention core as one kernel (``scaled_dot_product_attention``; op by op with dropout on),
-    bias+GeLU and bias+dropout+add compiled into one each (``torch.compile``); off, every
-    operation runs on its own, as the papers count them. (``True``/``False`` for ``recompute``
-    mean "full"/"none".)
+    wherever they would be replicated (layer norms, dropouts, residual adds). ``attention``: the
+    core, "eager" (op by op, the serial model's dropout masks at any layout) or "fused" (one
+    kernel, ``scaled_dot_product_attention``; its dropout the device's: ``model.attention``).
+    ``fused``: bias+GeLU and bias+dropout+add compiled into one kernel each (``torch.compile``);
+    off, every operation runs on its own, as the papers count them. (``True``/``False`` for
+    ``recompute`` mean "full"/"none".)
 
     The blocks, shared with BERT: ``causal`` attention (each position sees only those before
     it; False: every position sees all, BERT) and ``ln_placement`` (1909.08053 §5.3, Figure 7):
@@ -60,7 +64,8 @@ class GPTConfig:
     seed: int = 1234
     recompute: str = "none"              # "none" | "selective" | "full" (see below)
     sequence_parallel: bool = False      # split the sequence outside the tp regions (2205.05198)
-    fused: bool = False                  # fused kernels (2104.04473 §4.2; see below)
+    fused: bool = False                  # fused bias kernels (2104.04473 §4.2; see below)
+    attention: str = "eager"             # the attention core: "eager" | "fused" (see below)
     async_tp: bool = False               # overlap dX's tp collective with dW (layers.py)
     init_std: float = 0.02
     make_vocab_size_divisible_by: int = 128  # Megatron's padding unit, times tp
@@ -82,6 +87,8 @@ class GPTConfig:
             self.recompute = "full" if self.recompute else "none"
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
+        if self.attention not in ATTENTION:
+            raise ValueError(f"attention must be one of {ATTENTION}, got {self.attention!r}")
         if self.ln_placement not in LN_PLACEMENTS:
             raise ValueError(f"ln_placement must be one of {LN_PLACEMENTS}, "
                              f"got {self.ln_placement!r}")

@@ -3,43 +3,69 @@
 A transformer layer's matmuls are compute-bound; the elementwise operations between them are
 memory-bound — each reads and writes the whole activation. Megatron-LM fuses the chains into
 single kernels: bias + GeLU after the MLP's first matmul, bias + dropout + residual add after each
-block's output projection, and scale + mask + softmax in attention (here the attention core is
-``F.scaled_dot_product_attention``, one kernel with its dropout). The chains are plain PyTorch,
-compiled by ``torch.compile`` on first use (``GPTConfig(fused=True)``); unfused, the model runs
-them op by op — tests check the two agree. A bias is added in the activation's dtype (autocast).
+block's output projection, and scale + mask + softmax in attention (here the attention core,
+``attention.FusedCore``). The chains are plain PyTorch: ``PLAIN`` runs them op by op, as the
+papers count them; ``FUSED`` compiles each into one kernel with ``torch.compile`` on first use
+(``GPTConfig(fused=True)``); tests check the two agree. A bias is added in the activation's
+dtype (autocast).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from functools import cache
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["bias_gelu", "bias_dropout_add"]
+from megatron_edu.model.config import GPTConfig
+from megatron_edu.tensor_parallel.random import Dropout, DropoutKey
+
+__all__ = ["Kernels", "PLAIN", "FUSED", "kernels"]
 
 
 def _bias_gelu(y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    return F.gelu(y + bias.to(y.dtype), approximate="tanh")
+    return F.gelu(y + bias.to(y.dtype), approximate="tanh")     # GPT-2's "gelu_new"
 
 
-def _bias_dropout_add(y: torch.Tensor, bias: torch.Tensor, keep: torch.Tensor | None,
-                      scale: float, residual: torch.Tensor) -> torch.Tensor:
+def _masked_bias_add(y: torch.Tensor, bias: torch.Tensor, keep: torch.Tensor | None,
+                     scale: float, residual: torch.Tensor) -> torch.Tensor:
     y = y + bias.to(y.dtype)
     return residual + (y if keep is None else y * keep * scale)
 
 
 @cache
-def _compiled(fn):
+def _compiled(fn: Callable) -> Callable:
     return torch.compile(fn, dynamic=True)
 
 
-def bias_gelu(y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """GeLU(y + bias) (GPT-2's tanh GeLU), as one compiled kernel."""
-    return _compiled(_bias_gelu)(y, bias)
+def _bias_dropout_add(y: torch.Tensor, bias: torch.Tensor, dropout: Dropout,
+                      key: DropoutKey | None, residual: torch.Tensor) -> torch.Tensor:
+    """residual + dropout(y + bias), op by op."""
+    return residual + dropout(y + bias.to(y.dtype), key)
 
 
-def bias_dropout_add(y: torch.Tensor, bias: torch.Tensor, keep: torch.Tensor | None,
-                     scale: float, residual: torch.Tensor) -> torch.Tensor:
-    """residual + dropout(y + bias) with the given mask (None: no dropout), as one kernel."""
-    return _compiled(_bias_dropout_add)(y, bias, keep, scale, residual)
+def _fused_bias_dropout_add(y: torch.Tensor, bias: torch.Tensor, dropout: Dropout,
+                            key: DropoutKey | None, residual: torch.Tensor) -> torch.Tensor:
+    """The same as one kernel, given the dropout's mask (its bits: the same masks)."""
+    drop = dropout.training and dropout.p > 0
+    keep = dropout.keep(key, y) if drop else None
+    return _compiled(_masked_bias_add)(y, bias, keep, 1.0 / (1.0 - dropout.p), residual)
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The elementwise chains of a block: bias + GeLU, and bias + dropout + residual add."""
+
+    bias_gelu: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    bias_dropout_add: Callable[..., torch.Tensor]
+
+
+PLAIN = Kernels(_bias_gelu, _bias_dropout_add)
+FUSED = Kernels(lambda y, bias: _compiled(_bias_gelu)(y, bias), _fused_bias_dropout_add)
+
+
+def kernels(config: GPTConfig) -> Kernels:
+    """The kernels ``config`` asks for: compiled with ``fused``, else op by op."""
+    return FUSED if config.fused else PLAIN

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from megatron_edu.model.transformer import IGNORE_INDEX, KVCache, TransformerStage, reduce_loss
+from megatron_edu.model.attention import KVCache
+from megatron_edu.model.config import GPTConfig
+from megatron_edu.model.transformer import IGNORE_INDEX, TransformerStage, reduce_loss
 from megatron_edu.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_edu.tensor_parallel.random import DropoutKey
 
@@ -33,18 +35,29 @@ class GPT(TransformerStage):
         keys and values the cache holds; x's own are appended to it.
         ``dropout_key``: the step and global samples that seed the dropout masks (a pipeline
         passes it); without one, a model in training numbers its calls as steps."""
-        if cache is not None and (self.sequence_parallel or self.cp_group.size > 1):
+        if cache is not None and self.style.sequence_split * self.cp_group.size > 1:
             raise ValueError("generation with a KV cache runs without sequence or context "
                              "parallelism: build the model with sequence_parallel=False and "
                              "cp = 1 (the same weights)")
         dropout_key = self._dropout_key(x, dropout_key)
         offset = 0 if cache is None else cache.length
-        h = self._embed(x, offset, dropout_key) if self.first else x   # [b, s, h]
+        h, _ = self.enter(x, offset, dropout_key)                # [b, s, h]
         h = self._blocks(h, dropout_key, cache)
         if cache is not None:
             cache.length += h.shape[1]
-        if not self.last:
-            return h
+        return self.leave(h, labels, loss_reduction)
+
+    def _build_first(self, config: GPTConfig):
+        return self._ids_in
+
+    def _build_last(self, config: GPTConfig):
+        return self._head
+
+    def _ids_in(self, ids: torch.Tensor, offset: int, dropout_key: DropoutKey | None):
+        return self._embed(ids, offset, dropout_key), None
+
+    def _head(self, h: torch.Tensor, labels: torch.Tensor | None,
+              loss_reduction: str) -> torch.Tensor:
         logits = self._logits(self.ln_f(h))                      # [b, s, V_padded/t]
         if labels is None:
             return logits

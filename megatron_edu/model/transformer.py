@@ -2,22 +2,19 @@
 the stage of them a pipeline holds (2104.04473 §2.2). With ``grid=None`` (or tp=1) every layer
 is the plain PyTorch layer: an ordinary transformer, like nanoGPT's. With t tp ranks (Figure 3):
 
-* attention is split by heads: the qkv projection is column-parallel (each rank computes q, k
-  and v of its num_heads/t heads), attention runs on those heads only, the output projection is
-  row-parallel;
+* attention is split by heads (``attention.py``): the qkv projection is column-parallel, the
+  core runs on this rank's num_heads/t heads, the output projection is row-parallel;
 * the MLP is split column (fc) then row (proj);
 * so each block communicates exactly 2 all-reduces forward (``g`` after attention and after the
   MLP) and 2 backward (``f`` before them) — §3, "Figure 4";
 * the embedding table is split by vocabulary and the output layer reuses it: logits stay split
   [b, s, V/t] and go straight into the vocab-parallel cross entropy.
 
-Layout of the fused qkv weight: stored [3h, h] (nn.Linear's [out, in]) with the output rows
-grouped *per head* — head 0's q, k, v rows, then head 1's, … (Megatron's [np, 3, hn] layout).
-A column split into t equal blocks then gives each rank whole heads with their own q, k and v,
-at every t; and because the layout does not depend on t, the whole tensor is the same at tp = 1,
-2, 4 (layout-independent initialisation and checkpoints). Hugging Face's c_attn is [h, 3h] as
-q | k | v blocks; ``megatron_edu/hf.py`` permutes it. For BERT, ``Attention`` takes a ``causal``
-switch and a padding mask, ``Block`` the layer-norm placement of 1909.08053 Figure 7.
+Each technique is an object chosen once, when a layer is built, from the configuration: how the
+tp regions are entered and left (``tensor_parallel.STYLES``: plain, overlapped, or sequence
+parallelism), the attention core (``attention.attention_core``), the layer-norm placement
+(``LN_PLACEMENTS``, 1909.08053 Figure 7), the bias kernels, fused or not (``fused.kernels``),
+and recomputation (``RECOMPUTE_BLOCK``, ``attention.RECOMPUTE_CORE``).
 
 Pipeline stages (``TransformerStage``, of which ``GPT`` and ``BERT`` are kinds): blocks live in
 an ``nn.ModuleDict`` keyed by their global index, so a stage's parameter names are exactly the
@@ -31,18 +28,17 @@ Layers are built on the meta device; a stage initialises its own (``init_paramet
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_edu import comm
 from megatron_edu.comm import CommGroup
-from megatron_edu.context_parallel import chunk_ids, ring_attention
+from megatron_edu.context_parallel import chunk_ids
 from megatron_edu.grid import ParallelGrid
+from megatron_edu.model.attention import Attention, KVCache, LayerKV
 from megatron_edu.model.config import GPTConfig
-from megatron_edu.model.fused import bias_dropout_add, bias_gelu
+from megatron_edu.model.fused import kernels
 from megatron_edu.tensor_parallel.cross_entropy import mask_padded_vocab
 from megatron_edu.tensor_parallel.init import (
     check_initialised,
@@ -57,14 +53,15 @@ from megatron_edu.tensor_parallel.init import (
 from megatron_edu.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
+    TensorParallel,
     VocabParallelEmbedding,
-    sequence_gather_linear,
     serial_group,
 )
 from megatron_edu.tensor_parallel.random import Dropout, DropoutKey, checkpoint
+from megatron_edu.tensor_parallel.sequence_parallel import STYLES
 
-__all__ = ["WORD_EMBEDDING", "IGNORE_INDEX", "reduce_loss", "LayerKV", "KVCache",
-           "layer_norm", "Embedding", "Attention", "MLP", "Block", "TransformerStage"]
+__all__ = ["WORD_EMBEDDING", "IGNORE_INDEX", "reduce_loss", "layer_norm", "sequence_parts",
+           "Embedding", "Attention", "KVCache", "MLP", "Block", "TransformerStage"]
 
 WORD_EMBEDDING = "embedding.word.weight"  # the same name on the first and the last stage
 IGNORE_INDEX = -100                       # labels equal to this add nothing to the loss
@@ -77,38 +74,6 @@ def reduce_loss(total: torch.Tensor, labels: torch.Tensor, reduction: str) -> to
     return total if reduction == "sum" else total / (labels != IGNORE_INDEX).sum()
 
 
-@dataclass
-class LayerKV:
-    """One block's cached keys and values, each [b, heads/t, length, d] on this tp rank."""
-
-    k: torch.Tensor | None = None
-    v: torch.Tensor | None = None
-
-    def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append the new positions' k and v; return all of them (cached first)."""
-        if self.k is not None:
-            k, v = torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
-        self.k, self.v = k, v
-        return k, v
-
-
-@dataclass
-class KVCache:
-    """The keys and values of the ``length`` positions seen so far, per block of one stage.
-
-    Pass the same cache to successive forwards (the prompt, then one token at a time): each
-    block attends over its cached positions plus the new ones, so a new token costs the work
-    of one position, not of the whole sequence.
-    """
-
-    length: int = 0
-    layers: dict[str, LayerKV] = field(default_factory=dict)
-
-    def layer(self, name: str) -> LayerKV:
-        """The cache of the block called ``name`` (empty the first time)."""
-        return self.layers.setdefault(name, LayerKV())
-
-
 def layer_norm(config: GPTConfig) -> nn.LayerNorm:
     """A layer norm over the hidden size: weight one, bias zero, whole on every tp rank."""
     ln = nn.LayerNorm(config.hidden, eps=config.layernorm_eps, device="meta")
@@ -117,19 +82,35 @@ def layer_norm(config: GPTConfig) -> nn.LayerNorm:
     return ln
 
 
-def _sequence_parts(config: GPTConfig, group: CommGroup,
-                    cp_group: CommGroup | None = None) -> tuple[tuple[int, int], ...]:
+def sequence_parts(style: TensorParallel, cp_group: CommGroup) -> tuple[tuple[int, int], ...]:
     """The parts (r, n) of the sequence a rank holds outside the tp regions, in order — part r of
     n equal parts: under sequence parallelism part r of t (2205.05198 §4.2.2); under context
     parallelism the zig-zag chunks of 2·cp (``context_parallel.chunk_ids``); under both, SP
     splits the cp rank's two chunks, in order, into t parts: of the 2·cp·t pieces of the sequence
     (t in each chunk) tp rank r holds the cp rank's local pieces 2r and 2r + 1."""
-    t = group.size if config.sequence_parallel else 1
-    if cp_group is None or cp_group.size == 1:
-        return ((group.rank, t),) if t > 1 else ((0, 1),)
+    t = style.sequence_split                              # 1 without sequence parallelism
+    r = style.group.rank % t
+    if cp_group.size == 1:
+        return ((r, t),)
     chunks = chunk_ids(cp_group.rank, cp_group.size)
-    local = (2 * group.rank, 2 * group.rank + 1) if t > 1 else (0, 1)   # of its 2·t pieces
-    return tuple((chunks[k // t] * t + k % t, 2 * cp_group.size * t) for k in local)
+    return tuple((chunks[k // t] * t + k % t, 2 * cp_group.size * t) for k in (2 * r, 2 * r + 1))
+
+
+def word_table(config: GPTConfig, group: CommGroup) -> VocabParallelEmbedding:
+    """The word embedding, split by vocabulary (its padded rows: ``config.padded_vocab``)."""
+    return VocabParallelEmbedding(config.vocab_size, config.hidden, group,
+                                  padded_vocab=config.padded_vocab(group.size),
+                                  init_std=config.init_std,
+                                  style=STYLES[config.sequence_parallel, config.async_tp])
+
+
+class TiedCopy(nn.Module):
+    """A last stage's copy of the first stage's word table, for the output layer it is tied to
+    (2104.04473: the two copies' gradients are summed over ``grid.embedding_group``)."""
+
+    def __init__(self, config: GPTConfig, group: CommGroup) -> None:
+        super().__init__()
+        self.word = word_table(config, group)
 
 
 class Embedding(nn.Module):
@@ -139,20 +120,16 @@ class Embedding(nn.Module):
     under context parallelism ids hold the rank's two chunks, embedded at their positions.
     """
 
-    def __init__(self, config: GPTConfig, group: CommGroup, *, positions: bool = True,
+    def __init__(self, config: GPTConfig, group: CommGroup, *,
                  cp_group: CommGroup | None = None) -> None:
         super().__init__()
-        self.parts = _sequence_parts(config, group, cp_group)
-        self.cp = 1 if cp_group is None else cp_group.size   # ids hold s/cp of each sequence
-        self.word = VocabParallelEmbedding(config.vocab_size, config.hidden, group,
-                                           padded_vocab=config.padded_vocab(group.size),
-                                           init_std=config.init_std,
-                                           sequence_parallel=config.sequence_parallel)
-        if positions:  # a last stage's copy of the embedding needs the word table only
-            self.position = nn.Embedding(config.seq_len, config.hidden, device="meta")
-            mark(self.position.weight, None, normal(config.init_std))
-        self.dropout = Dropout(config.dropout, config.seed, -1, "embedding",  # one for all tp
-                               sequence_parts=self.parts)
+        style, cp_group = STYLES[config.sequence_parallel, config.async_tp], cp_group or \
+            serial_group("cp")
+        self.parts, self.cp = sequence_parts(style(group), cp_group), cp_group.size
+        self.word = word_table(config, group)
+        self.position = nn.Embedding(config.seq_len, config.hidden, device="meta")
+        mark(self.position.weight, None, normal(config.init_std))
+        self.dropout = Dropout(config.dropout, config.seed, -1, "embedding", parts=self.parts)
 
     def forward(self, ids: torch.Tensor, offset: int = 0, dropout_key: DropoutKey | None = None,
                 extra: torch.Tensor | None = None) -> torch.Tensor:
@@ -167,158 +144,73 @@ class Embedding(nn.Module):
         return self.dropout(x if extra is None else x + extra, dropout_key)
 
 
-class Attention(nn.Module):
-    """Self-attention split by heads: each tp rank computes h/t of the heads (§3).
-
-    ``config.causal``: each position attends to itself and the positions before it (GPT);
-    otherwise to every position (BERT). ``mask``, a keep-mask of the keys [b, t] (False: padding),
-    keeps padded positions out of every query's softmax, causal or not.
-
-    ``layer``: the block's global index, which (with this tp rank) keys the dropout masks of
-    the attention probabilities — a different mask on each tp rank (Appendix B.2).
-    The attention core — softmax(q·kᵀ/√d, causal)·v with dropout on the probabilities — runs
-    op by op (what 2205.05198 counts: 5·a·s²·b saved per layer), or fused into one kernel
-    (``config.fused``, without dropout); ``config.recompute == "selective"`` keeps none of it
-    for backward and runs it again there (2205.05198 §5). With a ``cp_group`` of cp > 1 ranks
-    each holds two chunks of the sequence and the core is ``ring_attention`` (the same masks),
-    which keeps no scores for backward: selective recomputation has nothing left to drop.
-    """
-
-    def __init__(self, config: GPTConfig, group: CommGroup, layer: int = 0,
-                 cp_group: CommGroup | None = None) -> None:
-        super().__init__()
-        self.cp_group = cp_group
-        self.ring = cp_group is not None and cp_group.size > 1     # context-parallel attention
-        self.local_heads = config.num_heads // group.size
-        self.head_dim = config.head_dim
-        self.fused, self.selective = config.fused, config.recompute == "selective"
-        self.causal = config.causal
-        self.dropout = Dropout(config.dropout, config.seed, layer, "attention probs",
-                               tp_rank=group.rank)
-        residual_std = config.init_std / math.sqrt(2 * config.num_layers)  # GPT-2 §2.3
-        sp = config.sequence_parallel
-        self.qkv = ColumnParallelLinear(config.hidden, 3 * config.hidden, group,
-                                        init_std=config.init_std, sequence_parallel=sp,
-                                        async_tp=config.async_tp)
-        self.proj = RowParallelLinear(config.hidden, config.hidden, group, init_std=residual_std,
-                                      sequence_parallel=sp)
-
-    def forward(self, x: torch.Tensor, kv: LayerKV | None = None,
-                dropout_key: DropoutKey | None = None, add_bias: bool = True,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
-        """x [b, s, h] → [b, s, h]; ``kv``: this block's cache, extended by x's keys and values;
-        ``add_bias=False`` leaves the output bias to the caller (fused bias+dropout+add)."""
-        qkv = self.qkv(x)                                        # [b, s, 3h/t], f inside
-        b, s, _ = qkv.shape                                      # (s: the whole sequence)
-        qkv = qkv.view(b, s, self.local_heads, 3, self.head_dim)  # per head: q | k | v
-        q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)          # each [b, heads/t, s, d]
-        if kv is not None:
-            k, v = kv.extend(k, v)                               # [b, heads/t, t, d], t ≥ s
-        if self.selective and torch.is_grad_enabled() and not self.ring:  # the ring keeps no
-            y = checkpoint(self.core, q, k, v, dropout_key, mask)  # scores; 2205.05198 §5
-        else:
-            y = self.core(q, k, v, dropout_key, mask)            # [b, heads/t, s, d]
-        y = y.transpose(1, 2).reshape(b, s, -1)                  # [b, s, h/t]
-        return self.proj(y, add_bias)                            # [b, s, h], g inside
-
-    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             dropout_key: DropoutKey | None, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """softmax(q·kᵀ/√d + masks)·v, dropout on the probabilities; [b, heads/t, s, d].
-        Causal: the s queries are the last of the t keys' positions, query i sees keys
-        0 … t−s+i. ``mask`` [b, t]: keys where it is False are seen by no query."""
-        s, t = q.shape[2], k.shape[2]
-        if self.ring:                                             # causal, no padding: checked
-            return ring_attention(q, k, v, self.cp_group, dropout=self.dropout, key=dropout_key)
-        if self.fused and not (self.training and self.dropout.p > 0):
-            return self._fused_core(q, k, v, mask)
-        scores = q @ k.transpose(-2, -1) * (1.0 / math.sqrt(self.head_dim))  # [b, a/t, s, t]
-        if self.causal:
-            future = torch.ones(s, t, dtype=torch.bool, device=q.device).triu(t - s + 1)
-            scores = scores.masked_fill(future, float("-inf"))
-        if mask is not None:
-            scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))  # [b, 1, 1, t]
-        probs = scores.softmax(-1)
-        return self.dropout(probs, dropout_key) @ v
-
-    def _fused_core(self, q, k, v, mask) -> torch.Tensor:
-        """The same in one kernel (``scaled_dot_product_attention``), which takes the masks as
-        one boolean ``attn_mask`` (True: attend) — or none at all for plain causal attention.
-
-        Without dropout only. The kernel's dropout draws its own mask from the device's
-        generator: no way to pass it ours, so its masks would depend on the batch a sample came
-        in, unless it ran once per sample. Nor can ``attn_mask`` or flex_attention's ``score_mod``
-        carry one: they act before the softmax, the mask after it (the softmax renormalises over
-        what is left). With dropout in training ``core`` therefore runs op by op, on the whole
-        batch — the unfused path's own code, so its masks too (on a CPU about as fast as one
-        kernel call per sample, and half the code)."""
-        s, t = q.shape[2], k.shape[2]
-        allowed = None                                           # [s, t] or [b, 1, 1|s, t]
-        if self.causal and (t != s or mask is not None):         # else: is_causal, no tensor
-            allowed = torch.ones(s, t, dtype=torch.bool, device=q.device).tril(t - s)
-        if mask is not None:
-            keys = mask[:, None, None, :]                        # [b, 1, 1, t]
-            allowed = keys if allowed is None else keys & allowed
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed,
-                                              is_causal=self.causal and allowed is None)
-
-
 class MLP(nn.Module):
     """GeLU(X·A)·B with A split by columns and B by rows (§3, eq. 3 and Figure 3a)."""
 
     def __init__(self, config: GPTConfig, group: CommGroup) -> None:
         super().__init__()
+        style = STYLES[config.sequence_parallel, config.async_tp]
         residual_std = config.init_std / math.sqrt(2 * config.num_layers)
-        sp = config.sequence_parallel
-        self.fused = config.fused
+        self.bias_gelu = kernels(config).bias_gelu
         self.fc = ColumnParallelLinear(config.hidden, config.ffn_hidden, group,
-                                       init_std=config.init_std, sequence_parallel=sp,
-                                       async_tp=config.async_tp)
+                                       init_std=config.init_std, style=style)
         self.proj = RowParallelLinear(config.ffn_hidden, config.hidden, group,
-                                      init_std=residual_std, sequence_parallel=sp)
+                                      init_std=residual_std, style=style)
 
     def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
         """x [b, s, h] → [b, s, h]; ``add_bias=False`` leaves proj's bias to the caller."""
-        if self.fused:                                   # bias + GeLU in one kernel (§4.2)
-            y = bias_gelu(self.fc(x, add_bias=False), self.fc.bias)
-        else:
-            y = F.gelu(self.fc(x), approximate="tanh")   # [b, s, ffn/t], f inside; gelu_new
-        return self.proj(y, add_bias)                    # [b, s, h], g inside
+        y = self.bias_gelu(self.fc(x, add_bias=False), self.fc.bias)  # [b, s, ffn/t], f inside
+        return self.proj(y, add_bias)                                 # [b, s, h], g inside
+
+
+class PreLN:
+    """"rearranged" (pre-LN; GPT-2, Megatron-BERT; 1909.08053 Figure 7b): x + f(ln(x)). The
+    residual stream is never normalised: a clean identity path from the loss to every layer."""
+
+    @staticmethod
+    def residual(x: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+class PostLN:
+    """"original" (post-LN; BERT, Figure 7a): the residual starts *after* the layer norm,
+    u + f(u) with u = ln(x) (Megatron-LM's ``apply_residual_connection_post_layernorm``).
+    Chained, this is exactly original BERT: ln1 of block 0 normalises the embeddings, the ln2 of
+    block i and the ln1 of block i+1 are LN(x + attn(x)) and LN(x + mlp(x)) of Figure 7a, and
+    the final layer norm is the last block's. Every residual path passes through a layer norm."""
+
+    @staticmethod
+    def residual(x: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
+        return normed
+
+
+LN_PLACEMENTS = {"rearranged": PreLN, "original": PostLN}
 
 
 class Block(nn.Module):
     """A transformer block: attention, then the MLP, each with a layer norm and a residual add
-    (Figure 2). Where the layer norm sits is ``config.ln_placement`` (1909.08053 §5.3, Figure 7):
-
-    * "rearranged" (pre-LN; GPT-2, Megatron-BERT): x + attn(ln1(x)), then x + mlp(ln2(x)). The
-      residual stream is never normalised: a clean identity path from the loss to every layer.
-    * "original" (post-LN; BERT): the residual starts *after* the layer norm, u + attn(u) with
-      u = ln1(x) (Megatron-LM's ``apply_residual_connection_post_layernorm``). Chained, this is
-      exactly original BERT: ln1 of block 0 normalises the embeddings, the ln2 of block i and
-      the ln1 of block i+1 are LN(x + attn(x)) and LN(x + mlp(x)) of Figure 7a, and the final
-      layer norm is the last block's. Every residual path passes through a layer norm.
-
-    Both have the same parameters (two layer norms per block, one final), so the switch changes
-    where they act, nothing else. ``layer``: the block's global index (dropout masks depend on
-    it, not on the stage holding it). Under sequence parallelism x is this rank's part of the
-    sequence, [b, s/t, h]: the layer norms, dropouts and residual adds run on it; attention
-    and the MLP gather the sequence in. ``mask``: the keys' padding mask, for attention.
+    (Figure 2), the layer norm where ``config.ln_placement`` puts it (``PreLN``, ``PostLN``:
+    the same parameters, only where they act differs). ``layer``: the block's global index
+    (dropout masks depend on it, not on the stage holding it). Under sequence parallelism x is
+    this rank's part of the sequence, [b, s/t, h]: the layer norms, dropouts and residual adds
+    run on it; attention and the MLP gather the sequence in. ``mask``: the keys' padding mask.
     """
 
     def __init__(self, config: GPTConfig, group: CommGroup, layer: int = 0,
                  cp_group: CommGroup | None = None) -> None:
         super().__init__()
-        self.fused = config.fused
-        self.post_ln = config.ln_placement == "original"
+        cp_group = cp_group or serial_group("cp")
+        self.placement = LN_PLACEMENTS[config.ln_placement]
+        self.bias_dropout_add = kernels(config).bias_dropout_add   # 2104.04473 §4.2
         self.ln1 = layer_norm(config)
         self.attn = Attention(config, group, layer, cp_group)
         self.ln2 = layer_norm(config)
         self.mlp = MLP(config, group)
         # Outside the split regions: the same masks on every tp rank.
-        parts = _sequence_parts(config, group, cp_group)
+        parts = sequence_parts(STYLES[config.sequence_parallel, config.async_tp](group), cp_group)
         self.attn_dropout = Dropout(config.dropout, config.seed, layer, "attention output",
-                                    sequence_parts=parts)
-        self.mlp_dropout = Dropout(config.dropout, config.seed, layer, "mlp output",
-                                   sequence_parts=parts)
+                                    parts=parts)
+        self.mlp_dropout = Dropout(config.dropout, config.seed, layer, "mlp output", parts=parts)
 
     def forward(self, x: torch.Tensor, kv: LayerKV | None = None,
                 dropout_key: DropoutKey | None = None,
@@ -326,22 +218,39 @@ class Block(nn.Module):
         """x [b, s, h] → [b, s, h] (or this rank's part, [b, s/t, h])."""
         check_initialised(self)
         u = self.ln1(x)                                  # [b, s, h]
-        y = self.attn(u, kv, dropout_key, add_bias=not self.fused, mask=mask)
-        x = self._residual(u if self.post_ln else x, y, self.attn.proj.bias,
-                           self.attn_dropout, dropout_key)
+        y = self.attn(u, kv, dropout_key, add_bias=False, mask=mask)
+        x = self.bias_dropout_add(y, self.attn.proj.bias, self.attn_dropout, dropout_key,
+                                  self.placement.residual(x, u))
         u = self.ln2(x)
-        y = self.mlp(u, add_bias=not self.fused)
-        return self._residual(u if self.post_ln else x, y, self.mlp.proj.bias,
-                              self.mlp_dropout, dropout_key)            # [b, s, h]
+        y = self.mlp(u, add_bias=False)
+        return self.bias_dropout_add(y, self.mlp.proj.bias, self.mlp_dropout, dropout_key,
+                                     self.placement.residual(x, u))     # [b, s, h]
 
-    def _residual(self, residual, y, bias, dropout: Dropout, key) -> torch.Tensor:
-        """residual + dropout(y); fused, y comes without its bias, and bias + dropout + add run
-        as one kernel (2104.04473 §4.2)."""
-        if not self.fused:
-            return residual + dropout(y, key)
-        drop = dropout.training and dropout.p > 0
-        keep = dropout.keep(key, y) if drop else None
-        return bias_dropout_add(y, bias, keep, 1.0 / (1.0 - dropout.p), residual)
+
+def _block(block: Block, h: torch.Tensor, dropout_key: DropoutKey | None,
+           mask: torch.Tensor | None) -> torch.Tensor:
+    return block(h, None, dropout_key, mask)
+
+
+def _recomputed_block(block: Block, h: torch.Tensor, dropout_key: DropoutKey | None,
+                      mask: torch.Tensor | None) -> torch.Tensor:
+    """Full recomputation (2104.04473 §3.5): only the block's input is kept for backward."""
+    return (checkpoint(block, h, None, dropout_key, mask) if torch.is_grad_enabled()
+            else block(h, None, dropout_key, mask))
+
+
+# How each recomputation option runs a block (the attention core's part: RECOMPUTE_CORE).
+RECOMPUTE_BLOCK = {"none": _block, "selective": _block, "full": _recomputed_block}
+
+
+def _hidden_in(x: torch.Tensor, *args) -> tuple[torch.Tensor, None]:
+    """A stage without the embeddings takes hidden states: as they are, no padding mask."""
+    return x, None
+
+
+def _hidden_out(h: torch.Tensor, *args) -> torch.Tensor:
+    """A stage without the heads sends its hidden states on."""
+    return h
 
 
 class TransformerStage(nn.Module):
@@ -352,7 +261,9 @@ class TransformerStage(nn.Module):
     and takes input ids [b, s]; otherwise hidden states [b, s, h] ([b, s/t, h] under sequence
     parallelism). ``last``: holds the final layer norm and the output layer (tied to the word
     embedding). Parameters are drawn from ``config.seed`` by name (the same at any tp and pp),
-    on the grid's device.
+    on the grid's device. What the stage's ends do is chosen once, here: ``enter`` (the
+    embeddings, or the hidden states as they come) and ``leave`` (the heads, or the hidden
+    states as they go).
     """
 
     config_class = GPTConfig        # the configuration it is built from, exactly (BERT: its own)
@@ -365,27 +276,33 @@ class TransformerStage(nn.Module):
             raise TypeError(f"a {type(self).__name__} is built from a {self.config_class.__name__}"
                             f", not a {type(config).__name__} (model.build_model picks the model)")
         self.tp_group = grid.tp_group if grid is not None else serial_group()
-        self.cp_group = grid.cp_group if grid is not None else serial_group()
+        self.cp_group = grid.cp_group if grid is not None else serial_group("cp")
         config.validate(self.tp_group.size, cp=self.cp_group.size)
         self.config, self.first, self.last = config, first, last
-        self.sequence_parallel = config.sequence_parallel and self.tp_group.size > 1
+        self.style = STYLES[config.sequence_parallel, config.async_tp](self.tp_group)
         self.layers = range(config.num_layers) if layers is None else layers
         if not all(0 <= i < config.num_layers for i in self.layers):
             raise ValueError(f"layers {self.layers} are not all in 0..{config.num_layers - 1}")
         self.training_calls = 0  # numbers the steps of a model trained without DropoutKeys
+        self.run_block = RECOMPUTE_BLOCK[config.recompute]
+        self.enter, self.leave = _hidden_in, _hidden_out
         self._build(config)
         init_parameters(self, config.seed, self.tp_group,
                         device=grid.device if grid is not None else "cpu")
 
     def _build(self, config: GPTConfig) -> None:
-        """The modules of this stage, on the meta device until initialised (BERT adds its own)."""
-        if self.first or self.last:
-            self.embedding = Embedding(config, self.tp_group, positions=self.first,
-                                       cp_group=self.cp_group)
+        """The modules of this stage, on the meta device until initialised; the kinds of model
+        add their own ends (``_build_first``, ``_build_last``)."""
+        if self.first:                    # the embeddings, whose word table the output layer uses
+            self.embedding = Embedding(config, self.tp_group, cp_group=self.cp_group)
+            self.enter = self._build_first(config)
+        elif self.last:                   # (the same name: ``WORD_EMBEDDING``)
+            self.embedding = TiedCopy(config, self.tp_group)
         self.blocks = nn.ModuleDict({str(i): Block(config, self.tp_group, i, self.cp_group)
                                      for i in self.layers})
         if self.last:
             self.ln_f = layer_norm(config)
+            self.leave = self._build_last(config)
 
     def _dropout_key(self, x: torch.Tensor, key: DropoutKey | None) -> DropoutKey | None:
         """The key given; without one, a model in training numbers its calls as steps."""
@@ -396,14 +313,11 @@ class TransformerStage(nn.Module):
 
     def _blocks(self, h: torch.Tensor, dropout_key: DropoutKey | None,
                 cache: KVCache | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """This stage's blocks in order; ``mask``: the keys' padding mask [b, s] (BERT)."""
+        """This stage's blocks in order; ``mask``: the keys' padding mask [b, s] (BERT);
+        ``cache``: generation's keys and values (each block's own)."""
         for name, block in self.blocks.items():
-            if cache is not None:
-                h = block(h, cache.layer(name))
-            elif self.config.recompute == "full" and torch.is_grad_enabled():
-                h = checkpoint(block, h, None, dropout_key, mask)    # 2104.04473 §3.5
-            else:
-                h = block(h, None, dropout_key, mask)
+            h = (block(h, cache.layer(name)) if cache is not None
+                 else self.run_block(block, h, dropout_key, mask))
         return h
 
     def _embed(self, ids: torch.Tensor, offset: int, dropout_key: DropoutKey | None,
@@ -417,14 +331,19 @@ class TransformerStage(nn.Module):
         return self.embedding(ids, offset, dropout_key, extra)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        """The output layer: a column-parallel linear sharing the embedding table (tied)."""
-        weight = self.embedding.word.weight
-        if self.sequence_parallel:                           # h: [b, s/t, h], gathered inside
-            logits = sequence_gather_linear(h, weight, None, self.tp_group)
-        else:
-            h = comm.f(h, self.tp_group)                     # [b, s, h]; grad all-reduced
-            logits = F.linear(h, weight)                     # [b, s, V_padded/t]
+        """The output layer: a column-parallel linear sharing the embedding table (tied); h is
+        gathered from the sequence under sequence parallelism."""
+        logits = self.style.column_linear(h, self.embedding.word.weight, None)  # [b, s, V/t]
         return mask_padded_vocab(logits, self.config.vocab_size, self.tp_group)
+
+    def boundary_shape(self, ids: torch.Size) -> torch.Size:
+        """The shape of what this stage sends on, for a microbatch of token ids ``ids`` [b, s]:
+        the residual stream [b, s, h] of this rank's part of the sequence (s/t under sequence
+        parallelism)."""
+        parts = self.style.sequence_split
+        if ids[1] % parts:
+            raise ValueError(f"{ids[1]} tokens do not split into {parts} parts")
+        return torch.Size((ids[0], ids[1] // parts, self.config.hidden))
 
     def num_parameters(self) -> int:
         """Parameters held by this rank (its shards; padded vocabulary included)."""

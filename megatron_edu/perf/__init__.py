@@ -3,7 +3,8 @@ and a configuration advisor (2104.04473 §3, §5.1; 1909.08053 §5; 2205.05198 �
 parallelism: 2310.01889 and megatron-core's CP).
 
 The model is a ``model.GPTConfig`` (its recomputation and sequence parallelism included), its
-split a ``grid.Layout`` (tp, cp, pp, dp, ...): the same two values a training run takes.
+split a ``ptdp.Parallelism`` (a ``grid.Layout`` of tp, cp, pp, dp; a ``pipeline.PipelineConfig``;
+the ZeRO stage): the same values a training run takes.
 
 flops.py     the papers' counting formulas: parameters, FLOPs, training time, utilization
 memory.py    weights, gradients, optimizer states and activations per GPU; the exact parameter
@@ -24,7 +25,7 @@ from .advisor import (
     Prediction,
     TimeBreakdown,
     advise,
-    candidate_layouts,
+    candidates,
     predict,
     rejection_reason,
 )
@@ -65,7 +66,7 @@ __all__ = [
     "H100_SXM_BF16_PEAK", "MIXED", "MIXED_FP32_GRADS", "PURPOSES", "SELENE_A100",
     "V100_FP16_PEAK", "Hardware", "MemoryEstimate", "Precision", "Prediction", "TimeBreakdown",
     "activation_bytes_per_layer", "activation_bytes_per_rank", "advise", "best_per_split",
-    "candidate_layouts", "datasheet_bf16_peak", "datasheet_peak_flops",
+    "candidates", "datasheet_bf16_peak", "datasheet_peak_flops",
     "embedding_activation_bytes", "forwards_in_flight", "interleaving_speedup", "measure_mfu",
     "megatron_core_activation_bytes", "memory_per_rank", "microbatch_tradeoff",
     "model_flops_utilization", "num_parameters", "output_layer_activation_bytes",

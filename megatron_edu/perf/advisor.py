@@ -12,8 +12,8 @@ References
   each of cp ranks holds s/cp tokens of every sequence, attention is a ring (``context_parallel``).
 
 The model is a ``GPTConfig`` (its recomputation and sequence parallelism included) and its split a
-``grid.Layout`` (tp, cp, pp, dp, schedule, chunks, microbatches, ZeRO stage): what a training
-run takes.
+``ptdp.Parallelism`` (the layout's tp, cp, pp, dp; the pipeline's schedule, chunks and
+microbatches; the ZeRO stage): what a training run takes.
 
 Time per iteration = compute + bubble + tensor-parallel all-reduces + context-parallel ring (the
                      part the attention core does not hide) + pipeline p2p
@@ -70,7 +70,9 @@ from itertools import product
 
 from megatron_edu.grid import Layout
 from megatron_edu.model.config import GPTConfig
+from megatron_edu.pipeline.schedules import PipelineConfig
 from megatron_edu.pipeline.simulate import simulate
+from megatron_edu.ptdp import Parallelism
 
 from .bubble import bubble_formula
 from .flops import A100_BF16_PEAK, H100_SXM_BF16_PEAK, V100_FP16_PEAK
@@ -81,11 +83,10 @@ from .memory import (
     Precision,
     memory_per_rank,
     parameters_per_rank,
-    splits_backward,
 )
 
 __all__ = ["GEMM_EFFICIENCY", "DP_OVERLAP", "Hardware", "SELENE_A100", "DGX_H100", "DGX2H_V100",
-           "TimeBreakdown", "Prediction", "predict", "rejection_reason", "candidate_layouts",
+           "TimeBreakdown", "Prediction", "predict", "rejection_reason", "candidates",
            "advise"]
 
 GEMM_EFFICIENCY = 0.62
@@ -138,10 +139,11 @@ class TimeBreakdown:
 
 @dataclass(frozen=True)
 class Prediction:
-    """What the performance model predicts for ``config``'s model split as ``layout`` says."""
+    """What the performance model predicts for ``config``'s model split as ``parallelism``
+    says."""
 
     config: GPTConfig
-    layout: Layout
+    parallelism: Parallelism
     time: TimeBreakdown
     flops_per_iteration: float  # executed, recomputation included (as 2104.04473 counts)
     tflops_per_gpu: float
@@ -149,10 +151,10 @@ class Prediction:
     memory: MemoryEstimate
 
     def __str__(self) -> str:
-        lay = self.layout
-        sched = lay.schedule + (f" v={lay.chunks}" if lay.chunks > 1 else "")
-        cp = f" cp={lay.cp}" if lay.cp > 1 else ""
-        return (f"tp={lay.tp}{cp} pp={lay.pp} dp={lay.dp} b={lay.microbatch} {sched}: "
+        split = self.parallelism
+        sched = split.schedule + (f" v={split.chunks}" if split.chunks > 1 else "")
+        cp = f" cp={split.cp}" if split.cp > 1 else ""
+        return (f"tp={split.tp}{cp} pp={split.pp} dp={split.dp} b={split.microbatch} {sched}: "
                 f"{self.time.total:.2f} s/iter, {self.tflops_per_gpu:.0f} TFLOP/s per GPU "
                 f"({self.percent_of_peak:.0f}% of peak), {self.memory.total / GIB:.1f} GiB")
 
@@ -296,7 +298,8 @@ def _all_reduce(nbytes: float, size: int, bandwidth: float, hw: Hardware) -> flo
     return 2 * (size - 1) * hw.latency + 2 * (size - 1) / size * nbytes / bandwidth
 
 
-def _tensor_parallel_time(config: GPTConfig, layout: Layout, hw: Hardware, layers: int) -> float:
+def _tensor_parallel_time(config: GPTConfig, parallelism: Parallelism, hw: Hardware,
+                          layers: int) -> float:
     """All-reduces of one microbatch on the last stage (1909.08053 §3, Fig. 4).
 
     Per layer: 2 in the forward (`g` after attention and after the MLP), 2 in the backward
@@ -305,16 +308,16 @@ def _tensor_parallel_time(config: GPTConfig, layout: Layout, hw: Hardware, layer
     The output layer adds its input gradient (b·s·h) and the cross entropy's three b·s-float
     all-reduces (max, sum of exponentials, target logit).
     """
-    t, s = layout.tp, config.seq_len // layout.cp  # a context rank's tokens
-    activation = layout.microbatch * s * config.hidden * WORD
+    t, s = parallelism.tp, config.seq_len // parallelism.cp  # a context rank's tokens
+    activation = parallelism.microbatch * s * config.hidden * WORD
     bandwidth = _group_bandwidth(hw, t, 1)
     per_layer = 6 if config.recompute == "full" else 4
-    loss_bytes = layout.microbatch * s * 4
+    loss_bytes = parallelism.microbatch * s * 4
     return ((layers * per_layer + 1) * _all_reduce(activation, t, bandwidth, hw)
             + 3 * _all_reduce(loss_bytes, t, bandwidth, hw))
 
 
-def _pipeline_p2p_time(config: GPTConfig, layout: Layout, hw: Hardware,
+def _pipeline_p2p_time(config: GPTConfig, parallelism: Parallelism, hw: Hardware,
                        scatter_gather: bool) -> float:
     """Sends on a stage's critical path per microbatch: one forward + one backward per chunk.
 
@@ -322,78 +325,81 @@ def _pipeline_p2p_time(config: GPTConfig, layout: Layout, hw: Hardware,
     own adapter and the receivers all-gather it over NVLink (2104.04473 §4.1); under sequence
     parallelism the tensor is already split by t and needs no gathering.
     """
-    t, sp = layout.tp, config.sequence_parallel
-    if layout.pp == 1:
+    t, sp = parallelism.tp, config.sequence_parallel
+    if parallelism.pp == 1:
         return 0.0
-    message = layout.microbatch * config.seq_len // layout.cp * config.hidden * WORD
-    if layout.world_size <= hw.gpus_per_node:
+    message = parallelism.microbatch * config.seq_len // parallelism.cp * config.hidden * WORD
+    if parallelism.world_size <= hw.gpus_per_node:
         one_send = hw.latency + message / hw.intra_node_bandwidth
     else:
         split = t if scatter_gather or sp else 1
         one_send = hw.latency + message / split / (hw.inter_node_bandwidth / hw.gpus_per_node)
         if split > 1 and not sp:
             one_send += (t - 1) * hw.latency + (t - 1) / t * message / hw.intra_node_bandwidth
-    return 2 * layout.chunks * one_send
+    return 2 * parallelism.chunks * one_send
 
 
-def _context_parallel_time(config: GPTConfig, layout: Layout, hw: Hardware,
+def _context_parallel_time(config: GPTConfig, parallelism: Parallelism, hw: Hardware,
                            core: _Cost) -> float:
     """The ring's seconds per layer and microbatch that the attention core (``core``) does not
     hide: cp − 1 hops of the K, V block (2·b·s·h/(t·cp) 16-bit values) forward, twice that
     backward (K, V and their gradients), one more forward under full recomputation; each pass
     overlapped with the core's own (``core``: its forward and backward, one microbatch):
     max(0, ring − core)."""
-    cp = layout.cp
+    cp = parallelism.cp
     if cp == 1:
         return 0.0
-    block = 2 * layout.microbatch * config.seq_len * config.hidden // (layout.tp * cp) * WORD
-    hop = hw.latency + block / _group_bandwidth(hw, cp, layout.tp)
+    b, t = parallelism.microbatch, parallelism.tp
+    block = 2 * b * config.seq_len * config.hidden // (t * cp) * WORD
+    hop = hw.latency + block / _group_bandwidth(hw, cp, t)
     forwards = 2 if config.recompute == "full" else 1
     return (forwards * max(0.0, (cp - 1) * hop - core.forward)
             + max(0.0, 2 * (cp - 1) * hop - core.backward))
 
 
-def _data_parallel_time(config: GPTConfig, layout: Layout, hw: Hardware,
+def _data_parallel_time(config: GPTConfig, parallelism: Parallelism, hw: Hardware,
                         precision: Precision) -> float:
     """Gradient all-reduce over the dp·cp ranks holding the same weights, tp apart: a
     reduce-scatter and an all-gather, each half its time (ZeRO-1 runs exactly those). ZeRO-2
     reduce-scatters every microbatch's gradients, m of them, and gathers once; ZeRO-3 gathers
     the weights twice and reduce-scatters for every microbatch: 3m halves, 1.5× at m = 1 (the
     ZeRO paper's §7). Every message is counted at the gradients' width."""
-    grad_bytes = parameters_per_rank(config, layout) * precision.grads
-    ranks, m = layout.dp * layout.cp, layout.num_microbatches
-    half = _all_reduce(grad_bytes, ranks, _group_bandwidth(hw, ranks, layout.tp), hw) / 2
-    return {0: 2, 1: 2, 2: m + 1, 3: 3 * m}[layout.zero] * half
+    grad_bytes = parameters_per_rank(config, parallelism) * precision.grads
+    ranks, m = parallelism.dp * parallelism.cp, parallelism.num_microbatches
+    half = _all_reduce(grad_bytes, ranks, _group_bandwidth(hw, ranks, parallelism.tp), hw) / 2
+    return {0: 2, 1: 2, 2: m + 1, 3: 3 * m}[parallelism.zero] * half
 
 
-def _optimizer_time(config: GPTConfig, layout: Layout, hw: Hardware,
+def _optimizer_time(config: GPTConfig, parallelism: Parallelism, hw: Hardware,
                     precision: Precision) -> float:
     """Adam is memory-bound: read gradient, master weight and moments, write them back (ZeRO-1:
     a 1/(dp·cp) shard of the states)."""
-    states = (precision.master + precision.adam) / (layout.dp * layout.cp if layout.zero else 1)
+    owners = parallelism.dp * parallelism.cp if parallelism.zero else 1
+    states = (precision.master + precision.adam) / owners
     per_param = precision.grads + 2 * states + precision.weights
-    return parameters_per_rank(config, layout) * per_param / hw.memory_bandwidth
+    return parameters_per_rank(config, parallelism) * per_param / hw.memory_bandwidth
 
 
 # ---- the bubble ----
 
 
-def _bubble(layout: Layout, stage: _Cost, communication: float) -> float:
-    """Seconds every rank idles per iteration, as 2104.04473 counts it (the optimizer step
-    waits for the last rank): ``stage`` is one microbatch through a stage, ``communication``
-    its sends and all-reduces, carried by the forward and the input gradient.
+def _bubble(pipeline: PipelineConfig, p: int, stage: _Cost, communication: float) -> float:
+    """Seconds every rank idles per iteration of ``pipeline`` on p stages, as 2104.04473 counts
+    it (the optimizer step waits for the last rank): ``stage`` is one microbatch through a
+    stage, ``communication`` its sends and all-reduces, carried by the forward and the input
+    gradient.
 
     GPipe, 1F1B and interleaved: (p − 1)/(v·m) of the ideal time (§2.2). A schedule that splits
     the backward (2401.10241) fills part of that with its W passes, depending on t_F, t_B, t_W:
     its schedule is simulated with those costs, on at most 2p microbatches — beyond, a steady
     state adds one microbatch's work per microbatch and no idle time.
     """
-    p, m = layout.pp, layout.num_microbatches
-    if not splits_backward(layout.schedule, layout.chunks):
+    name, m, v = pipeline.schedule, pipeline.num_microbatches, pipeline.chunks
+    if not pipeline.splits_backward:
         whole = stage.seconds + communication
-        return float(bubble_formula(layout.schedule, p, m, layout.chunks)) * m * whole
+        return float(bubble_formula(name, p, m, v)) * m * whole
     share = communication / (stage.forward + stage.backward)
-    timeline = simulate(replace(layout, num_microbatches=min(m, 2 * p)).make_schedule(),
+    timeline = simulate(replace(pipeline, num_microbatches=min(m, 2 * p)).make_schedule(p),
                         stage.forward * (1 + share), stage.backward * (1 + share),
                         weight_time=stage.weight)
     return float(max(timeline.idle))
@@ -404,7 +410,7 @@ def _bubble(layout: Layout, stage: _Cost, communication: float) -> float:
 
 def predict(
     config: GPTConfig,
-    layout: Layout,
+    parallelism: Parallelism,
     hw: Hardware = SELENE_A100,
     *,
     precision: Precision = MIXED_FP32_GRADS,
@@ -412,44 +418,44 @@ def predict(
     gemm_efficiency: float = GEMM_EFFICIENCY,
     dp_overlap: float = DP_OVERLAP,
 ) -> Prediction:
-    """Time, throughput and memory of one iteration of ``layout.global_batch`` sequences, for
-    any layout that can split the model (tensor parallelism across nodes included; memory is
-    reported, not enforced). A ValueError if it cannot (``Layout.check``).
+    """Time, throughput and memory of one iteration of ``parallelism.global_batch`` sequences,
+    for any ``parallelism`` that can split the model (tensor parallelism across nodes included;
+    memory is reported, not enforced). A ValueError if it cannot (``Parallelism.check``).
 
     `precision` defaults to Megatron's: 16-bit weights, fp32 gradient accumulation, fp32 master
     weights and Adam moments (18 bytes per parameter). ``flops_per_iteration`` sums every rank's:
     each of the t·cp ranks of a replica computes its part of every microbatch.
     """
-    layout.check(config)
-    b, t, cp, eta = layout.microbatch, layout.tp, layout.cp, gemm_efficiency
-    m, layers = layout.num_microbatches, config.num_layers // layout.pp
+    parallelism.check(config)
+    b, t, cp, eta = parallelism.microbatch, parallelism.tp, parallelism.cp, gemm_efficiency
+    m, layers = parallelism.num_microbatches, config.num_layers // parallelism.pp
     layer = _train_cost(_layer_ops(config, b, t, cp), config.recompute, hw, eta, cp > 1)
     out = _train_cost(_output_ops(config, b, t, cp), "none", hw, eta)
     # the last stage paces the pipeline: its layers plus the logits and the loss
     stage = layer.times(layers).plus(out)
-    tensor = _tensor_parallel_time(config, layout, hw, layers)
+    tensor = _tensor_parallel_time(config, parallelism, hw, layers)
     core = _train_cost(_attention_core_ops(config, b, t, cp), "none", hw, eta, cp > 1)
-    ring = layers * _context_parallel_time(config, layout, hw, core)
-    p2p = _pipeline_p2p_time(config, layout, hw, scatter_gather)
+    ring = layers * _context_parallel_time(config, parallelism, hw, core)
+    p2p = _pipeline_p2p_time(config, parallelism, hw, scatter_gather)
     time = TimeBreakdown(
         compute=m * stage.seconds,
-        bubble=_bubble(layout, stage, tensor + ring + p2p),
+        bubble=_bubble(parallelism.pipeline, parallelism.pp, stage, tensor + ring + p2p),
         tensor_parallel=m * tensor,
         context_parallel=m * ring,
         pipeline_p2p=m * p2p,
-        data_parallel=(1 - dp_overlap) * _data_parallel_time(config, layout, hw, precision),
-        optimizer=_optimizer_time(config, layout, hw, precision),
+        data_parallel=(1 - dp_overlap) * _data_parallel_time(config, parallelism, hw, precision),
+        optimizer=_optimizer_time(config, parallelism, hw, precision),
     )
-    flops = layout.global_batch // b * t * cp * (config.num_layers * layer.flops + out.flops)
-    achieved = flops / (layout.world_size * time.total)
+    flops = parallelism.global_batch // b * t * cp * (config.num_layers * layer.flops + out.flops)
+    achieved = flops / (parallelism.world_size * time.total)
     return Prediction(
         config=config,
-        layout=layout,
+        parallelism=parallelism,
         time=time,
         flops_per_iteration=flops,
         tflops_per_gpu=achieved / 1e12,
         percent_of_peak=100 * achieved / hw.peak_flops,
-        memory=memory_per_rank(config, layout, precision=precision),
+        memory=memory_per_rank(config, parallelism, precision=precision),
     )
 
 
@@ -458,23 +464,23 @@ def predict(
 
 def rejection_reason(
     config: GPTConfig,
-    layout: Layout,
+    parallelism: Parallelism,
     num_gpus: int,
     hw: Hardware = SELENE_A100,
     *,
     precision: Precision = MIXED_FP32_GRADS,
 ) -> str | None:
-    """Why the advisor would not propose ``layout`` for ``config``'s model on ``num_gpus`` GPUs,
-    or None: the message of the layout's ValueError (``Layout.check``, ``Layout.check_world``),
-    tensor parallelism beyond a node, or memory beyond the GPU's."""
+    """Why the advisor would not propose ``parallelism`` for ``config``'s model on ``num_gpus``
+    GPUs, or None: the message of its ValueError (``Parallelism.check``,
+    ``Layout.check_world``), tensor parallelism beyond a node, or memory beyond the GPU's."""
     try:
-        layout.check(config)
-        layout.check_world(num_gpus)
+        parallelism.check(config)
+        parallelism.layout.check_world(num_gpus)
     except ValueError as error:
         return str(error)
-    if hw.gpus_per_node % layout.tp:
-        return f"tp {layout.tp} does not divide the {hw.gpus_per_node} GPUs of a node"
-    memory = memory_per_rank(config, layout, precision=precision)
+    if hw.gpus_per_node % parallelism.tp:
+        return f"tp {parallelism.tp} does not divide the {hw.gpus_per_node} GPUs of a node"
+    memory = memory_per_rank(config, parallelism, precision=precision)
     if memory.total > hw.memory_bytes:
         return f"needs {memory.total / GIB:.1f} GiB > {hw.memory_bytes / GIB:.0f} GiB per GPU"
     return None
@@ -486,13 +492,13 @@ def _divisors(n: int) -> list[int]:
 
 def _chunk_options(config: GPTConfig, pp: int, schedule: str) -> list[int | None]:
     """None (the schedule's own) unless interleaved; interleaved: every v ≥ 2 dividing a rank's
-    layers (the search space; whether the layout can split the model is its own rule)."""
+    layers (the search space; whether the model splits so is ``Parallelism.check``'s rule)."""
     if schedule != "interleaved":
         return [None]
     return _divisors(config.num_layers // pp)[1:]
 
 
-def candidate_layouts(
+def candidates(
     config: GPTConfig,
     global_batch: int,
     num_gpus: int,
@@ -502,9 +508,9 @@ def candidate_layouts(
     sequence_parallel: tuple[bool, ...] | None = None,
     zero: int = 0,
     cp: tuple[int, ...] = (1,),
-) -> Iterator[tuple[GPTConfig, Layout]]:
+) -> Iterator[tuple[GPTConfig, Parallelism]]:
     """Every tp (within a node) × cp (each of ``cp``) × pp × dp = num_gpus, microbatch b
-    (B = dp·m·b), schedule and chunk count a ``Layout`` accepts, each with ``config`` made to
+    (B = dp·m·b), schedule and chunk count a ``Parallelism`` accepts, each with ``config`` made to
     recompute and split the sequence as each of ``recompute`` × ``sequence_parallel`` asks
     (None: as the config does). Not yet checked against the model, the node or the memory:
     ``rejection_reason`` does."""
@@ -522,11 +528,11 @@ def candidate_layouts(
             for b, schedule, mode in product(_divisors(global_batch // dp), schedules, modes):
                 for v in _chunk_options(config, pp, schedule):
                     try:
-                        layout = Layout(tp, pp, dp, schedule, v, b, global_batch // (dp * b),
-                                        zero, c)
+                        pipeline = PipelineConfig(schedule, v, b, global_batch // (dp * b))
+                        parallelism = Parallelism(Layout(tp, pp, dp, c), pipeline, zero)
                     except ValueError:  # a schedule this pipeline cannot run
                         continue
-                    yield variants[mode], layout
+                    yield variants[mode], parallelism
 
 
 def advise(
@@ -545,8 +551,8 @@ def advise(
     gemm_efficiency: float = GEMM_EFFICIENCY,
     dp_overlap: float = DP_OVERLAP,
     cp: tuple[int, ...] = (1,),
-) -> list[tuple[Layout, Prediction]]:
-    """Layouts that split the model and fit in memory, fastest first (ties: least memory), each
+) -> list[tuple[Parallelism, Prediction]]:
+    """The splits of the model that fit in memory, fastest first (ties: least memory), each
     with its prediction (whose ``config`` says how it recomputes and splits the sequence).
 
     `tp` / `pp` pin those sizes; `cp`: the context-parallel sizes to search (world =
@@ -554,13 +560,13 @@ def advise(
     flight instead of p (2104.04473 §2.2.1), so it never ranks higher.
     """
     ranked = []
-    for variant, layout in candidate_layouts(config, global_batch, num_gpus, hw, schedules,
-                                             recompute, sequence_parallel, zero, cp):
-        if (tp and layout.tp != tp) or (pp and layout.pp != pp):
+    for variant, parallelism in candidates(config, global_batch, num_gpus, hw, schedules,
+                                           recompute, sequence_parallel, zero, cp):
+        if (tp and parallelism.tp != tp) or (pp and parallelism.pp != pp):
             continue
-        if rejection_reason(variant, layout, num_gpus, hw, precision=precision):
+        if rejection_reason(variant, parallelism, num_gpus, hw, precision=precision):
             continue
-        prediction = predict(variant, layout, hw, precision=precision,
+        prediction = predict(variant, parallelism, hw, precision=precision,
                              gemm_efficiency=gemm_efficiency, dp_overlap=dp_overlap)
-        ranked.append((layout, prediction))
+        ranked.append((parallelism, prediction))
     return sorted(ranked, key=lambda lp: (lp[1].time.total, lp[1].memory.total))

@@ -1,5 +1,5 @@
 """Memory per GPU: weights, gradients, optimizer states and activations of a model (a
-``GPTConfig``) split as a ``grid.Layout`` says.
+``GPTConfig``) split as a ``ptdp.Parallelism`` says.
 
 References
 - Korthikanti et al. 2022, arXiv 2205.05198 §4: activations saved per transformer layer,
@@ -23,9 +23,9 @@ References
   recomputation has nothing left to drop there; full recomputation keeps the layer input.
 
 The model's sizes, its recomputation and sequence parallelism come from the config, the split
-(tp, cp, pp, dp, schedule, chunks, microbatches, ZeRO stage) from the layout, and whether the
-layout can split the model is the layout's rule (``Layout.check``), asked once. Bytes are exact
-integers; ``str(estimate)`` reads in GiB.
+from the parallelism — its layout's tp, cp, pp, dp, its pipeline's schedule, chunks and
+microbatches, its ZeRO stage —, and whether it can split the model is its rule
+(``Parallelism.check``), asked once. Bytes are exact integers; ``str(estimate)`` reads in GiB.
 """
 
 from __future__ import annotations
@@ -35,14 +35,14 @@ from functools import cache, lru_cache
 
 import numpy as np
 
-from megatron_edu.grid import Layout
 from megatron_edu.model.config import RECOMPUTE, GPTConfig
-from megatron_edu.pipeline.schedules import Schedule, make_schedule
+from megatron_edu.pipeline.schedules import PipelineConfig, Schedule, make_schedule
+from megatron_edu.ptdp import Parallelism
 
 __all__ = ["GIB", "FP32", "MIXED", "MIXED_FP32_GRADS", "Precision", "MemoryEstimate",
            "parameters_per_rank", "activation_bytes_per_layer", "output_layer_activation_bytes",
            "embedding_activation_bytes", "forwards_in_flight", "activation_bytes_per_rank",
-           "memory_per_rank", "splits_backward"]
+           "memory_per_rank"]
 
 GIB = 2**30
 
@@ -87,18 +87,18 @@ class MemoryEstimate:
 # ---- parameters ---------------------------------------------------------------------------------
 
 
-def parameters_per_rank(config: GPTConfig, layout: Layout, stage: int = 0) -> int:
+def parameters_per_rank(config: GPTConfig, parallelism: Parallelism, stage: int = 0) -> int:
     """Parameters one GPU of pipeline rank ``stage`` holds: ``config.num_parameters`` (the one
     exact count, Megatron's split of 1909.08053 §3) of each model chunk the rank holds, l/(pp·v)
     layers each, with the embeddings on the chunk of the first stage and the final layer norm and
-    the tied output layer on the chunk of the last. Where the chunks are is ``layout.stages``
-    (ZB-V's V puts both ends on rank 0, each chunk with its own copy of the word table). A
-    ValueError if the layout cannot split the model (``Layout.check``)."""
-    layout.check(config)
-    stages = layout.stages
+    the tied output layer on the chunk of the last. Where the chunks are is
+    ``parallelism.stages`` (ZB-V's V puts both ends on rank 0, each chunk with its own copy of the
+    word table). A ValueError if it cannot split the model (``Parallelism.check``)."""
+    parallelism.check(config)
+    stages = parallelism.stages
     layers, last = config.num_layers // stages.num_stages, stages.num_stages - 1
     held = [stages.stage(stage, chunk) for chunk in range(stages.v)]
-    return sum(config.num_parameters(layout.tp, layers, first=s == 0, last=s == last)
+    return sum(config.num_parameters(parallelism.tp, layers, first=s == 0, last=s == last)
                for s in held)
 
 
@@ -200,12 +200,6 @@ def embedding_activation_bytes(config: GPTConfig, microbatch: int, *, tp: int = 
 
 
 @cache
-def splits_backward(schedule: str, chunks: int) -> bool:
-    """Whether the schedule called ``schedule`` has weight-gradient passes W, so that its B is
-    the input gradient only (2401.10241): read off a small instance of it."""
-    return make_schedule(schedule, 2, 4, chunks).splits_backward
-
-
 @lru_cache(maxsize=1)
 def _schedule(schedule: str, p: int, m: int, v: int) -> Schedule:
     """The last schedule made: the first and the last rank are read off the same one."""
@@ -228,31 +222,32 @@ def _held_after_forwards(schedule: str, p: int, m: int, v: int, rank: int) -> np
     return np.array(list(seen), dtype=np.int64).reshape(-1, v)
 
 
-def _held(layout: Layout, stage: int) -> np.ndarray:
-    return _held_after_forwards(layout.schedule, layout.pp, layout.num_microbatches,
-                                layout.chunks, stage)
+def _held(pipeline: PipelineConfig, p: int, stage: int) -> np.ndarray:
+    return _held_after_forwards(pipeline.schedule, p, pipeline.num_microbatches, pipeline.chunks,
+                                stage)
 
 
-def forwards_in_flight(layout: Layout, stage: int = 0) -> list[int]:
-    """Per model chunk, the microbatches whose activations pipeline rank ``stage`` holds when it
-    holds the most, read off ``layout.make_schedule()``: GPipe m; 1F1B p − rank (2104.04473
-    §2.2.1); interleaved, on rank 0, p + (p − 1)/v stages' worth (§2.2.2); ZB-H1 p on every
-    rank, ZB-H2 2p − 1 (2401.10241 §2). Their sum is ``simulate(...).peak_activations[stage]``."""
-    held = _held(layout, stage)
+def forwards_in_flight(pipeline: PipelineConfig, p: int, stage: int = 0) -> list[int]:
+    """Per model chunk, the microbatches whose activations pipeline rank ``stage`` of p holds when
+    it holds the most, read off ``pipeline.make_schedule(p)``: GPipe m; 1F1B p − rank
+    (2104.04473 §2.2.1); interleaved, on rank 0, p + (p − 1)/v stages' worth (§2.2.2); ZB-H1 p on
+    every rank, ZB-H2 2p − 1 (2401.10241 §2). Their sum is
+    ``simulate(...).peak_activations[stage]``."""
+    held = _held(pipeline, p, stage)
     return held[held.sum(axis=1).argmax()].tolist()
 
 
-def activation_bytes_per_rank(config: GPTConfig, layout: Layout, stage: int = 0, *,
+def activation_bytes_per_rank(config: GPTConfig, parallelism: Parallelism, stage: int = 0, *,
                               bytes_per_value: int = 2, dropout: bool | None = None) -> int:
     """Activations a GPU of pipeline rank ``stage`` holds at its peak (of its s/cp tokens under
-    context parallelism, ``layout.cp``).
+    context parallelism, ``parallelism.cp``).
 
     Each chunk's microbatch weighs its layers' bytes, plus the embedding's on the chunk of the
     first stage and the output layer's on the chunk of the last; the peak is the heaviest moment
     of the schedule (right after a forward). While one layer runs its backward, what
     recomputation rebuilt for it is alive too.
     """
-    b, t, cp, stages = layout.microbatch, layout.tp, layout.cp, layout.stages
+    b, t, cp, stages = parallelism.microbatch, parallelism.tp, parallelism.cp, parallelism.stages
 
     def layer(keeping: GPTConfig) -> int:
         return activation_bytes_per_layer(keeping, b, tp=t, bytes_per_value=bytes_per_value,
@@ -269,35 +264,37 @@ def activation_bytes_per_rank(config: GPTConfig, layout: Layout, stage: int = 0,
             weight += output_layer_activation_bytes(config, b, tp=t,
                                                     bytes_per_value=bytes_per_value, cp=cp)
         per_chunk.append(weight)
-    peak = int((_held(layout, stage) @ np.array(per_chunk, dtype=np.int64)).max())
+    held = _held(parallelism.pipeline, parallelism.pp, stage)
+    peak = int((held @ np.array(per_chunk, dtype=np.int64)).max())
     # while one layer runs its backward, what recomputation rebuilt for it is alive too
     rebuilt = kept if config.recompute == "none" else layer(replace(config, recompute="none"))
     return peak + rebuilt - kept
 
 
-def memory_per_rank(config: GPTConfig, layout: Layout, *, precision: Precision = MIXED,
-                    dropout: bool | None = None, stage: int | None = None) -> MemoryEstimate:
+def memory_per_rank(config: GPTConfig, parallelism: Parallelism, *,
+                    precision: Precision = MIXED, dropout: bool | None = None,
+                    stage: int | None = None) -> MemoryEstimate:
     """Peak bytes on one GPU of pipeline rank ``stage``; by default the fuller of the ranks that
     hold the first and the last stage (middle ranks hold the same layers, no embedding and no
-    more microbatches). ZeRO (``layout.zero``, 1910.02054 Figure 1) shards over the dp·cp ranks
+    more microbatches). ZeRO (``parallelism.zero``, 1910.02054 Figure 1) shards over the dp·cp ranks
     that hold the same weights: stage 1 the master weights and Adam's moments, stage 2 the
     gradients too, stage 3 the weights too — the paper's model, without the whole copies of
     the one or two units a rank is computing at a moment (ZeRO-3's gathered blocks, a
-    gradient bucket before its reduce-scatter). A ValueError if ``layout`` cannot split
-    ``config``'s model (``Layout.check``)."""
-    layout.check(config)
+    gradient bucket before its reduce-scatter). A ValueError if ``parallelism`` cannot split
+    ``config``'s model (``Parallelism.check``)."""
+    parallelism.check(config)
     if stage is None:
-        ends = sorted({layout.stages.first_rank, layout.stages.last_rank})
-        return max((memory_per_rank(config, layout, precision=precision, dropout=dropout,
+        ends = sorted(set(parallelism.stages.ends))
+        return max((memory_per_rank(config, parallelism, precision=precision, dropout=dropout,
                                     stage=rank) for rank in ends), key=lambda e: e.total)
-    params = parameters_per_rank(config, layout, stage)
-    owners = layout.dp * layout.cp
+    params = parameters_per_rank(config, parallelism, stage)
+    owners = parallelism.dp * parallelism.cp
 
     def sharded(nbytes: int, from_stage: int) -> int:
-        return -(-nbytes // owners) if layout.zero >= from_stage else nbytes  # ceil: padding
+        return -(-nbytes // owners) if parallelism.zero >= from_stage else nbytes  # ceil: padding
 
     optimizer = sharded(params * (precision.master + precision.adam), 1)
-    activations = activation_bytes_per_rank(config, layout, stage,
+    activations = activation_bytes_per_rank(config, parallelism, stage,
                                             bytes_per_value=precision.activation, dropout=dropout)
     return MemoryEstimate(sharded(params * precision.weights, 3),
                           sharded(params * precision.grads, 2), optimizer, activations)

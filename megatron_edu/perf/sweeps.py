@@ -13,8 +13,10 @@ from collections.abc import Sequence
 
 from megatron_edu.grid import Layout
 from megatron_edu.model.config import GPTConfig
+from megatron_edu.pipeline.schedules import PipelineConfig
+from megatron_edu.ptdp import Parallelism
 
-from .advisor import SELENE_A100, Hardware, Prediction, candidate_layouts, predict
+from .advisor import SELENE_A100, Hardware, Prediction, candidates, predict
 from .memory import GIB
 
 __all__ = ["best_per_split", "tp_sweep", "interleaving_speedup", "microbatch_tradeoff"]
@@ -29,13 +31,13 @@ def best_per_split(config: GPTConfig, global_batch: int, num_gpus: int,
         return pred.memory.total > hw.memory_bytes, pred.time.total
 
     best: dict[tuple[int, int], Prediction] = {}
-    for variant, layout in candidate_layouts(config, global_batch, num_gpus, hw):
+    for variant, parallelism in candidates(config, global_batch, num_gpus, hw):
         try:
-            layout.check(variant)
+            parallelism.check(variant)
         except ValueError:  # this split cannot hold the model
             continue
-        pred = predict(variant, layout, hw)
-        key = (layout.tp, layout.pp)
+        pred = predict(variant, parallelism, hw)
+        key = (parallelism.tp, parallelism.pp)
         if key not in best or rank(pred) < rank(best[key]):
             best[key] = pred
     return best
@@ -45,17 +47,20 @@ def tp_sweep(config: GPTConfig, num_gpus: int, global_batch: int, tps: Sequence[
              hw: Hardware = SELENE_A100) -> dict[int, float]:
     """2104.04473 Fig. 13: TFLOP/s per GPU for tp × (num_gpus/tp) pipelines, no data parallel,
     microbatches of one sequence."""
-    return {t: predict(config, Layout(t, num_gpus // t, num_microbatches=global_batch),
+    pipeline = PipelineConfig(num_microbatches=global_batch)  # 1F1B, b = 1
+    return {t: predict(config, Parallelism(Layout(t, num_gpus // t), pipeline),
                        hw).tflops_per_gpu for t in tps}
 
 
 def interleaving_speedup(config: GPTConfig, tp: int, pp: int, chunks: int, global_batch: int,
                          hw: Hardware = SELENE_A100) -> float:
     """2104.04473 Fig. 12: 1F1B iteration time over interleaved (dp = 1, b = 1)."""
-    plain = predict(config, Layout(tp, pp, 1, "1f1b", num_microbatches=global_batch), hw)
-    interleaved = predict(config, Layout(tp, pp, 1, "interleaved", chunks,
-                                         num_microbatches=global_batch), hw)
-    return plain.time.total / interleaved.time.total
+    def iteration_time(pipeline: PipelineConfig) -> float:
+        return predict(config, Parallelism(Layout(tp, pp), pipeline), hw).time.total
+
+    return (iteration_time(PipelineConfig("1f1b", num_microbatches=global_batch))
+            / iteration_time(PipelineConfig("interleaved", chunks,
+                                            num_microbatches=global_batch)))
 
 
 def microbatch_tradeoff(config: GPTConfig, tp: int, pp: int, global_batch: int,
@@ -63,9 +68,8 @@ def microbatch_tradeoff(config: GPTConfig, tp: int, pp: int, global_batch: int,
                         hw: Hardware = SELENE_A100) -> dict[str, list[float]]:
     """§3.4: per microbatch size b (dp = 1, 1F1B), the bubble's share of the iteration, the
     activation GiB, and the busy milliseconds per sequence."""
-    preds = [predict(config, Layout(tp, pp, 1, microbatch=b,
-                                    num_microbatches=global_batch // b), hw)
-             for b in microbatches]
+    preds = [predict(config, Parallelism(Layout(tp, pp), PipelineConfig(
+        microbatch=b, num_microbatches=global_batch // b)), hw) for b in microbatches]
     return {
         "bubble share": [p.time.bubble / p.time.total for p in preds],
         "activations (GiB)": [p.memory.activations / GIB for p in preds],

@@ -3,6 +3,7 @@ as a loop) first, then ``stages.py``, ``schedules.py``, ``simulate.py``, ``engin
 
 from megatron_edu.pipeline.schedules import (
     Action,
+    PipelineConfig,
     Schedule,
     check_schedule,
     gpipe,
@@ -16,6 +17,6 @@ from megatron_edu.pipeline.schedules import (
 from megatron_edu.pipeline.simulate import simulate
 from megatron_edu.pipeline.stages import StageMap
 
-__all__ = ["Action", "Schedule", "StageMap", "check_schedule", "gpipe", "interleaved_one_f_one_b",
-           "make_schedule", "one_f_one_b", "zero_bubble_h1", "zero_bubble_h2", "zero_bubble_v",
-           "simulate"]
+__all__ = ["Action", "PipelineConfig", "Schedule", "StageMap", "check_schedule", "gpipe",
+           "interleaved_one_f_one_b", "make_schedule", "one_f_one_b", "zero_bubble_h1",
+           "zero_bubble_h2", "zero_bubble_v", "simulate"]

@@ -54,7 +54,6 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from megatron_edu import comm
@@ -68,12 +67,14 @@ from megatron_edu.pipeline.stages import StageMap
 from megatron_edu.tensor_parallel.random import DropoutKey
 from megatron_edu.timing import Clock
 
-__all__ = ["build_chunks", "PipelineResult", "run_schedule"]
+__all__ = ["build_chunks", "Batch", "RunSettings", "PipelineResult", "run_schedule"]
 
 
-def build_chunks(config: GPTConfig, grid: ParallelGrid, stages: StageMap) -> list[GPT]:
+def build_chunks(config: GPTConfig, grid: ParallelGrid, stages: StageMap | None = None
+                 ) -> list[GPT]:
     """This rank's model chunks: chunk c holds the contiguous layers of virtual stage
-    ``stages.stage(pp_rank, c)`` — c·p + r, or ZB-V's V."""
+    ``stages.stage(pp_rank, c)`` — c·p + r, or ZB-V's V (default: one chunk, stage pp_rank)."""
+    stages = stages or StageMap.plain(grid.pp)
     if stages.p != grid.pp:
         raise ValueError(f"the stage map has p = {stages.p} pipeline ranks, the grid "
                          f"pp = {grid.pp}")
@@ -83,6 +84,41 @@ def build_chunks(config: GPTConfig, grid: ParallelGrid, stages: StageMap) -> lis
         chunks.append(build_model(config, grid, layers=stages.layers(stage, config.num_layers),
                                   first=stage == 0, last=stage == stages.num_stages - 1))
     return chunks
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One replica's batch of one step, [b, s] ids and labels (every pipeline rank may pass it;
+    only the first and the last stage read it), and what makes its loss and its dropout masks
+    the serial model's: the optimizer ``step`` and the global index of its ``first_sample`` key
+    the masks; ``num_tokens`` is the count of target tokens (labels ≠ −100) its loss is
+    averaged over — the global batch's under data parallelism (None: this batch's)."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    step: int = 0
+    first_sample: int = 0
+    num_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """How a step runs, beside what it computes.
+
+    ``scatter_gather``: each tp rank sends 1/tp of an activation replicated over tp, the
+    receiver all-gathers it (2104.04473 §4.1). ``transport``: "auto" (batched on NCCL, the
+    mailbox on gloo), "batched" or "mailbox" (``p2p.py``). ``grad_sync(chunk, is_last)`` wraps
+    every pass that accumulates weight gradients — each B, or each W when the schedule has W
+    actions: a data-parallel wrapper communicates in each chunk's last one (§2.1).
+    ``loss_scale``: backward starts from the loss times this (fp16's loss scaling; the reported
+    loss is not scaled). ``messages``: what each action receives and sends (exercise 05.2 passes
+    the learner's)."""
+
+    scatter_gather: bool = False
+    transport: str = "auto"
+    grad_sync: Callable[[int, bool], AbstractContextManager] | None = None
+    loss_scale: float = 1.0
+    messages: MessagesOf = messages_of
 
 
 @dataclass
@@ -95,61 +131,29 @@ class PipelineResult:
     peak_boundary_tensors: int = 0
 
 
-def run_schedule(
-    schedule: Schedule,
-    chunks: Sequence[nn.Module],
-    grid: ParallelGrid,
-    input_ids: torch.Tensor,
-    labels: torch.Tensor,
-    hidden: int,
-    *,
-    scatter_gather: bool = False,
-    grad_sync: Callable[[int, bool], AbstractContextManager] | None = None,
-    transport: str = "auto",
-    num_tokens: int | None = None,
-    step: int = 0,
-    first_sample: int = 0,
-    loss_scale: float = 1.0,
-    sequence_parts: int = 1,
-    messages: MessagesOf = messages_of,
-) -> PipelineResult:
-    """Run this rank's list of ``schedule`` over ``chunks``: one forward-backward of the batch.
+def run_schedule(schedule: Schedule, chunks: Sequence[nn.Module], grid: ParallelGrid,
+                 batch: Batch, settings: RunSettings | None = None) -> PipelineResult:
+    """Run this rank's list of ``schedule`` over ``chunks``: one forward-backward of the batch,
+    cut into the schedule's microbatches. Gradients accumulate in the chunks' parameters.
 
     ``chunks`` are called as GPT stages are: ``chunk(x, dropout_key=key)`` returns the next
-    stage's input [b, s, hidden] (in the parameters' dtype), and on the last virtual stage
-    ``chunk(x, labels, dropout_key=key, loss_reduction="sum")`` the summed token losses.
-    ``input_ids`` and ``labels`` are this data-parallel replica's batch [b, s] (every pipeline
-    rank may pass it; only the first and last stage read it), cut into the schedule's microbatches.
-    Gradients accumulate in the chunks' parameters. ``num_tokens``: the target tokens the loss
-    is averaged over (default: this batch's; PTD-P passes the global batch's).
-    ``grad_sync(chunk, is_last_backward)`` wraps every pass that accumulates weight gradients —
-    each B, or each W when the schedule has W actions: a data-parallel wrapper launches its
-    all-reduces only in each chunk's last one (§2.1). ``transport``: "auto"
-    (batched on NCCL, mailbox on gloo), "batched" or "mailbox" (``p2p.py``). ``step`` and
-    ``first_sample`` (the global index of this batch's first sequence) key the dropout masks.
-    ``loss_scale``: backward starts from the loss times this (fp16's loss scaling; the reported
-    loss is not scaled). ``sequence_parts``: the stages exchange 1/parts of each sequence
-    (sequence parallelism over tp: each tp rank sends its own part, so §4.1's scatter/gather
-    has nothing left to save). ``messages``: what each action receives and sends (exercise
-    05.2 passes the learner's). Where the chunks live is the schedule's own ``stages``, which
-    ``build_chunks`` built them by.
+    stage's input, of ``chunk.boundary_shape(ids.shape)`` (its part of the sequence under
+    sequence parallelism) in the parameters' dtype, and on the last virtual stage
+    ``chunk(x, labels, dropout_key=key, loss_reduction="sum")`` the summed token losses. Where
+    they live is the schedule's own ``stages``, which ``build_chunks`` built them by.
     """
+    settings = settings or RunSettings()
     m = schedule.num_microbatches
-    if input_ids.shape[0] % m:
-        raise ValueError(f"batch of {input_ids.shape[0]} sequences does not split into "
+    if batch.input_ids.shape[0] % m:
+        raise ValueError(f"batch of {batch.input_ids.shape[0]} sequences does not split into "
                          f"{m} microbatches")
-    if input_ids.shape[1] % sequence_parts:
-        raise ValueError(f"{input_ids.shape[1]} tokens do not split into {sequence_parts} parts")
-    shape = (input_ids.shape[0] // m, input_ids.shape[1] // sequence_parts, hidden)
     if len(chunks) != schedule.stages.v:
         raise ValueError(f"{len(chunks)} chunks on this rank, but the schedule runs "
                          f"{schedule.stages.v} per rank ({schedule.stages})")
-    wire = make_transport(transport, schedule, grid, shape, _boundary_dtype(chunks),
-                          scatter_gather, messages)
-    if num_tokens is None:
-        num_tokens = int((labels != IGNORE_INDEX).sum())
-    return _Run(schedule, chunks, grid, wire, input_ids.chunk(m), labels.chunk(m), grad_sync,
-                step, first_sample, num_tokens, loss_scale, messages).execute()
+    ids = batch.input_ids.chunk(m)
+    wire = make_transport(settings.transport, schedule, grid, chunks[0].boundary_shape(
+        ids[0].shape), _boundary_dtype(chunks), settings.scatter_gather, settings.messages)
+    return _Run(schedule, chunks, grid, batch, settings, wire).execute()
 
 
 def _boundary_dtype(chunks: Sequence[nn.Module]) -> torch.dtype:
@@ -161,28 +165,29 @@ def _boundary_dtype(chunks: Sequence[nn.Module]) -> torch.dtype:
 class _Run:
     """One step of one rank: its actions, what each microbatch keeps, and the losses."""
 
-    def __init__(self, schedule, chunks, grid, wire, ids, targets, grad_sync, step, first_sample,
-                 num_tokens, loss_scale, messages) -> None:
+    def __init__(self, schedule: Schedule, chunks: Sequence[nn.Module], grid: ParallelGrid,
+                 batch: Batch, settings: RunSettings, wire) -> None:
         self.schedule, self.chunks, self.grid, self.wire = schedule, chunks, grid, wire
-        self.ids, self.targets, self.grad_sync = ids, targets, grad_sync
-        self.step, self.first_sample, self.num_tokens = step, first_sample, num_tokens
-        self.loss_scale, self.messages, self.stages = loss_scale, messages, schedule.stages
+        self.batch, self.settings, self.stages = batch, settings, schedule.stages
+        m = schedule.num_microbatches
+        self.ids, self.targets = batch.input_ids.chunk(m), batch.labels.chunk(m)
+        self.num_tokens = (int((batch.labels != IGNORE_INDEX).sum()) if batch.num_tokens is None
+                           else batch.num_tokens)
         self.split = schedule.splits_backward  # B is the input gradient only; W the weights'
         self.kept: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
         self.weight_passes: dict[tuple[int, int], WeightPass] = {}
-        self.weight_passes_left = [len(ids)] * len(chunks)  # B's, or W's when split: per chunk
+        self.weight_passes_left = [m] * len(chunks)  # B's, or W's when split: per chunk
         self.losses: list[torch.Tensor] = []
         self.boundary = _LiveTensors()
 
     def execute(self) -> PipelineResult:
         actions = self.schedule[self.grid.pp_rank]
         clock = Clock(self.grid.device)
-        if self.grid.pp > 1:
-            dist.barrier(group=self.grid.pp_group.pg)  # a common time origin for the timeline
+        comm.barrier(self.grid.pp_group)               # a common time origin for the timeline
         origin, stamps = clock.stamp(), []
         for i, action in enumerate(actions):
             self.wire.at_point(i)
-            receives, sends = self.messages(action, self.grid.pp_rank, self.stages)
+            receives, sends = self.settings.messages(action, self.grid.pp_rank, self.stages)
             x = self.wire.receive(receives) if receives is not None else None
             start = clock.stamp()
             out = {"F": self._forward, "B": self._backward, "W": self._weights}[action.kind](
@@ -206,14 +211,13 @@ class _Run:
         else:
             self.boundary.add(x)
             x.requires_grad_(torch.is_grad_enabled())
-        b = len(self.ids[mb])
-        key = DropoutKey(self.step, tuple(range(self.first_sample + mb * b,
-                                                self.first_sample + (mb + 1) * b)))
+        b, first = len(self.ids[mb]), self.batch.first_sample
+        key = DropoutKey(self.batch.step, tuple(range(first + mb * b, first + (mb + 1) * b)))
         if last:   # its share of the token mean: Σ token losses / all target tokens
             out = self.chunks[c](x, self.targets[mb], dropout_key=key, loss_reduction="sum")
             out = out / self.num_tokens
             self.losses.append(out.detach())
-            out = out * self.loss_scale  # backward from the scaled loss (fp16)
+            out = out * self.settings.loss_scale  # backward from the scaled loss (fp16)
         else:
             out = self.chunks[c](x, dropout_key=key)
             self.boundary.add(out)
@@ -247,7 +251,8 @@ class _Run:
         chunk's last (a data-parallel wrapper then launches its all-reduces)."""
         self.weight_passes_left[chunk] -= 1
         last = self.weight_passes_left[chunk] == 0
-        return self.grad_sync(chunk, last) if self.grad_sync else nullcontext()
+        sync = self.settings.grad_sync
+        return sync(chunk, last) if sync else nullcontext()
 
     def _loss(self) -> torch.Tensor:
         """The last stage's sum of microbatch shares, shared with every pipeline rank."""

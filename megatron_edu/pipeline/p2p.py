@@ -110,41 +110,65 @@ def _plan(rows: tuple[tuple[Action, ...], ...], stages: StageMap, messages: Mess
 
 # --- the wire: what goes on it, shared by both transports ----------------------------------------
 
+class Whole:
+    """A message on the wire: the whole flat tensor."""
+
+    def __init__(self, grid: ParallelGrid, numel: int) -> None:
+        self.grid, self.numel = grid, numel
+
+    def to_wire(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat
+
+    def from_wire(self, payload: torch.Tensor) -> torch.Tensor:
+        return payload
+
+
+class ScatterGather(Whole):
+    """2104.04473 §4.1: an activation replicated over the tp ranks travels as each tp rank's
+    1/tp slice, and the receiver all-gathers it over the fast intra-node tp group."""
+
+    def __init__(self, grid: ParallelGrid, numel: int) -> None:
+        if numel % grid.tp:
+            raise ValueError(f"scatter/gather needs the activation ({numel} elements) to divide "
+                             f"by tp={grid.tp}")
+        super().__init__(grid, numel // grid.tp)
+
+    def to_wire(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat.chunk(self.grid.tp)[self.grid.tp_rank]
+
+    def from_wire(self, payload: torch.Tensor) -> torch.Tensor:
+        return comm.all_gather(payload, self.grid.tp_group, dim=0, label="pp all-gather")
+
+
 class _Transport:
-    """The wire format (dtype, and §4.1's 1/tp slice), the global ranks of neighbours, and the
-    hand-over of ``local`` messages (ZB-V's turn), which never touch the wire."""
+    """The wire format (dtype, and ``Whole`` or ``ScatterGather``), the global ranks of
+    neighbours, and the hand-over of ``local`` messages (ZB-V's turn), which never touch the
+    wire."""
 
     def __init__(self, schedule: Schedule, grid: ParallelGrid, shape: tuple[int, ...],
                  dtype: torch.dtype, scatter_gather: bool, messages: MessagesOf) -> None:
-        self.grid, self.dtype, self.scatter_gather = grid, dtype, scatter_gather
+        self.grid, self.dtype = grid, dtype
         self.stages, self.messages = schedule.stages, messages
         self.handed_over: dict[Message, torch.Tensor] = {}
         self.full_shape = torch.Size(shape)
-        numel, parts = self.full_shape.numel(), grid.tp if scatter_gather else 1
-        if numel % parts:
-            raise ValueError(f"scatter/gather needs the activation ({numel} elements) to divide "
-                             f"by tp={parts}")
-        self.wire_numel = numel // parts
+        self.wire = WIRES[scatter_gather](grid, self.full_shape.numel())
 
     def global_rank(self, pp_rank: int) -> int:
         return self.grid.pp_group.ranks[pp_rank]
 
     def to_wire(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The flat payload: the whole tensor, or this tp rank's slice (§4.1). A view: the
-        tensor's memory stays alive until the send that holds it is released."""
+        """The flat payload (a view: the tensor's memory stays alive until the send that holds
+        it is released)."""
         if tensor.dtype != self.dtype or tensor.shape != self.full_shape:
             raise ValueError(f"a pipeline message is {tuple(tensor.shape)} {tensor.dtype}, but "
                              f"the receiver expects {tuple(self.full_shape)} {self.dtype}")
-        payload = tensor.detach().reshape(-1)
-        return payload.chunk(self.grid.tp)[self.grid.tp_rank] if self.scatter_gather else payload
+        return self.wire.to_wire(tensor.detach().reshape(-1))
 
     def buffer(self) -> torch.Tensor:
-        return torch.empty(self.wire_numel, dtype=self.dtype, device=self.grid.device)
+        return torch.empty(self.wire.numel, dtype=self.dtype, device=self.grid.device)
 
     def from_wire(self, payload: torch.Tensor) -> torch.Tensor:
-        if self.scatter_gather:
-            payload = comm.all_gather(payload, self.grid.tp_group, dim=0, label="pp all-gather")
-        return payload.view(self.full_shape)
+        return self.wire.from_wire(payload).view(self.full_shape)
 
     def send(self, message: Message, tensor: torch.Tensor) -> None:
         """Send ``message`` on the wire, or hand it to this rank's next chunk (the same memory,
@@ -160,16 +184,19 @@ class _Transport:
         return self.receive_remote(message)
 
 
+WIRES = {False: Whole, True: ScatterGather}   # by ``scatter_gather``, chosen once a step
+
+
 class MailboxTransport(_Transport):
     """gloo: sends start at once; each channel's next receive is posted in advance."""
 
     def __init__(self, schedule: Schedule, grid: ParallelGrid, shape: tuple[int, ...],
                  dtype: torch.dtype, scatter_gather: bool, messages: MessagesOf) -> None:
         super().__init__(schedule, grid, shape, dtype, scatter_gather, messages)
-        if grid.pp > 1 and not grid.p2p_channels:
-            raise ValueError("the mailbox transport needs grid.p2p_channels (made on gloo only)")
         incoming = [m for r in range(grid.pp) for m in _sent_by(schedule, r, messages)
                     if self.stages.receiver(m) == grid.pp_rank and not self.stages.is_local(m)]
+        if incoming and not grid.p2p_channels:
+            raise ValueError("the mailbox transport needs grid.p2p_channels (made on gloo only)")
         # Each channel's messages in the sender's order: the order gloo matches them in.
         self.expected: dict[tuple[str, int], list[Message]] = {}
         for m in incoming:

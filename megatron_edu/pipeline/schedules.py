@@ -32,7 +32,8 @@ from megatron_edu.pipeline.stages import Message, StageMap
 
 __all__ = ["Action", "Schedule", "gpipe", "one_f_one_b", "interleaved_one_f_one_b",
            "zero_bubble_h1", "zero_bubble_h2", "zero_bubble_v", "SCHEDULES", "stage_map",
-           "check_layout", "make_schedule", "forward_only", "format_schedule", "messages_of",
+           "check_layout", "make_schedule", "PipelineConfig", "forward_only", "format_schedule",
+           "messages_of",
            "dependencies", "Meeting", "walk", "check_schedule"]
 
 
@@ -85,10 +86,6 @@ class Schedule(list):
             yield tuple(held)
 
 
-def _plain(p: int) -> StageMap:
-    return StageMap(p, 1, "interleaved")  # one chunk per rank: rank r holds stage r
-
-
 # --- the schedules ----------------------------------------------------------------------------
 
 
@@ -115,7 +112,7 @@ def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
     forwards = [Action("F", i) for i in range(num_microbatches)]
     backwards = [Action("B", i) for i in range(num_microbatches)]
     return Schedule([_warmup_then_1f1b(forwards, backwards, num_microbatches)
-                     for _ in range(num_stages)], _plain(num_stages))
+                     for _ in range(num_stages)], StageMap.plain(num_stages))
 
 
 def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
@@ -130,7 +127,7 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
     backwards = [Action("B", i) for i in range(num_microbatches)]
     return Schedule([
         _warmup_then_1f1b(forwards, backwards, min(num_stages - rank - 1, num_microbatches))
-        for rank in range(num_stages)], _plain(num_stages))
+        for rank in range(num_stages)], StageMap.plain(num_stages))
 
 
 def _interleaved_stream(kind: str, p: int, m: int, v: int) -> list[Action]:
@@ -210,7 +207,7 @@ def _zero_bubble(num_stages: int, num_microbatches: int, k: int) -> Schedule:
     backwards = [Action("B", i) for i in range(m)]
     return Schedule([_weights_after_backwards(
         _warmup_then_1f1b(forwards, backwards, min(k * (p - rank - 1), m)), k * rank)
-        for rank in range(p)], _plain(p))
+        for rank in range(p)], StageMap.plain(p))
 
 
 def zero_bubble_h1(num_stages: int, num_microbatches: int) -> Schedule:
@@ -292,7 +289,7 @@ _CHUNKS = {"zb-v": 2}  # model chunks per rank where fixed and not 1 (interleave
 def check_layout(name: str, p: int, m: int, v: int | None = None) -> int:
     """Raise a ValueError naming the numbers unless schedule ``name`` runs p stages, m
     microbatches and v chunks per rank; return v (None: the schedule's own — 2 for ZB-V, else
-    1). Every rule of the schedules' sizes is here, for the generators and for the layout."""
+    1). Every rule of the schedules' sizes is here, for the generators and ``PipelineConfig``."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; choose one of {sorted(SCHEDULES)}")
     if v is None:
@@ -322,6 +319,46 @@ def make_schedule(name: str, p: int, m: int, v: int | None = None) -> Schedule:
     p stages, m microbatches; v model chunks per rank (interleaved: any; ZB-V: 2; others: 1)."""
     v = check_layout(name, p, m, v)
     return interleaved_one_f_one_b(p, m, v) if name == "interleaved" else SCHEDULES[name](p, m)
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """How a pipeline runs, whatever its number of stages p: the ``schedule`` (a name of
+    ``SCHEDULES``) with ``chunks`` model chunks per rank (None: the schedule's own — 2 for ZB-V,
+    else 1; interleaved needs it), ``num_microbatches`` m of ``microbatch`` b sequences each per
+    replica and step. Checked when made; against p by ``check`` (``ptdp.Parallelism`` asks)."""
+
+    schedule: str = "1f1b"
+    chunks: int | None = None
+    microbatch: int = 1
+    num_microbatches: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.microbatch, int) or self.microbatch < 1:
+            raise ValueError(f"microbatch must be a positive integer, got {self.microbatch!r}")
+        # p = 1 passes every rule that depends on p; ``check`` applies the real one
+        object.__setattr__(self, "chunks",
+                           check_layout(self.schedule, 1, self.num_microbatches, self.chunks))
+
+    def check(self, p: int) -> None:
+        """Raise a ValueError naming the numbers unless this pipeline runs on p stages."""
+        check_layout(self.schedule, p, self.num_microbatches, self.chunks)
+        if self.chunks > 1 and p == 1:
+            raise ValueError(f"{self.chunks} model chunks per rank need a pipeline (pp ≥ 2): "
+                             "with one stage there is nothing to interleave")
+
+    @property
+    def splits_backward(self) -> bool:
+        """Whether the schedule splits the backward pass into B and W (2401.10241)."""
+        return make_schedule(self.schedule, 2, 2, self.chunks).splits_backward   # (any p, m)
+
+    def stages(self, p: int) -> StageMap:
+        """Where the schedule puts the p · v virtual stages."""
+        return stage_map(self.schedule, p, self.chunks)
+
+    def make_schedule(self, p: int) -> Schedule:
+        """The schedule every pipeline of p stages runs: m microbatches, v chunks per rank."""
+        return make_schedule(self.schedule, p, self.num_microbatches, self.chunks)
 
 
 def forward_only(schedule: Schedule) -> Schedule:

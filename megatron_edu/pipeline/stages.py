@@ -53,6 +53,11 @@ class StageMap:
         if self.kind not in PLACEMENTS:
             raise ValueError(f"unknown placement {self.kind!r}; choose one of {PLACEMENTS}")
 
+    @classmethod
+    def plain(cls, p: int) -> StageMap:
+        """One chunk per rank: rank r holds stage r."""
+        return cls(p, 1, "interleaved")
+
     @property
     def num_stages(self) -> int:
         return self.p * self.v
@@ -71,6 +76,12 @@ class StageMap:
         chunk, offset = divmod(stage, self.p)
         turned = self.kind == "v" and chunk % 2 == 1
         return (self.p - 1 - offset if turned else offset), chunk
+
+    @property
+    def ends(self) -> tuple[int, int]:
+        """The pipeline ranks of the first and the last stage, which hold the tied embedding
+        (``grid.ParallelGrid(embedding_ranks=…)``)."""
+        return self.first_rank, self.last_rank
 
     @property
     def first_rank(self) -> int:

@@ -1,8 +1,8 @@
 """Parameters independent of the layout, each rank drawing only its own shard; gathered back whole.
 
-DESIGN principle 1 ("one serial truth"): a parameter's numbers do not depend on the tp layout, so
-tp = 1, 2, 4 start from the same weights and a parallel run can be checked against the serial one
-step by step. DESIGN "Nothing whole on one rank at scale": no rank draws, or holds, a whole
+One serial truth (docs/principles.md, principle 1): a parameter's numbers do not depend on the
+tp layout, so tp = 1, 2, 4 start from the same weights and a parallel run can be checked against
+the serial one step by step. Nothing whole on one rank at scale: no rank draws, or holds, a whole
 parameter. Both at once: the full tensor is cut into fixed blocks of ``BLOCK`` rows (or columns)
 along the dimension it is split on — a layout that depends on the full shape only, never on tp —
 and block k is drawn from a generator seeded by (model seed, the parameter's full name, k). A rank
@@ -84,7 +84,7 @@ def check_initialised(module: nn.Module) -> None:
     """Raise if ``module``'s parameters are still placeholders (never initialised). One is
     enough to look at: ``init_parameters`` materialises a module's parameters all together, and
     this runs in every forward."""
-    if (first := next(module.parameters(), None)) is not None and first.is_meta:
+    if (param := next(module.parameters(), None)) is not None and param.is_meta:
         raise RuntimeError(f"{type(module).__name__} is not initialised: its parameters are meta-"
                            f"device placeholders. Call init_parameters(module, seed, group) first")
 
@@ -107,7 +107,7 @@ def full_shape(param: torch.Tensor, tp_size: int) -> tuple[int, ...]:
 
 def shard(full: torch.Tensor, tp_dim: int | None, group: CommGroup) -> torch.Tensor:
     """This rank's slice of a whole tensor (the whole tensor when ``tp_dim`` is None)."""
-    if tp_dim is None or group.size == 1:
+    if tp_dim is None:
         return full
     return full.chunk(group.size, dim=tp_dim)[group.rank]
 

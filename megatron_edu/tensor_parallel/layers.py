@@ -19,14 +19,12 @@ The embedding is split by vocabulary (§3, "input embedding"): each rank owns a 
 of rows, looks up the ids that fall in it, writes zeros for the others, and ``g`` sums the partial
 lookups so that every rank ends with the full [b, s, h] embedding.
 
-**Sequence parallelism** (Korthikanti et al. 2022, arXiv 2205.05198 §4.2.2), ``sequence_parallel
-=True``: outside these layers the activations are split along the sequence over the t ranks
-([b, s/t, h]) instead of replicated. Then ``f`` becomes an all-gather of the sequence (the column
-layer's input) and ``g`` a reduce-scatter of it (the row layer's output): the same bytes as the
-all-reduce, which *is* a reduce-scatter plus an all-gather. The column layer keeps only its
-split input for the backward pass and all-gathers it again there (what makes the saving real:
-the gathered input is never kept), so a layer's backward makes one more all-gather per column
-layer than the forward. Under autocast, X and its gradient travel in the compute dtype.
+**How a region is entered and left** is a ``TensorParallel`` object, chosen once for the model
+(torchtitan calls them parallel styles): this file's ``TensorParallel`` is Figure 3 as written —
+``f`` in, ``g`` out, activations replicated over tp outside the regions; ``AsyncTensorParallel``
+is the same with the column layer's backward written out, its dX all-reduce overlapping dW; and
+``sequence_parallel.SequenceParallel`` splits the activations along the sequence outside the
+regions (2205.05198). The layers ask their style; none branches on it.
 
 With a group of one member every layer here is the plain PyTorch layer and communicates nothing.
 Parameters are built on the meta device and filled by ``init.init_parameters`` (each rank drawing
@@ -44,8 +42,8 @@ from megatron_edu import comm
 from megatron_edu.comm import CommGroup
 from megatron_edu.tensor_parallel.init import check_initialised, normal, placeholder, zeros
 
-__all__ = ["serial_group", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
-           "sequence_gather_linear", "sum_replicated_grads_"]
+__all__ = ["serial_group", "TensorParallel", "AsyncTensorParallel", "ColumnParallelLinear",
+           "RowParallelLinear", "VocabParallelEmbedding"]
 
 
 def serial_group(name: str = "tp") -> CommGroup:
@@ -60,21 +58,47 @@ def _divide(n: int, t: int, what: str) -> int:
     return n // t
 
 
+class TensorParallel:
+    """How a tensor-parallel region over ``group`` is entered and left (1909.08053 §3, Figure 3):
+    outside, every tp rank holds the whole activation [b, s, h]."""
+
+    sequence_split = 1               # the parts of the sequence a rank holds outside a region
+
+    def __init__(self, group: CommGroup) -> None:
+        self.group = group
+
+    def column_linear(self, x: torch.Tensor, weight: torch.Tensor,
+                      bias: torch.Tensor | None) -> torch.Tensor:
+        """X·A_i (+ b_i) of the whole X: ``f`` (identity forward, all-reduce of dX backward)."""
+        return F.linear(comm.f(x, self.group), weight, bias)     # [.., out/t] on rank i
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """Σ_i of the ranks' partial results, on every rank: ``g`` (all-reduce forward)."""
+        return comm.g(partial, self.group)
+
+
+class AsyncTensorParallel(TensorParallel):
+    """Figure 3 with the column layer's backward written out (Megatron-LM's
+    ``LinearWithGradAccumulationAndAsyncCommunication``): dX's all-reduce runs during dW."""
+
+    def column_linear(self, x: torch.Tensor, weight: torch.Tensor,
+                      bias: torch.Tensor | None) -> torch.Tensor:
+        return _AsyncColumnLinear.apply(x, weight, bias, self.group)
+
+
 class ColumnParallelLinear(nn.Module):
     """Y = X·A + b with A split by output columns: this rank computes Y_i = X·A_i + b_i.
 
-    ``gather_output=True`` all-gathers the slices into the full Y (backward: keep own slice).
-    ``sequence_parallel``: X arrives split along the sequence and is all-gathered first.
-    ``async_tp`` (an attribute): backward overlaps dX's communication with dW (``_ColumnLinear``).
-    Off by default: ``f`` then ``F.linear``, Figure 3 as written; zero bubble splits their dX, dW.
+    ``style``: how the region is entered (``TensorParallel``: ``f`` then ``F.linear``, Figure 3
+    as written — zero bubble splits their dX and dW; ``AsyncTensorParallel``; sequence
+    parallelism's all-gather).
     """
 
     def __init__(self, in_features: int, out_features: int, group: CommGroup, *,
-                 bias: bool = True, gather_output: bool = False, init_std: float = 0.02,
-                 sequence_parallel: bool = False, async_tp: bool = False) -> None:
+                 bias: bool = True, init_std: float = 0.02,
+                 style: type[TensorParallel] = TensorParallel) -> None:
         super().__init__()
-        self.group, self.gather_output, self.async_tp = group, gather_output, async_tp
-        self.sequence_parallel = sequence_parallel and group.size > 1
+        self.group, self.style = group, style(group)
         out_local = _divide(out_features, group.size, "out_features")
         self.weight = placeholder((out_local, in_features), 0, normal(init_std))
         self.bias = placeholder((out_local,), 0, zeros) if bias else None
@@ -82,28 +106,19 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
         """``add_bias=False``: leave the bias to the caller (a fused bias+GeLU)."""
         check_initialised(self)
-        bias = self.bias if add_bias else None
-        if self.sequence_parallel or (self.async_tp and self.group.size > 1):  # f inside
-            y = _ColumnLinear.apply(x, self.weight, bias, self.group, self.sequence_parallel,
-                                    self.async_tp)
-        else:
-            x = comm.f(x, self.group)                # [.., in] on every rank; grad all-reduced
-            y = F.linear(x, self.weight, bias)       # [.., out/tp]
-        return comm.gather(y, self.group) if self.gather_output else y
+        return self.style.column_linear(x, self.weight, self.bias if add_bias else None)
 
 
 class RowParallelLinear(nn.Module):
-    """Y = Σ_i X_i·A_i + b with A split by input rows; the input X_i is this rank's slice.
-
-    ``sequence_parallel``: the sum is reduce-scattered along the sequence ([b, s/t, out]).
-    """
+    """Y = Σ_i X_i·A_i + b with A split by input rows; the input X_i is this rank's slice. The
+    bias is replicated, added once after the sum; ``style`` says how the sum is made (``g``; a
+    reduce-scatter along the sequence under sequence parallelism, [b, s/t, out])."""
 
     def __init__(self, in_features: int, out_features: int, group: CommGroup, *,
                  bias: bool = True, init_std: float = 0.02,
-                 sequence_parallel: bool = False) -> None:
+                 style: type[TensorParallel] = TensorParallel) -> None:
         super().__init__()
-        self.group = group
-        self.sequence_parallel = sequence_parallel and group.size > 1
+        self.group, self.style = group, style(group)
         in_local = _divide(in_features, group.size, "in_features")
         self.weight = placeholder((out_features, in_local), 1, normal(init_std))
         # Replicated: added once after the all-reduce, so it is not counted t times.
@@ -112,77 +127,59 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
         """``add_bias=False``: leave the bias to the caller (a fused bias+dropout+add)."""
         check_initialised(self)
-        y = F.linear(x, self.weight)                 # [.., out] partial sum on each rank
-        if self.sequence_parallel:
-            y = comm.reduce_scatter_seq(y, self.group)  # [b, s/t, out] summed, this rank's part
-        else:
-            y = comm.g(y, self.group)                # [.., out] summed over the tp ranks
+        y = self.style.reduce(F.linear(x, self.weight))  # [.., out] summed over the tp ranks
         return y if self.bias is None or not add_bias else y + self.bias.to(y.dtype)
 
 
-def sequence_gather_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                           group: CommGroup) -> torch.Tensor:
-    """F.linear(all_gather_seq(x), weight, bias), keeping only x [b, s/t, in] for backward."""
-    return _ColumnLinear.apply(x, weight, bias, group, True, False)
+def autocast_of(x: torch.Tensor) -> tuple[bool, torch.dtype]:
+    """Whether autocast is on for x's device, and its compute dtype: saved by a forward whose
+    backward is written out, to run under the same autocast."""
+    dev = x.device.type
+    return torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)
 
 
-class _ColumnLinear(torch.autograd.Function):
-    """F.linear(f(x), weight, bias) with the backward written out, as Megatron-LM's
-    ``LinearWithGradAccumulationAndAsyncCommunication`` (sequence parallel: of x all-gathered, only
-    the split x kept, gathered again in backward; backward under forward's autocast). ``overlap``
-    waits for each collective only where its result is needed: the re-gather runs during dX = dY·A,
-    dX's all-reduce (reduce-scatter) during dW = dYᵀ·X — the same operations on the same tensors,
-    bit for bit. Safe on NCCL: all ranks start the collectives in autograd's order, which no timing
-    changes; no GEMM between touches their tensors; each is awaited before its result is read."""
+class _AsyncColumnLinear(torch.autograd.Function):
+    """F.linear(f(x), weight, bias) with the backward written out: dX's all-reduce is awaited
+    only after dW = dYᵀ·X — the same operations on the same tensors, bit for bit. Safe on NCCL:
+    all ranks start the collective in autograd's order, which no timing changes; no GEMM between
+    touches its tensor; it is awaited before its result is read. Under autocast, X and dX travel
+    in the compute dtype and the backward runs under the forward's autocast."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, sequence_parallel, overlap):
-        dev = x.device.type
-        on, dtype = ctx.autocast = torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)
-        x = x.to(dtype) if on else x       # sent in the compute dtype (dX too; autograd casts back)
-        ctx.args = group, sequence_parallel, overlap, bias is not None
+    def forward(ctx, x, weight, bias, group):
+        ctx.autocast = on, dtype = autocast_of(x)
+        x = x.to(dtype) if on else x       # in the compute dtype (dX too; autograd casts back)
+        ctx.group, ctx.has_bias = group, bias is not None
         ctx.save_for_backward(x, weight)
-        if sequence_parallel:                                 # [b, s/t, in] → [b, s, in]
-            x = comm.all_gather(x, group, dim=1, label="all_gather_seq forward")
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):                                  # grad: [b, s, out/t]
         x, weight = ctx.saved_tensors
-        (group, sp, overlap, has_bias), (enabled, dtype) = ctx.args, ctx.autocast
+        enabled, dtype = ctx.autocast
         with torch.autocast(x.device.type, dtype=dtype, enabled=enabled):
-            if sp:                                            # x was kept split: gather it again
-                gather, x = comm.all_gather(x, group, 1, "all_gather_seq regather", True)
-                if not overlap:
-                    gather.wait()
             dx = grad.matmul(weight)                          # [b, s, in], partial over tp
-            if sp:                                            # summed, split along the sequence
-                gather.wait()
-                reduce, dx = comm.reduce_scatter(dx, group, 1, "all_gather_seq backward", True)
-            else:                                             # f's all-reduce, in place: ours
-                reduce = comm.all_reduce_(dx, group, "f backward", True)
-            if not overlap:
-                reduce.wait()
-            dw = grad.flatten(0, -2).t().matmul(x.flatten(0, -2))  # overlap: meanwhile
-        db = grad.flatten(0, -2).sum(0).to(weight.dtype) if has_bias else None
+            reduce = comm.all_reduce_(dx, ctx.group, "f backward", async_op=True)  # in place
+            dw = grad.flatten(0, -2).t().matmul(x.flatten(0, -2))        # meanwhile
+        db = grad.flatten(0, -2).sum(0).to(weight.dtype) if ctx.has_bias else None
         reduce.wait()
-        return dx, dw.to(weight.dtype), db, None, None, None
+        return dx, dw.to(weight.dtype), db, None
 
 
 class VocabParallelEmbedding(nn.Module):
     """An embedding table whose rows (the vocabulary) are split in contiguous ranges over tp.
 
     ``padded_vocab`` rows in all (default ``vocab_size``; it must divide by the tp size); the rows
-    from ``vocab_size`` on are padding, initialised to zero and never looked up.
-    ``sequence_parallel``: the partial lookups are reduce-scattered along the sequence.
+    from ``vocab_size`` on are padding, initialised to zero and never looked up. The partial
+    lookups are summed as ``style`` sums (reduce-scattered along the sequence under sequence
+    parallelism).
     """
 
     def __init__(self, vocab_size: int, hidden: int, group: CommGroup, *,
                  padded_vocab: int | None = None, init_std: float = 0.02,
-                 sequence_parallel: bool = False) -> None:
+                 style: type[TensorParallel] = TensorParallel) -> None:
         super().__init__()
-        self.group = group
-        self.sequence_parallel = sequence_parallel and group.size > 1
+        self.group, self.style = group, style(group)
         padded_vocab = vocab_size if padded_vocab is None else padded_vocab
         rows = _divide(padded_vocab, group.size, "padded vocabulary")
         self.vocab_start, self.vocab_end = group.rank * rows, (group.rank + 1) * rows  # its ids
@@ -190,8 +187,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [b, s] → their embeddings [b, s, h] ([b, s/t, h] under sequence parallelism)."""
-        reduce = comm.reduce_scatter_seq if self.sequence_parallel else comm.g
-        return reduce(self.partial(ids), self.group)  # each id found on one rank, summed
+        return self.style.reduce(self.partial(ids))  # each id found on one rank, summed
 
     def partial(self, ids: torch.Tensor) -> torch.Tensor:
         """This rank's share of the lookup, before g: its rows, zeros for the ids it lacks."""
@@ -200,16 +196,3 @@ class VocabParallelEmbedding(nn.Module):
         local = (ids - self.vocab_start).masked_fill(outside, 0)      # look up row 0 instead...
         out = F.embedding(local, self.weight)                           # [b, s, h]
         return out.masked_fill(outside.unsqueeze(-1), 0.0)             # ...and zero it
-
-
-@torch.no_grad()
-def sum_replicated_grads_(grads: list[torch.Tensor], group: CommGroup) -> None:
-    """Sequence parallelism's last step (Megatron-LM's ``_allreduce_layernorm_grads``): each tp
-    rank computed the gradients of the replicated parameters — layer norms, row-parallel biases,
-    positions — from its own part of the sequence; their sum over tp is the whole gradient. One
-    all-reduce of them all, flattened. Call it after backward with those parameters' gradients."""
-    if group.size == 1 or not grads:
-        return
-    comm.all_reduce_(flat := torch.cat([g.flatten() for g in grads]), group, "sp replicated grads")
-    for grad, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
-        grad.copy_(part.view_as(grad))

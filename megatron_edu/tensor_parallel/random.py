@@ -4,20 +4,25 @@
 residual branch, where every tp rank holds the same [b, s, h] activation) must draw the *same*
 mask on every tp rank, or the replicas drift apart; dropout inside a region (on the attention
 probabilities, each rank's own heads) a *different* one, or the ranks' heads would share a
-pattern. Megatron-LM keeps two streams (``CudaRNGStatesTracker``), the inside one per tp rank.
+pattern. Megatron-LM keeps two streams (``CudaRNGStatesTracker``), the inside one seeded per tp
+rank: its masks then depend on tp, and a tp = 2 run does not take the serial run's steps.
 
-Here a mask is not drawn from a stream that advances with every use, but computed from a key
-made of what the mask is *for*, one per sequence of the batch:
+Here a mask is not drawn from a stream that advances with every use, but computed, element by
+element, from a key made of what the mask is *for*, one per sequence of the batch:
 
-    key(model seed, step, global sample index, global layer, site [, tp rank inside a region])
+    key(model seed, step, global sample index, global layer, site)
 
-* Outside the regions no tp rank enters the key (one mask for all); inside, the rank's own does.
-* Nothing else enters it — not the microbatch, the pipeline stage, the interleaved chunk or the
-  data-parallel replica. Every layout draws the serial model's masks for the same sample and
-  step, so at tp = 1 every layout (pipelines, interleaving, dp, ZeRO-1) gives the serial model's
-  losses and gradients *with dropout on* (tests/test_ptdp.py). At tp > 1 the attention masks
-  differ from the serial model's, as in Megatron-LM: each rank keys its heads with its own tp rank.
-* Recomputation (2104.04473 §3.5) replays the masks: the key is an argument of the function.
+and the element's index in the serial model's tensor. A rank holding a part of a tensor — its
+heads of the attention probabilities (part r of t along the heads), its part of the sequence
+under sequence or context parallelism — computes the serial mask's elements of that part
+(``Dropout(parts=…)``). Nothing else enters: not the microbatch, the pipeline stage, the
+interleaved chunk, the data-parallel replica, nor the tp rank. Every layout draws the serial
+model's masks for the same sample and step, so every layout — tp > 1 included — gives the
+serial model's losses and gradients *with dropout on* (tests/test_ptdp.py): different heads get
+different masks because they are different elements of one mask, as B.2 asks, and no stream
+depends on the layout. (On a GPU Megatron's way is cheaper: ``model.attention.FusedCore`` draws
+from the device's generator inside the kernel.) Recomputation (2104.04473 §3.5) replays the
+masks: the key is an argument of the function.
 
 ``DropoutKey(step, samples)`` names the step and each row's global sample (one per microbatch).
 As counter-based generators do (Philox, that of PyTorch's CUDA kernels), element j of a sample's
@@ -60,10 +65,9 @@ class DropoutKey:
         return cls(step, tuple(range(batch)))
 
 
-def mask_seed(seed: int, step: int, sample: int, layer: int, site: str,
-              tp_rank: int | None = None) -> int:
+def mask_seed(seed: int, step: int, sample: int, layer: int, site: str) -> int:
     """The 64-bit key of one sample's mask at one dropout site (the same on every machine)."""
-    text = f"{seed}/{step}/{sample}/{layer}/{site}" + ("" if tp_rank is None else f"/{tp_rank}")
+    text = f"{seed}/{step}/{sample}/{layer}/{site}"
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little")
 
 
@@ -108,29 +112,28 @@ def keep_mask(keys: torch.Tensor, start: int, n: int, p: float) -> torch.Tensor:
 
 
 class Dropout(nn.Module):
-    """Dropout with each sample's mask keyed by (seed, step, sample, layer, site); ``tp_rank``:
-    None outside the tensor-parallel regions (one mask for all tp ranks), this rank's inside them.
-    ``sequence_parts``: the parts (r, t) — part r of t equal parts — of the sequence (dim 1) that
-    x holds, in order, and so its mask: ((r, t),) under sequence parallelism, the zig-zag chunks
-    ((r, 2·cp), (2·cp − 1 − r, 2·cp)) under context parallelism, ((0, 1),) the whole."""
+    """Dropout with each sample's mask keyed by (seed, step, sample, layer, site): the serial
+    model's mask. ``parts``: the parts (r, t) — part r of t equal parts — of dim 1 that x holds,
+    in order, and so of its mask: ((r, t),) for a tp rank's heads, or its part of the sequence
+    under sequence parallelism; the zig-zag chunks ((r, 2·cp), (2·cp − 1 − r, 2·cp)) under
+    context parallelism; ((0, 1),) the whole."""
 
-    def __init__(self, p: float, seed: int, layer: int, site: str, tp_rank: int | None = None,
-                 sequence_parts: tuple[tuple[int, int], ...] = ((0, 1),)) -> None:
+    def __init__(self, p: float, seed: int, layer: int, site: str,
+                 parts: tuple[tuple[int, int], ...] = ((0, 1),)) -> None:
         super().__init__()
-        self.p, self.seed, self.layer, self.site, self.tp_rank = p, seed, layer, site, tp_rank
-        self.sequence_parts = sequence_parts
+        self.p, self.seed, self.layer, self.site, self.parts = p, seed, layer, site, parts
 
     def keep(self, key: DropoutKey | None, x: torch.Tensor) -> torch.Tensor:
         """The boolean mask (True: kept) for ``x`` [b, ...], one sample per row."""
         if key is None or len(key.samples) != x.shape[0]:
             raise ValueError(f"dropout in training needs a DropoutKey naming the {x.shape[0]} "
                              f"samples of the batch, got {key}")
-        n = x[0].numel() // len(self.sequence_parts)    # the elements of one part of a sample
-        if n * self.sequence_parts[0][1] > 2**32:
+        n = x[0].numel() // len(self.parts)             # the elements of one part of a sample
+        if n * self.parts[0][1] > 2**32:
             raise ValueError(f"a sample's mask is indexed by 32 bits: "
-                             f"{n * self.sequence_parts[0][1]} elements")
+                             f"{n * self.parts[0][1]} elements")
         keys = self._keys(key, x.device)
-        masks = [keep_mask(keys, r * n, n, self.p) for r, _ in self.sequence_parts]
+        masks = [keep_mask(keys, r * n, n, self.p) for r, _ in self.parts]
         return (masks[0] if len(masks) == 1 else torch.cat(masks, 1)).view(x.shape)
 
     def keep_at(self, key: DropoutKey, index: torch.Tensor) -> torch.Tensor:
@@ -143,7 +146,7 @@ class Dropout(nn.Module):
     def _keys(self, key: DropoutKey | None, device: torch.device) -> torch.Tensor:
         if key is None:
             raise ValueError("dropout in training needs a DropoutKey naming the samples")
-        keys = [mask_seed(self.seed, key.step, sample, self.layer, self.site, self.tp_rank)
+        keys = [mask_seed(self.seed, key.step, sample, self.layer, self.site)
                 for sample in key.samples]
         return torch.tensor([[k & _M32, k >> 32] for k in keys], device=device)  # [b, 2]
 

@@ -20,7 +20,11 @@ import torch.nn.functional as F
 
 from megatron_edu import comm
 from megatron_edu.course.exercises.checking import Hint, close, exercise, on_ranks
-from megatron_edu.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron_edu.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TensorParallel,
+)
 
 __all__ = ["TP", "TIMEOUT"]  # the checkers register themselves (``@exercise``)
 
@@ -383,7 +387,8 @@ def _used(grad: torch.Tensor, dim: int) -> list[int]:
 
 
 @exercise("01.3", "the tensor-parallel MLP from the serial weights",
-          reference=(ColumnParallelLinear.forward, RowParallelLinear.forward))
+          reference=(ColumnParallelLinear.forward, RowParallelLinear.forward,
+                     TensorParallel.column_linear, TensorParallel.reduce))
 def _tp_mlp(fn) -> str:
     results = on_ranks(TP, _run_tp_mlp, fn, timeout=TIMEOUT)
     out_ref, x_grad_ref, grads_ref = _reference_mlp()

@@ -28,7 +28,7 @@ from megatron_edu.course.exercises.nb01 import (
     _tensor,
     _used,
 )
-from megatron_edu.model.transformer import Attention
+from megatron_edu.model.attention import Attention, EagerCore
 
 __all__ = ["TP", "TIMEOUT"]  # the checkers register themselves (``@exercise``)
 
@@ -259,7 +259,8 @@ def _rank_grads(rank: int, serial: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-@exercise("02.2", "attention on this rank's heads", reference=(Attention.forward, Attention.core))
+@exercise("02.2", "attention on this rank's heads",
+          reference=(Attention.forward, EagerCore.forward))
 def _parallel_attention(fn) -> str:
     results = on_ranks(TP, _run_parallel_attention, fn, timeout=TIMEOUT)
     out_ref, x_grad_ref, grads_ref = _reference_attention()

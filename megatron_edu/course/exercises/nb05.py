@@ -5,7 +5,7 @@
 05.2 ★★★ the engine's message keys: what each action receives and sends
          (``messages_of(action, rank, stages)``), the stage map saying which virtual stage each
          chunk holds — checked on every action of several schedules, ZB-V's V included, then
-         run in the engine (``run_schedule(..., messages=yours)``) on 2 ranks with the
+         run in the engine (``run_schedule(..., RunSettings(messages=yours))``) on 2 ranks with the
          interleaved schedule.
 """
 
@@ -16,11 +16,11 @@ import re
 import torch
 import torch.distributed as dist
 
-from megatron_edu.course.exercises.checking import Hint, exercise, on_ranks
+from megatron_edu.course.exercises.checking import DEADLOCK_AFTER, Hint, exercise, on_ranks
 from megatron_edu.grid import ParallelGrid
 from megatron_edu.launch import RankError, run
 from megatron_edu.model import GPT, GPTConfig
-from megatron_edu.pipeline.engine import build_chunks, run_schedule
+from megatron_edu.pipeline.engine import Batch, RunSettings, build_chunks, run_schedule
 from megatron_edu.pipeline.schedules import (
     Action,
     Schedule,
@@ -30,7 +30,7 @@ from megatron_edu.pipeline.schedules import (
 )
 from megatron_edu.pipeline.stages import Message, StageMap
 
-DEADLOCK_TIMEOUT = 5.0  # seconds the launcher waits for a schedule check_schedule calls a deadlock
+DEADLOCK_TIMEOUT = 5.0  # s: the backstop where the launcher cannot see the deadlock (not Linux)
 MAX_RANKS, MAX_MICROBATCHES = 4, 4
 
 CONFIG = GPTConfig(vocab_size=32, seq_len=8, num_layers=12, hidden=16, num_heads=2, dropout=0.0,
@@ -48,10 +48,8 @@ def _run_pipeline(schedule: Schedule, messages=messages_of) -> float:
     """One step of ``schedule`` on this rank, with the learner's ``messages`` if given."""
     grid = ParallelGrid(pp=dist.get_world_size())
     chunks = build_chunks(CONFIG, grid, schedule.stages)
-    m = schedule.num_microbatches
-    ids, labels = _batch(m)
-    return run_schedule(schedule, chunks, grid, ids, labels, CONFIG.hidden,
-                        messages=messages).loss.item()
+    batch = Batch(*_batch(schedule.num_microbatches))
+    return run_schedule(schedule, chunks, grid, batch, RunSettings(messages=messages)).loss.item()
 
 
 # --- 05.1 ★★ a deadlock, predicted and seen ---------------------------------------------------
@@ -72,7 +70,7 @@ def _as_schedule(schedule) -> Schedule:
     if not actions or max(a.microbatch for a in actions) >= MAX_MICROBATCHES:
         raise Hint(f"use microbatches 0 to {MAX_MICROBATCHES - 1} at most: a small deadlock is "
                    "the clearest")
-    return Schedule(schedule, StageMap(len(schedule), 1, "interleaved"))
+    return Schedule(schedule, StageMap.plain(len(schedule)))
 
 
 @exercise("05.1", "a schedule that deadlocks, predicted by check_schedule and seen for real")
@@ -95,13 +93,14 @@ def _deadlock(fn) -> str:
                    "anything runs; a deadlock is ranks waiting on each other")
     p = len(schedule)
     try:
-        run(_run_pipeline, p, schedule, backend="gloo", timeout=DEADLOCK_TIMEOUT)
-    except TimeoutError as err:
+        run(_run_pipeline, p, schedule, backend="gloo", timeout=DEADLOCK_TIMEOUT,
+            deadlock_after=DEADLOCK_AFTER)
+    except TimeoutError as err:  # a DeadlockError where the launcher saw the ranks blocked
         stuck = re.search(r"ranks (\[[\d, ]*\])", str(err))
         return (f"check_schedule predicted it — \"{verdict}\" — and run for real on {p} ranks, "
-                f"the launcher stopped it after {DEADLOCK_TIMEOUT:g} s: ranks "
-                f"{stuck.group(1) if stuck else '?'} did not finish, each blocked in a receive "
-                "whose message its peer sends only after a receive of its own")
+                f"the launcher stopped it: ranks {stuck.group(1) if stuck else '?'} did not "
+                "finish, each blocked in a receive whose message its peer sends only after a "
+                "receive of its own")
     except RankError as err:
         if "imed out" in str(err) or "imeout" in str(err):  # gloo's own timeout came first
             return (f"check_schedule predicted it — \"{verdict}\" — and run for real on {p} "

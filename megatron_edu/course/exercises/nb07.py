@@ -24,11 +24,12 @@ from megatron_edu.course.exercises.checking import Hint, exercise, on_ranks
 from megatron_edu.grid import Layout, ParallelGrid
 from megatron_edu.model import GPTConfig
 from megatron_edu.perf import parameters_per_rank, wire_bytes_by_group
-from megatron_edu.ptdp import PTDP, PTDPOptions
+from megatron_edu.pipeline import PipelineConfig
+from megatron_edu.ptdp import PTDP, Parallelism, PTDPOptions
 
 __all__ = ["measured_bytes", "reference_bytes"]
 
-TIMEOUT = 20.0  # seconds: a rank that waits longer is in a deadlock (tests lower it)
+TIMEOUT = 20.0  # seconds: a backstop; a deadlock is detected sooner (on_ranks)
 KINDS = ("tp", "dp", "pp", "embedding")
 
 # --- 07.1 ★ the rank grid ------------------------------------------------------------------------
@@ -121,7 +122,8 @@ def _tied_embedding(fn: Callable) -> str:
     for tp, pp, dp in TIED_LAYOUTS:
         layout = Layout(tp=tp, pp=pp, dp=dp)
         try:
-            results = on_ranks(layout.world_size, _run_tied, fn, tp, pp, dp, timeout=TIMEOUT)
+            results = on_ranks(layout.world_size, _run_tied, fn, tp, pp, dp, timeout=TIMEOUT,
+                               may_deadlock=True)
         except Hint as hint:
             if "did not finish" not in str(hint):
                 raise
@@ -199,8 +201,9 @@ TOLERANCE = 0.01
 
 
 def _measure_step(tp: int, pp: int, dp: int) -> comm.CommLog:
-    grid = ParallelGrid(Layout(tp, pp, dp, num_microbatches=BYTES_MICROBATCHES))
-    trainer = PTDP(BYTES_CONFIG, grid, PTDPOptions())
+    grid = ParallelGrid(Layout(tp, pp, dp))
+    trainer = PTDP(BYTES_CONFIG, grid, PTDPOptions(),
+                   pipeline=PipelineConfig(num_microbatches=BYTES_MICROBATCHES))
     tokens = torch.randint(0, BYTES_CONFIG.vocab_size, (BYTES_BATCH, BYTES_CONFIG.seq_len + 1),
                            generator=torch.Generator().manual_seed(0))
     ids, labels = tokens[:, :-1].chunk(dp)[grid.dp_rank], tokens[:, 1:].chunk(dp)[grid.dp_rank]
@@ -243,7 +246,8 @@ def reference_bytes(config: GPTConfig, tp: int, pp: int, dp: int, batch: int, mi
     pp_bytes *= {"one direction": 0.5, "send and recv": 2}.get(mistake, 1)
     embedding = 2 * d * t * ring(2) * 4 * vocab * h // t if p > 1 else 0
     embedding *= 0.5 if mistake == "one copy" else 1
-    dp_bytes = d * t * sum(ring(d) * 4 * parameters_per_rank(config, Layout(tp=t, pp=p), stage)
+    split = Parallelism(Layout(tp=t, pp=p))
+    dp_bytes = d * t * sum(ring(d) * 4 * parameters_per_rank(config, split, stage)
                            for stage in range(p)) if d > 1 else 0
     dp_bytes *= 1 / d if mistake == "one replica" else 1
     return dict(tp=tp_bytes * per, pp=pp_bytes * per, dp=dp_bytes, embedding=embedding)
@@ -280,7 +284,8 @@ PURPOSE_HELP = {
     "pp": "one [b, s, h] activation per microbatch across each of the pp − 1 stage boundaries, "
           "and its gradient back, 1/t of it from each tp rank",
     "dp": "each rank all-reduces the gradients of its own parameters once per step "
-          "(parameters_per_rank(config, Layout(tp=tp, pp=pp), stage) of its stage)",
+          "(parameters_per_rank(config, Parallelism(Layout(tp=tp, pp=pp)), stage) of its "
+          "stage)",
     "embedding": "the first and the last stage of each pipeline all-reduce their copy's "
                  "[V_padded/t, h] gradient (only when pp > 1)",
 }

@@ -6,8 +6,8 @@ models, and describing a cluster to the advisor.
 08.2  the training FLOPs of a layer with a gated (SwiGLU) MLP and grouped-query attention,
       against ``FlopCounterMode`` on a real forward + backward and the paper's 72·B·s·h² +
       12·B·s²·h at the vanilla setting;
-08.3  a DGX H200 cluster as a ``Hardware``, and the layout the advisor picks on it for the 1T
-      model of Table 1.
+08.3  a DGX H200 cluster as a ``Hardware``, and the split (a ``Parallelism``) the advisor picks
+      on it for the 1T model of Table 1.
 
 All arithmetic or one process: no ranks are started.
 """
@@ -24,7 +24,6 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from megatron_edu.course.exercises.checking import Hint, exercise
-from megatron_edu.grid import Layout
 from megatron_edu.model import GPT, GPTConfig
 from megatron_edu.perf import (
     SELENE_A100,
@@ -33,6 +32,7 @@ from megatron_edu.perf import (
     num_parameters,
     training_flops,
 )
+from megatron_edu.ptdp import Parallelism
 
 __all__ = ["GatedGQALayer", "DGX_H200_DATASHEET", "TRILLION"]
 
@@ -329,8 +329,8 @@ def _field_hints(hw: Hardware) -> list[str]:
 def _h200_advisor(fn: Callable[[], object]) -> str:
     answer = fn()
     if not (isinstance(answer, tuple) and len(answer) == 2):
-        raise Hint(f"return a pair (hardware, layout), got {type(answer).__name__}")
-    hw, layout = answer
+        raise Hint(f"return a pair (hardware, parallelism), got {type(answer).__name__}")
+    hw, parallelism = answer
     if not isinstance(hw, Hardware):
         raise Hint(f"the first item should be a megatron_edu.perf.Hardware, got "
                    f"{type(hw).__name__}")
@@ -339,15 +339,15 @@ def _h200_advisor(fn: Callable[[], object]) -> str:
         raise Hint("; ".join(wrong))
     best, prediction = advise(TRILLION, 3072, 3072, DGX_H200_DATASHEET)[0]
     selene, selene_prediction = advise(TRILLION, 3072, 3072, SELENE_A100)[0]
-    if not isinstance(layout, Layout):
-        raise Hint(f"the second item should be the advisor's Layout (advise(...)[0][0]), got "
-                   f"{type(layout).__name__}")
-    if layout == selene:
-        raise Hint(f"{_short(layout)} is the advisor's pick on Selene's A100s: pass your "
+    if not isinstance(parallelism, Parallelism):
+        raise Hint(f"the second item should be the advisor's Parallelism (advise(...)[0][0]), "
+                   f"got {type(parallelism).__name__}")
+    if parallelism == selene:
+        raise Hint(f"{_short(parallelism)} is the advisor's pick on Selene's A100s: pass your "
                    f"cluster to advise(..., hw)")
-    if layout != best:
+    if parallelism != best:
         raise Hint(f"the advisor picks {_short(best)} for the 1T model (B = 3072 on 3072 GPUs) on "
-                   f"your cluster; you return {_short(layout)}: the first of advise(...)'s "
+                   f"your cluster; you return {_short(parallelism)}: the first of advise(...)'s "
                    f"ranked list")
     return (f"on H200s the 1T model fits with pp={best.pp} where the A100s needed "
             f"pp={selene.pp}: {prediction.tflops_per_gpu:.0f} TFLOP/s per GPU "
@@ -355,7 +355,7 @@ def _h200_advisor(fn: Callable[[], object]) -> str:
             f"iteration against {selene_prediction.time.total:.0f} s")
 
 
-def _short(layout: Layout) -> str:
-    chunks = f" v={layout.chunks}" if layout.chunks > 1 else ""
-    return (f"tp={layout.tp} pp={layout.pp} dp={layout.dp} b={layout.microbatch} "
-            f"{layout.schedule}{chunks}")
+def _short(parallelism: Parallelism) -> str:
+    chunks = f" v={parallelism.chunks}" if parallelism.chunks > 1 else ""
+    return (f"tp={parallelism.tp} pp={parallelism.pp} dp={parallelism.dp} "
+            f"b={parallelism.microbatch} {parallelism.schedule}{chunks}")

@@ -39,8 +39,9 @@ from megatron_edu.model.transformer import Attention
 from megatron_edu.perf import activation_bytes_per_layer
 from megatron_edu.perf.measure import saved_bytes
 from megatron_edu.tensor_parallel.init import init_parameters
-from megatron_edu.tensor_parallel.layers import serial_group, sum_replicated_grads_
+from megatron_edu.tensor_parallel.layers import serial_group
 from megatron_edu.tensor_parallel.random import DropoutKey, checkpoint
+from megatron_edu.tensor_parallel.sequence_parallel import sum_replicated_grads_
 
 __all__ = ["CASES", "ATTENTION", "TIMEOUT"]  # the checkers register themselves (``@exercise``)
 
@@ -95,9 +96,10 @@ ATTENTION = GPTConfig(vocab_size=64, seq_len=16, num_layers=1, hidden=32, num_he
 BATCH = 2
 
 
-def _attention(dropout: float, recompute: str = "none") -> Attention:
+def _attention(dropout: float, recompute: str = "none", causal: bool = True) -> Attention:
     """A serial attention sublayer of ATTENTION (in training mode), its weights from the seed."""
-    attn = Attention(replace(ATTENTION, dropout=dropout, recompute=recompute), serial_group())
+    attn = Attention(replace(ATTENTION, dropout=dropout, recompute=recompute, causal=causal),
+                     serial_group())
     init_parameters(attn, ATTENTION.seed, serial_group())
     return attn
 
@@ -165,9 +167,7 @@ def _output_hint(y: torch.Tensor, want: torch.Tensor) -> None:
     if not _differs(y, _run_attention(_package, _unscaled(_attention(0.0)))[0], 1e-5):
         raise Hint("the scores are not scaled: softmax(q·kᵀ/√d), with d = attn.head_dim "
                    f"= {ATTENTION.head_dim}")
-    acausal = _attention(0.0)
-    acausal.causal = False
-    if not _differs(y, _run_attention(_package, acausal)[0], 1e-5):
+    if not _differs(y, _run_attention(_package, _attention(0.0, causal=False))[0], 1e-5):
         raise Hint("each position sees every key: GPT's attention is causal — mask the scores "
                    "above the diagonal with −inf before the softmax")
     raise Hint(f"with dropout off the output differs from Attention.forward's by up to "
@@ -208,8 +208,8 @@ def check_selective_attention(fn) -> str:
             if p == 0.0:
                 _output_hint(y, want_y)
             raise Hint("with dropout on (p = 0.1) the output is not the package's: the mask must "
-                       "be the keyed one, attn.dropout(probs, key) — a function of the key, so "
-                       "the recomputation draws the same mask again (torch's F.dropout draws "
+                       "be the keyed one, attn.core.dropout(probs, key) — a function of the key, "
+                       "so the recomputation draws the same mask again (torch's F.dropout draws "
                        "from the global generator: another mask at every call)")
         missing = [name for name, g in grads.items() if g is None]
         if missing:

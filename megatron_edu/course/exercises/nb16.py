@@ -3,8 +3,8 @@ simulator (``pipeline.simulate``) and cost model (``perf``), not by a stored sol
 
 16.1 ★    a pipeline schedule for p = 4, m = 8 that holds at most 5 stages' worth of activations
           on every rank and idles at most 15 % (2104.04473 §2.2; 2401.10241)
-16.2 ★★   a layout of Table 1's 39.1B GPT on 512 A100 40GB that fits and beats 125 TFLOP/s per GPU
-          (2104.04473 §3, Table 1)
+16.2 ★★   a split (``Parallelism``) of Table 1's 39.1B GPT on 512 A100 40GB that fits and beats
+          130 TFLOP/s per GPU (2104.04473 §3, Table 1)
 16.3 ★★   the largest m at which interleaving (v = 2) still beats 1F1B once its 2× point-to-point
           sends are costed, on nodes joined by 100 Gb/s Ethernet (2104.04473 §2.2.2, §3)
 16.4 ★★   the recomputation and sequence parallelism with the least extra compute that fits the
@@ -38,13 +38,20 @@ from megatron_edu.perf import (
     rejection_reason,
     table1_config,
 )
-from megatron_edu.pipeline.schedules import SCHEDULES, Schedule, check_schedule, make_schedule
+from megatron_edu.pipeline.schedules import (
+    SCHEDULES,
+    PipelineConfig,
+    Schedule,
+    check_schedule,
+    make_schedule,
+)
 from megatron_edu.pipeline.simulate import Timeline, simulate
+from megatron_edu.ptdp import Parallelism
 
 __all__ = ["P1", "M1", "MAX_STAGES_HELD", "MAX_BUBBLE", "play", "stages_held", "schedule_space",
            "MODEL_39B", "GPUS_39B", "BATCH_39B", "A100_40GB", "TARGET_TFLOPS", "ETHERNET_A100",
            "LAYOUT_16_3", "M_SEARCH", "iteration_times", "interleaving_wins", "crossover",
-           "MODEL_76B", "LAYOUT_76B", "BUDGET_GIB", "recompute_options"]
+           "MODEL_76B", "PARALLELISM_76B", "BUDGET_GIB", "recompute_options"]
 
 
 def _row(billions: float) -> dict:
@@ -52,10 +59,10 @@ def _row(billions: float) -> dict:
                 if r["params_billion"] == billions)
 
 
-def _layout(layout: Layout) -> str:
-    chunks = f" v={layout.chunks}" if layout.chunks > 1 else ""
-    return (f"tp={layout.tp} pp={layout.pp} dp={layout.dp} b={layout.microbatch} "
-            f"m={layout.num_microbatches} {layout.schedule}{chunks}")
+def _short(split: Parallelism) -> str:
+    chunks = f" v={split.chunks}" if split.chunks > 1 else ""
+    return (f"tp={split.tp} pp={split.pp} dp={split.dp} b={split.microbatch} "
+            f"m={split.num_microbatches} {split.schedule}{chunks}")
 
 
 # --- 16.1 ★ a schedule within two limits --------------------------------------------------------
@@ -134,18 +141,18 @@ A100_40GB = replace(SELENE_A100, name="DGX A100 40GB", memory_bytes=40 * GIB)
 TARGET_TFLOPS = 130.0
 
 
-def _as_layout_and_mode(answer: object) -> tuple[Layout, str]:
+def _as_parallelism_and_mode(answer: object) -> tuple[Parallelism, str]:
     if not (isinstance(answer, tuple) and len(answer) == 2):
-        raise Hint(f"return a pair (layout, recompute), e.g. (Layout(...), 'full'), got "
-                   f"{type(answer).__name__}")
-    layout, recompute = answer
-    if not isinstance(layout, Layout):
-        raise Hint(f"the first item should be a megatron_edu.grid.Layout, got "
-                   f"{type(layout).__name__}")
+        raise Hint(f"return a pair (parallelism, recompute), e.g. (Parallelism(Layout(...), "
+                   f"PipelineConfig(...)), 'full'), got {type(answer).__name__}")
+    parallelism, recompute = answer
+    if not isinstance(parallelism, Parallelism):
+        raise Hint(f"the first item should be a megatron_edu.ptdp.Parallelism, got "
+                   f"{type(parallelism).__name__}")
     if recompute not in RECOMPUTE:
         raise Hint(f"the second item is the recomputation, one of {RECOMPUTE}; got "
                    f"{recompute!r}")
-    return layout, recompute
+    return parallelism, recompute
 
 
 def _short_of(prediction: Prediction) -> str:
@@ -160,16 +167,16 @@ def _short_of(prediction: Prediction) -> str:
 
 
 @exercise("16.2", "a layout of the 39.1B GPT on 512 A100 40GB")
-def _layout_puzzle(fn: Callable[[], tuple[Layout, str]]) -> str:
-    layout, recompute = _as_layout_and_mode(fn())
+def _layout_puzzle(fn: Callable[[], tuple[Parallelism, str]]) -> str:
+    split, recompute = _as_parallelism_and_mode(fn())
     config = replace(MODEL_39B, recompute=recompute)
-    if layout.world_size == GPUS_39B and layout.global_batch != BATCH_39B:
-        raise Hint(f"the batch is B = {BATCH_39B} sequences: dp·m·b = {layout.dp}·"
-                   f"{layout.num_microbatches}·{layout.microbatch} = {layout.global_batch}")
-    reason = rejection_reason(config, layout, GPUS_39B, A100_40GB)
+    if split.world_size == GPUS_39B and split.global_batch != BATCH_39B:
+        raise Hint(f"the batch is B = {BATCH_39B} sequences: dp·m·b = {split.dp}·"
+                   f"{split.num_microbatches}·{split.microbatch} = {split.global_batch}")
+    reason = rejection_reason(config, split, GPUS_39B, A100_40GB)
     if reason is not None:
         if "GiB" in reason:
-            over = memory_per_rank(config, layout, precision=MIXED_FP32_GRADS).total / GIB - 40
+            over = memory_per_rank(config, split, precision=MIXED_FP32_GRADS).total / GIB - 40
             reason = (f"it needs {over:.1f} GiB more than the 40 GiB of a GPU ({reason}): "
                       f"recompute more, hold fewer microbatches (1F1B, not GPipe; a smaller b) "
                       f"or split the weights further (larger tp·pp)")
@@ -177,10 +184,10 @@ def _layout_puzzle(fn: Callable[[], tuple[Layout, str]]) -> str:
             reason = (f"{reason}: tensor parallelism all-reduces every layer, twice forward and "
                       f"twice backward, so its ranks stay within a node's NVLink (2104.04473 "
                       f"§3.2)")
-        raise Hint(f"{_layout(layout)} with recompute={recompute!r} is rejected: {reason}")
-    prediction = predict(config, layout, A100_40GB)
+        raise Hint(f"{_short(split)} with recompute={recompute!r} is rejected: {reason}")
+    prediction = predict(config, split, A100_40GB)
     if prediction.tflops_per_gpu < TARGET_TFLOPS:
-        raise Hint(f"{_layout(layout)} with recompute={recompute!r} fits "
+        raise Hint(f"{_short(split)} with recompute={recompute!r} fits "
                    f"({prediction.memory.total / GIB:.1f} GiB) but is predicted at "
                    f"{prediction.tflops_per_gpu:.1f} TFLOP/s per GPU, "
                    f"{TARGET_TFLOPS - prediction.tflops_per_gpu:.1f} short of "
@@ -188,9 +195,9 @@ def _layout_puzzle(fn: Callable[[], tuple[Layout, str]]) -> str:
     ranked = advise(MODEL_39B, BATCH_39B, GPUS_39B, A100_40GB, recompute=RECOMPUTE)
     passing = sum(p.tflops_per_gpu >= TARGET_TFLOPS for _, p in ranked)
     best = ranked[0][1]
-    return (f"{_layout(layout)} with recompute={recompute!r}: {prediction.tflops_per_gpu:.1f} "
+    return (f"{_short(split)} with recompute={recompute!r}: {prediction.tflops_per_gpu:.1f} "
             f"TFLOP/s per GPU in {prediction.memory.total / GIB:.1f} GiB — one of {passing} of "
-            f"the {len(ranked)} layouts that fit; the advisor's best, {_layout(best.layout)} "
+            f"the {len(ranked)} layouts that fit; the advisor's best, {_short(best.parallelism)} "
             f"with recompute={best.config.recompute!r}, reaches {best.tflops_per_gpu:.1f}")
 
 
@@ -198,15 +205,16 @@ def _layout_puzzle(fn: Callable[[], tuple[Layout, str]]) -> str:
 
 ETHERNET_A100 = replace(SELENE_A100, name="A100 nodes on 100 Gb/s Ethernet",
                         inter_node_bandwidth=12.5e9)
-LAYOUT_16_3 = Layout(8, 4, 1)       # tp = 8 in a node, 4 stages on 4 nodes, microbatch 1
+LAYOUT_16_3 = Layout(8, 4, 1)       # tp = 8 in a node, 4 stages on 4 nodes (microbatches of 1)
 M_SEARCH = 64                       # m searched in multiples of p up to M_SEARCH·p
 
 
 def iteration_times(m: int) -> tuple[float, float]:
     """Predicted seconds per iteration of 1F1B and interleaved (v = 2) at m microbatches."""
-    one, two = (replace(LAYOUT_16_3, schedule=s, chunks=v, num_microbatches=m)
-                for s, v in (("1f1b", None), ("interleaved", 2)))
-    return tuple(predict(MODEL_39B, layout, ETHERNET_A100).time.total for layout in (one, two))
+    pipelines = (PipelineConfig("1f1b", num_microbatches=m),
+                 PipelineConfig("interleaved", 2, num_microbatches=m))
+    return tuple(predict(MODEL_39B, Parallelism(LAYOUT_16_3, pipeline), ETHERNET_A100).time.total
+                 for pipeline in pipelines)
 
 
 def interleaving_wins(m: int) -> bool:
@@ -253,21 +261,22 @@ def _interleaving_puzzle(fn: Callable[[], int]) -> str:
 # --- 16.4 ★★ the cheapest recomputation that fits -------------------------------------------------
 
 MODEL_76B: GPTConfig = table1_config(_row(76.1))    # 60 layers, h = 10240, 80 heads
-LAYOUT_76B = Layout(8, 4, 32, "1f1b", microbatch=2, num_microbatches=28)   # B = 1792
+PARALLELISM_76B = Parallelism(Layout(8, 4, 32), PipelineConfig(microbatch=2,
+                                                               num_microbatches=28))  # B = 1792
 BUDGET_GIB = 64                                      # of an 80 GB A100, the rest for buffers
 
 
 def recompute_options() -> dict[tuple[str, bool], tuple[float, float]]:
     """(recompute, sequence_parallel) → (GiB per GPU, FLOPs recomputed per iteration beyond
-    recompute = 'none'), for ``MODEL_76B`` split as ``LAYOUT_76B``."""
+    recompute = 'none'), for ``MODEL_76B`` split as ``PARALLELISM_76B``."""
     def flops(config: GPTConfig) -> float:
-        return predict(config, LAYOUT_76B).flops_per_iteration
+        return predict(config, PARALLELISM_76B).flops_per_iteration
 
     baseline = flops(replace(MODEL_76B, recompute="none"))
     options = {}
     for recompute, sp in product(RECOMPUTE, (False, True)):
         config = replace(MODEL_76B, recompute=recompute, sequence_parallel=sp)
-        memory = memory_per_rank(config, LAYOUT_76B, precision=MIXED_FP32_GRADS).total / GIB
+        memory = memory_per_rank(config, PARALLELISM_76B, precision=MIXED_FP32_GRADS).total / GIB
         options[recompute, sp] = (memory, flops(config) - baseline)
     return options
 
@@ -284,7 +293,7 @@ def _recompute_puzzle(fn: Callable[[], tuple[str, bool]]) -> str:
         raise Hint(f"return a pair (recompute, sequence_parallel): one of {RECOMPUTE} and a "
                    f"bool, e.g. ('full', False); got {answer!r}")
     options = recompute_options()
-    total = predict(MODEL_76B, LAYOUT_76B).flops_per_iteration - options["full", False][1]
+    total = predict(MODEL_76B, PARALLELISM_76B).flops_per_iteration - options["full", False][1]
     fitting = {o: v for o, v in options.items() if v[0] <= BUDGET_GIB}
     best = min(fitting, key=lambda o: (fitting[o][1], fitting[o][0]))
     memory, extra = options[answer]

@@ -17,9 +17,8 @@ the loss divided by the replica's own tokens, the replica's share returned as th
 tied embedding's copies not summed, the embedding counted twice in the norm, a norm of this
 rank's gradients only, no clipping, the gradients never zeroed, no scatter/gather — are named.
 
-Dropout is off: at tp > 1 the attention's masks are drawn per tp rank (1909.08053 Appendix
-B.2), so no layout with tp > 1 draws the serial model's; with dropout on, tests/test_ptdp.py
-proves the tp = 1 layouts equal to serial, and tests/test_tensor_parallel.py the masks' rule.
+Dropout is off, to keep the step's arithmetic plain: with it on, every layout takes the serial
+model's steps as well (each rank draws its part of the serial masks; tests/test_ptdp.py).
 """
 
 from __future__ import annotations
@@ -38,19 +37,20 @@ from megatron_edu.grid import Layout, ParallelGrid
 from megatron_edu.model import GPT, GPTConfig
 from megatron_edu.optim import build_param_groups
 from megatron_edu.perf import wire_bytes_by_group
-from megatron_edu.pipeline.schedules import Schedule
+from megatron_edu.pipeline.schedules import PipelineConfig, Schedule
 from megatron_edu.ptdp import PTDP, PTDPOptions
 from megatron_edu.tensor_parallel.random import DropoutKey
 
-__all__ = ["CONFIG", "LAYOUT", "OPTIONS", "BATCH", "STEPS", "Parts", "batches",
+__all__ = ["CONFIG", "LAYOUT", "PIPELINE", "OPTIONS", "BATCH", "STEPS", "Parts", "batches",
            "serial_steps", "step_verdicts", "build_verdicts", "BUILT"]
 
 CONFIG = GPTConfig(vocab_size=100, seq_len=8, num_layers=4, hidden=32, num_heads=4, dropout=0.0)
-LAYOUT = Layout(tp=2, pp=2, dp=2, schedule="1f1b", microbatch=2, num_microbatches=4)
+LAYOUT = Layout(tp=2, pp=2, dp=2)
+PIPELINE = PipelineConfig("1f1b", microbatch=2, num_microbatches=4)
 # clip below the serial norms, so that clipping acts; Adam's ε large enough that the rounding
 # noise of a zero gradient (the key bias) stays noise (tests/test_ptdp.py)
 OPTIONS = PTDPOptions(lr=1e-2, clip=0.5, eps=1e-4)
-BATCH, STEPS = LAYOUT.global_batch, 2     # 16 sequences: 8 a replica, 2 a microbatch
+BATCH, STEPS = 16, 2       # dp · m · b = 2 · 4 · 2 sequences: 8 a replica, 2 a microbatch
 PURPOSES = ("tp", "pp", "dp", "embedding")
 
 
@@ -60,7 +60,7 @@ class Parts:
 
     config: GPTConfig
     grid: ParallelGrid
-    schedule: Schedule                  # the layout's schedule (every rank's list of actions)
+    schedule: Schedule                  # the pipeline's schedule (every rank's list of actions)
     chunks: list[GPT]                   # this rank's model chunks (v of them), tp-split
     ddp: DataParallel                   # the gradients' buckets over the dp group
     optimizer: torch.optim.Optimizer    # AdamW over this rank's parameters
@@ -127,8 +127,8 @@ def _decay(optimizer: torch.optim.Optimizer, chunks: list[GPT]) -> dict[str, flo
 
 def _describe_build(grid: ParallelGrid, build: Callable) -> dict:
     """On one rank: what the learner built, beside what ``PTDP`` builds from the same seed."""
-    want = PTDP(CONFIG, grid, OPTIONS)
-    parts = build(CONFIG, grid, OPTIONS)
+    want = PTDP(CONFIG, grid, OPTIONS, pipeline=PIPELINE)
+    parts = build(CONFIG, grid, OPTIONS, PIPELINE)
     got = {"rank": grid.rank, "coords": (grid.tp_rank, grid.pp_rank, grid.dp_rank)}
     got["type"] = type(parts).__name__
     if not all(hasattr(parts, k) for k in ("schedule", "chunks", "ddp", "optimizer")):
@@ -161,8 +161,8 @@ def _judge_build(r: dict) -> None:
         raise Hint(f"build returned a {r['type']}: return Parts(config, grid, schedule, chunks, "
                    "ddp, optimizer, options)")
     if not r["schedule"]:
-        raise Hint("the schedule is not the layout's: grid.layout.make_schedule() gives the 1F1B "
-                   "lists of this layout (m = 4), and its stages are where the chunks live")
+        raise Hint("the schedule is not the pipeline's: pipeline.make_schedule(grid.pp) gives the "
+                   "1F1B lists of this run (m = 4), and its stages are where the chunks live")
     if r["chunks"] != r["want_chunks"]:
         got = sum(math.prod(s) for c in r["chunks"] for s in c.values())
         want = sum(math.prod(s) for c in r["want_chunks"] for s in c.values())
@@ -223,7 +223,7 @@ def build_verdicts(builds: list[Callable]) -> list[str]:
 @exercise("17.1", "one rank's parts of a PTD-P run",
           reference=(PTDP.__init__,))
 def check_build(build) -> str:
-    """build(config, grid, options) → Parts, on 8 ranks, against what PTDP builds."""
+    """build(config, grid, options, pipeline) → Parts, on 8 ranks, against what PTDP builds."""
     return _judge_builds(_run_each(_describe_build, [build], timeout=120)[0])
 
 
@@ -231,7 +231,7 @@ def check_build(build) -> str:
 
 def _parts(grid: ParallelGrid) -> Parts:
     """A PTDP's own parts (17.2 checks the step alone)."""
-    t = PTDP(CONFIG, grid, OPTIONS)
+    t = PTDP(CONFIG, grid, OPTIONS, pipeline=PIPELINE)
     return Parts(CONFIG, grid, t.schedule, t.chunks, t.ddp, t.optimizer, OPTIONS)
 
 
@@ -278,16 +278,16 @@ def _judge_bytes(got: dict[str, int], want: dict[str, float]) -> None:
     if got["dp"] == 0:
         raise Hint("no gradient crossed the data-parallel group: the replicas never summed "
                    "their gradients — parts.ddp.finish_grad_sync() after the pipeline (and "
-                   "grad_sync=lambda chunk, last: parts.ddp.sync(last) to start the buckets "
-                   "during the last backward)")
+                   "RunSettings(grad_sync=lambda chunk, last: parts.ddp.sync(last)) to start the "
+                   "buckets during the last backward)")
     if got["embedding"] == 0:
         raise Hint("the tied embedding's two copies (on the first and the last stage) were not "
                    "summed: all-reduce their gradients over grid.embedding_group, as exercise "
                    "07.2, before the norm and the update")
     if got["pp"] == LAYOUT.tp * want["pp"]:
         raise Hint(f"{got['pp']:,} bytes between stages, {LAYOUT.tp}× 2104.04473 §4.1's: each "
-                   "tp rank sends its whole activation — pass scatter_gather=True (each sends "
-                   "1/t, the next stage all-gathers)")
+                   "tp rank sends its whole activation — RunSettings(scatter_gather=True) (each "
+                   "sends 1/t, the next stage all-gathers)")
 
 
 def _judge_loss(at: str, loss: float, serial: float, losses: list[float]) -> None:
@@ -298,13 +298,13 @@ def _judge_loss(at: str, loss: float, serial: float, losses: list[float]) -> Non
     if _near(loss, serial * LAYOUT.dp):
         raise Hint(at + f"the loss is {loss:.4f}, {LAYOUT.dp}× the global mean {serial:.4f}: "
                    "each replica divided its tokens' losses by its own token count — all-reduce "
-                   "the count over grid.dp_group and pass num_tokens=, so that each replica's "
-                   "loss is its share")
+                   "the count over grid.dp_group and give it as the Batch's num_tokens, so that "
+                   "each replica's loss is its share")
     if not _near(loss, serial):
         raise Hint(at + f"the loss {loss:.4f} is not the serial model's {serial:.4f} with the "
                    "same weights: the loss is the sum of every target token's loss over the "
-                   "global batch's count — run_schedule(…, num_tokens=) with the count "
-                   "all-reduced over grid.dp_group")
+                   "global batch's count — the Batch's num_tokens, the count all-reduced over "
+                   "grid.dp_group")
 
 
 def _judge_norm(at: str, norm: float, serial: float, embedding: float, exchanged: bool) -> None:
@@ -337,7 +337,7 @@ def _judge_steps(records: list[dict], serial: dict) -> str:
     """Raise the Hint naming the first mistake the ranks' records show, step by step: the
     collectives, then every rank's loss and norm, then the weights after the update."""
     want = reference_bytes(CONFIG, LAYOUT.tp, LAYOUT.pp, LAYOUT.dp, BATCH,
-                           LAYOUT.num_microbatches)
+                           PIPELINE.num_microbatches)
     for step in range(STEPS):
         _judge_bytes(_bytes(records, step), want)
         exchanged = bool(records[0]["logs"][step].select(label="grad norm"))

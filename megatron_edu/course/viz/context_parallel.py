@@ -25,7 +25,8 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from megatron_edu.context_parallel import RingInterval, RingTimeline, simulate_ring, step_pairs
+from megatron_edu.perf.ring import RingTimeline, simulate_ring, step_pairs
+from megatron_edu.timing import RingInterval
 
 __all__ = ["fit_ring_costs", "simulate_ring_step", "draw_ring_timeline", "draw_ring_timelines"]
 

@@ -27,10 +27,12 @@ from matplotlib.axes import Axes
 from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
 
-from megatron_edu.data_parallel import BucketTiming
 from megatron_edu.grid import Layout
 from megatron_edu.model.config import GPTConfig
 from megatron_edu.perf.memory import GIB, MemoryEstimate, memory_per_rank
+from megatron_edu.pipeline import PipelineConfig
+from megatron_edu.ptdp import Parallelism
+from megatron_edu.timing import BucketTiming
 
 __all__ = ["PARTS", "format_bytes", "draw_bucket_timeline", "draw_optimizer_state",
            "draw_memory_per_rank", "show_zero1_memory", "explore_zero1_memory",
@@ -139,14 +141,14 @@ def show_zero1_memory(config: GPTConfig, tp: int, pp: int, dps: Sequence[int],
                       global_batch: int, capacity: int | None = None) -> dict[str, MemoryEstimate]:
     """Plain DP beside ZeRO-1 at each dp (mixed precision, 16 bytes per parameter; 1F1B,
     microbatches of one sequence); returns the estimates drawn, keyed by bar label. Raises the
-    layout's ValueError for a layout that cannot split the model."""
+    ValueError of a split that cannot hold the model."""
     estimates = {}
     for dp in dps:
+        pipeline = PipelineConfig(num_microbatches=global_batch // dp)
         for zero1 in (False, True):
-            layout = Layout(tp=tp, pp=pp, dp=dp, num_microbatches=global_batch // dp,
-                            zero=int(zero1))
+            split = Parallelism(Layout(tp=tp, pp=pp, dp=dp), pipeline, zero=int(zero1))
             label = f"dp={dp}\n{'ZeRO-1' if zero1 else 'plain'}"
-            estimates[label] = memory_per_rank(config, layout)
+            estimates[label] = memory_per_rank(config, split)
     draw_memory_per_rank(estimates, capacity, group_size=2,
                          title=f"{config.num_layers} layers, h={config.hidden}, tp={tp}, pp={pp}")
     plt.show()

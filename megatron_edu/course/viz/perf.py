@@ -52,6 +52,8 @@ from megatron_edu.perf import (
     tp_sweep,
 )
 from megatron_edu.perf.bubble import bubble_formula
+from megatron_edu.pipeline.schedules import PipelineConfig
+from megatron_edu.ptdp import Parallelism
 
 __all__ = ["MIB", "PARTS", "HARDWARE", "draw_activation_memory", "draw_forwards_in_flight",
            "draw_memory_per_gpu", "draw_table1", "draw_advisor_vs_table1", "draw_split_sweep",
@@ -112,8 +114,8 @@ def draw_forwards_in_flight(p: int, m: int, v: int, ax: Axes | None = None) -> A
     ax = _axes(ax, (7, 3.2))
     stages = np.arange(p)
     for schedule, chunks in (("gpipe", 1), ("1f1b", 1), ("interleaved", v)):
-        layout = Layout(pp=p, schedule=schedule, chunks=chunks, num_microbatches=m)
-        held = [sum(forwards_in_flight(layout, s)) / chunks for s in stages]
+        pipeline = PipelineConfig(schedule, chunks, num_microbatches=m)
+        held = [sum(forwards_in_flight(pipeline, p, s)) / chunks for s in stages]
         label = schedule + (f" v={chunks}" if chunks > 1 else "")
         ax.plot(stages, held, marker="o", label=label)
     ax.set_yscale("log")
@@ -127,7 +129,7 @@ def draw_forwards_in_flight(p: int, m: int, v: int, ax: Axes | None = None) -> A
 
 def draw_memory_per_gpu(predictions: Sequence[Prediction], hw: Hardware = SELENE_A100,
                         ax: Axes | None = None) -> Axes:
-    """Stacked GiB per GPU of each prediction's layout (the fuller of first and last stage)
+    """Stacked GiB per GPU of each prediction's split (the fuller of first and last stage)
     with the GPU's capacity."""
     ax = _axes(ax, (8, 3.4))
     bottom = np.zeros(len(predictions))
@@ -146,12 +148,12 @@ def draw_memory_per_gpu(predictions: Sequence[Prediction], hw: Hardware = SELENE
 
 
 def _short(prediction: Prediction) -> str:
-    layout = prediction.layout
-    schedule = "il" if layout.schedule == "interleaved" else layout.schedule
-    tail = f" v{layout.chunks}" if layout.chunks > 1 else ""
+    split = prediction.parallelism
+    schedule = "il" if split.schedule == "interleaved" else split.schedule
+    tail = f" v{split.chunks}" if split.chunks > 1 else ""
     rc = prediction.config.recompute
     recompute = "" if rc == "full" else f"\nrc={rc}"
-    return f"t{layout.tp} p{layout.pp} d{layout.dp}\nb{layout.microbatch} {schedule}{tail}" \
+    return f"t{split.tp} p{split.pp} d{split.dp}\nb{split.microbatch} {schedule}{tail}" \
            + recompute
 
 
@@ -201,7 +203,7 @@ def draw_advisor_vs_table1(rows: Sequence[dict], own: Sequence[Prediction],
     ax.bar(x, [p.tflops_per_gpu for p in own], 0.27, label="predicted, paper's tp × pp")
     bars = ax.bar(x + 0.27, [p.tflops_per_gpu for p in free], 0.27,
                   label="predicted, advisor's choice")
-    ax.bar_label(bars, [f"t{p.layout.tp}p{p.layout.pp}" for p in free], fontsize=6)
+    ax.bar_label(bars, [f"t{p.parallelism.tp}p{p.parallelism.pp}" for p in free], fontsize=6)
     ax.set_xticks(x, [f"{r['params_billion']:g}B" for r in rows])
     ax.set_ylim(0, 200)
     ax.set_ylabel("TFLOP/s per GPU")
@@ -244,8 +246,8 @@ def draw_bubble_vs_microbatches(config: GPTConfig, tp: int, pp: int, chunks: int
     paper's t_pb / t_id = (p-1)/(v·m) (2104.04473 §2.2)."""
     ax = _axes(ax, (7, 3.2))
     for schedule, v in (("1f1b", 1), ("interleaved", chunks)):
-        preds = [predict(config, Layout(tp, pp, 1, schedule, v, num_microbatches=m), hw)
-                 for m in microbatch_counts]
+        preds = [predict(config, Parallelism(Layout(tp, pp), PipelineConfig(
+            schedule, v, num_microbatches=m)), hw) for m in microbatch_counts]
         label = schedule + (f" v={v}" if v > 1 else "")
         ratio = [p.time.bubble / (p.time.total - p.time.bubble) for p in preds]
         line, = ax.plot(microbatch_counts, ratio, marker="o", label=f"{label}: predicted")

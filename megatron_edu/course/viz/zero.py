@@ -13,7 +13,6 @@ draw_zero_stages: one panel per stage, one row per rank: weights, gradients and 
     segments as wide as their bytes; a sharded part cut into d slices, only the rank's own filled.
 draw_memory_by_stage: per stage, the measured bytes at rest (stacked) beside the model's, and the
     measured peak of a step as a tick above them.
-reduce_scatters: a ZeRO-3 step's reduce-scatters per unit, from the buckets' timeline.
 draw_bytes_per_step: the data-parallel bytes a rank sent per step against the microbatches m, one
     line per stage, in halves of an all-reduce.
 gather_leads: how long before the current unit's pass ended the next unit's gather was launched.
@@ -31,11 +30,10 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from megatron_edu.data_parallel import BucketTiming
-from megatron_edu.data_parallel.zero3 import UnitEvent
+from megatron_edu.timing import UnitEvent
 
 __all__ = ["PARTS", "MIXED_BYTES", "SHARDED_FROM", "held_per_param", "draw_zero_stages",
-           "draw_memory_by_stage", "draw_bytes_per_step", "reduce_scatters", "gather_leads",
+           "draw_memory_by_stage", "draw_bytes_per_step", "gather_leads",
            "draw_zero3_timeline"]
 
 PARTS = ("weights", "grads", "optimizer")
@@ -160,16 +158,6 @@ def draw_bytes_per_step(measured: Mapping[int, Mapping[int, float]], unit: float
 
 
 # --- a ZeRO-3 step's timeline ----------------------------------------------------------------
-
-def reduce_scatters(timeline: Sequence[BucketTiming],
-                    units: Sequence[tuple[object, Sequence]]) -> list[tuple[int, float, float]]:
-    """(unit, start, end) of each bucket's reduce-scatter: ``timeline`` is the buckets'
-    (``DataParallel.timeline``), ``units`` the sharding's (``ParameterSharding.units``: each
-    unit's module and its buckets). Each runs from its bucket's last gradient (``ready_at``: the
-    hook that receives it launches it) until it is done (``done_at``)."""
-    unit_of = {bucket.index: i for i, (_, buckets) in enumerate(units) for bucket in buckets}
-    return [(unit_of[t.index], t.ready_at, t.done_at) for t in timeline]
-
 
 def gather_leads(events: Sequence[UnitEvent]) -> list[tuple[str, int, int, float]]:
     """For each pass and each unit followed by another in it (forward: in order; backward: in

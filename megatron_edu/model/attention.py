@@ -1,0 +1,267 @@
+"""Self-attention split by heads (1909.08053 §3, Figure 3b), and the cores that compute it.
+
+``Attention`` is the qkv projection (column-parallel: this rank's num_heads/t heads' q, k and v),
+a core, and the output projection (row-parallel). The core — softmax(q·kᵀ/√d + masks)·v, with
+dropout on the probabilities — is one of three objects with one interface, ``core(q, k, v,
+dropout_key, mask)`` on this rank's heads, chosen once when the layer is built:
+
+* ``EagerCore`` — op by op, as the papers count it (2205.05198: 5·a·s²·b bytes saved per layer).
+  Its dropout masks are the serial model's, element by element (``tensor_parallel/random.py``):
+  a tp rank draws its own heads' part of the one mask, so any tp equals the serial model with
+  dropout on. (Megatron-LM seeds a stream per tp rank instead, 1909.08053 App. B.2: its masks
+  depend on tp.)
+* ``FusedCore`` — one kernel (``scaled_dot_product_attention``: flash or memory-efficient
+  attention on a GPU, which keep no [s, s] tensor), its dropout drawn inside the kernel from the
+  device's generator (Megatron's way, a stream per tp rank: here seeded for each call from the
+  step, the samples, the layer and the tp rank, so a recomputation replays it). Fast, and equal
+  to the serial model at dropout 0 — not with dropout on. ``config.attention = "fused"``; the
+  GPU default of the training script.
+* ``RingCore`` — context parallelism: ``context_parallel.ring_attention`` over the cp ranks
+  (the serial masks too). Chosen whenever cp > 1.
+
+Selective recomputation (2205.05198 §5, ``recompute="selective"``) wraps the eager or the fused
+core (``Recomputed``): none of it is kept for backward, it runs again there. The ring keeps no
+scores for backward: there is nothing to drop, and it is not wrapped.
+
+Layout of the fused qkv weight: stored [3h, h] (nn.Linear's [out, in]) with the output rows
+grouped *per head* — head 0's q, k, v rows, then head 1's, … (Megatron's [np, 3, hn] layout).
+A column split into t equal blocks then gives each rank whole heads with their own q, k and v,
+at every t; and because the layout does not depend on t, the whole tensor is the same at tp = 1,
+2, 4 (layout-independent initialisation and checkpoints). Hugging Face's c_attn is [h, 3h] as
+q | k | v blocks; ``megatron_edu/hf.py`` permutes it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_edu.comm import CommGroup
+from megatron_edu.context_parallel import ring_attention
+from megatron_edu.model.config import GPTConfig
+from megatron_edu.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    serial_group,
+)
+from megatron_edu.tensor_parallel.random import Dropout, DropoutKey, checkpoint, mask_seed
+from megatron_edu.tensor_parallel.sequence_parallel import STYLES
+
+__all__ = ["LayerKV", "KVCache", "EagerCore", "FusedCore", "RingCore", "Recomputed", "Attention"]
+
+
+@dataclass
+class LayerKV:
+    """One block's cached keys and values, each [b, heads/t, length, d] on this tp rank."""
+
+    k: torch.Tensor | None = None
+    v: torch.Tensor | None = None
+
+    def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append the new positions' k and v; return all of them (cached first)."""
+        if self.k is not None:
+            k, v = torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
+        self.k, self.v = k, v
+        return k, v
+
+
+@dataclass
+class KVCache:
+    """The keys and values of the ``length`` positions seen so far, per block of one stage.
+
+    Pass the same cache to successive forwards (the prompt, then one token at a time): each
+    block attends over its cached positions plus the new ones, so a new token costs the work
+    of one position, not of the whole sequence.
+    """
+
+    length: int = 0
+    layers: dict[str, LayerKV] = field(default_factory=dict)
+
+    def layer(self, name: str) -> LayerKV:
+        """The cache of the block called ``name`` (empty the first time)."""
+        return self.layers.setdefault(name, LayerKV())
+
+
+# --- which keys each query sees -----------------------------------------------------------------
+
+def causal_mask(s: int, t: int, keys: torch.Tensor | None,
+                device: torch.device) -> torch.Tensor:
+    """[s, t] (or [b, 1, s, t] with padding) True where a query may attend: the s queries are
+    the last of the t keys' positions, query i sees keys 0 … t − s + i; ``keys`` [b, t]: keys
+    where it is False (padding) are seen by no query."""
+    allowed = torch.ones(s, t, dtype=torch.bool, device=device).tril(t - s)
+    return allowed if keys is None else allowed & keys[:, None, None, :]
+
+
+def padding_mask(s: int, t: int, keys: torch.Tensor | None,
+                 device: torch.device) -> torch.Tensor | None:
+    """Bidirectional attention (BERT): every query sees every key but padding; None: all."""
+    return None if keys is None else keys[:, None, None, :]
+
+
+def mask_of(config: GPTConfig):
+    """The mask ``config``'s attention applies: causal (GPT) or padding only (BERT)."""
+    return causal_mask if config.causal else padding_mask
+
+
+# --- the cores ------------------------------------------------------------------------------------
+
+class EagerCore(nn.Module):
+    """softmax(q·kᵀ/√d + masks)·v op by op, dropout on the probabilities: the serial model's
+    masks, this rank's heads being part r of t of them."""
+
+    def __init__(self, config: GPTConfig, group: CommGroup, layer: int) -> None:
+        super().__init__()
+        self.scale = 1.0 / math.sqrt(config.head_dim)
+        self.mask = mask_of(config)
+        self.dropout = Dropout(config.dropout, config.seed, layer, "attention probs",
+                               parts=((group.rank, group.size),))       # this rank's heads
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                dropout_key: DropoutKey | None, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """q [b, heads/t, s, d], k and v [b, heads/t, t, d] → [b, heads/t, s, d]."""
+        scores = q @ k.transpose(-2, -1) * self.scale                  # [b, a/t, s, t]
+        allowed = self.mask(q.shape[2], k.shape[2], mask, q.device)
+        if allowed is not None:
+            scores = scores.masked_fill(~allowed, float("-inf"))
+        return self.dropout(scores.softmax(-1), dropout_key) @ v
+
+
+class FusedCore(nn.Module):
+    """The same in one kernel (``scaled_dot_product_attention``), which takes the masks as one
+    boolean ``attn_mask`` — or none at all for plain causal attention, so that a GPU may run
+    flash attention. Dropout inside the kernel, from the device's generator seeded for the call
+    (``_seeded``): per tp rank, as Megatron-LM's tracker forks a stream per tp rank."""
+
+    def __init__(self, config: GPTConfig, group: CommGroup, layer: int) -> None:
+        super().__init__()
+        self.p, self.seed, self.layer, self.tp_rank = config.dropout, config.seed, layer, \
+            group.rank
+        self.causal, self.mask = config.causal, mask_of(config)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                dropout_key: DropoutKey | None, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """As ``EagerCore.forward``, in one kernel."""
+        s, t = q.shape[2], k.shape[2]
+        whole = self.causal and s == t and mask is None      # the kernel's own causal mask
+        allowed = None if whole else self.mask(s, t, mask, q.device)
+        p = self.p if self.training else 0.0
+        with _seeded(q.device, self._seed(dropout_key, p)):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, is_causal=whole,
+                                                  dropout_p=p)
+
+    def _seed(self, key: DropoutKey | None, p: float) -> int | None:
+        """This call's seed: the step, its first sample, the layer and the tp rank (None: no
+        dropout, the generator untouched)."""
+        if p == 0.0:
+            return None
+        if key is None:
+            raise ValueError("dropout in training needs a DropoutKey naming the samples")
+        return mask_seed(self.seed, key.step, key.samples[0], self.layer,
+                         f"fused attention probs/{self.tp_rank}") >> 1
+
+
+@contextmanager
+def _seeded(device: torch.device, seed: int | None) -> Iterator[None]:
+    """Inside, the device's generator is seeded with ``seed``; outside it is as before (None:
+    untouched). Megatron-LM's ``get_cuda_rng_tracker().fork()``, keyed instead of advanced."""
+    if seed is None:
+        yield
+        return
+    gpus = [device.index or 0] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=gpus, device_type=device.type):
+        torch.manual_seed(seed)
+        yield
+
+
+class RingCore(nn.Module):
+    """Causal attention over the sequence split across ``cp_group`` (context parallelism): each
+    rank holds its two zig-zag chunks of q, k, v; ``ring_attention`` passes K, V around the
+    ring, with the serial model's dropout masks (this rank's heads). No padding, no cache."""
+
+    def __init__(self, config: GPTConfig, group: CommGroup, layer: int,
+                 cp_group: CommGroup) -> None:
+        super().__init__()
+        self.cp_group = cp_group
+        self.dropout = Dropout(config.dropout, config.seed, layer, "attention probs",
+                               parts=((group.rank, group.size),))
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                dropout_key: DropoutKey | None, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """q, k, v [b, heads/t, s/cp, d]: this rank's chunks → this rank's part of the output."""
+        if k.shape[2] != q.shape[2] or mask is not None:
+            raise ValueError("context parallelism attends causally within the sequence: no "
+                             "padding mask and no KV cache (generate at cp = 1)")
+        return ring_attention(q, k, v, self.cp_group, dropout=self.dropout, key=dropout_key)
+
+
+class Recomputed(nn.Module):
+    """Selective recomputation (2205.05198 §5): ``core`` keeps nothing for backward and runs
+    again there, its dropout masks replayed (a function of the ``DropoutKey``)."""
+
+    def __init__(self, core: nn.Module) -> None:
+        super().__init__()
+        self.core = core
+
+    def forward(self, *args) -> torch.Tensor:
+        """The core's output; under autograd, only its inputs kept."""
+        return checkpoint(self.core, *args) if torch.is_grad_enabled() else self.core(*args)
+
+
+CORES = {"eager": EagerCore, "fused": FusedCore}
+# What each recomputation option does to the core (to the whole block: the stage's, "full").
+RECOMPUTE_CORE = {"none": lambda core: core, "selective": Recomputed, "full": lambda core: core}
+
+
+def attention_core(config: GPTConfig, group: CommGroup, layer: int,
+                   cp_group: CommGroup) -> nn.Module:
+    """The core ``config`` asks for on this rank, chosen once: the ring under context
+    parallelism (it keeps no scores: nothing to recompute), else ``config.attention``'s."""
+    if cp_group.size > 1:
+        return RingCore(config, group, layer, cp_group)
+    return RECOMPUTE_CORE[config.recompute](CORES[config.attention](config, group, layer))
+
+
+class Attention(nn.Module):
+    """Self-attention split by heads: each tp rank computes h/t of the heads (§3).
+
+    ``config.causal``: each position attends to itself and the positions before it (GPT);
+    otherwise to every position (BERT). ``mask``, a keep-mask of the keys [b, t] (False:
+    padding), keeps padded positions out of every query's softmax, causal or not. ``layer``:
+    the block's global index (its dropout masks depend on it). How the tp region is entered and
+    left is ``config``'s (``tensor_parallel.STYLES``); ``cp_group``: the
+    context-parallel ranks.
+    """
+
+    def __init__(self, config: GPTConfig, group: CommGroup, layer: int = 0,
+                 cp_group: CommGroup | None = None) -> None:
+        super().__init__()
+        style = STYLES[config.sequence_parallel, config.async_tp]
+        self.local_heads, self.head_dim = config.num_heads // group.size, config.head_dim
+        self.core = attention_core(config, group, layer, cp_group or serial_group("cp"))
+        residual_std = config.init_std / math.sqrt(2 * config.num_layers)  # GPT-2 §2.3
+        self.qkv = ColumnParallelLinear(config.hidden, 3 * config.hidden, group,
+                                        init_std=config.init_std, style=style)
+        self.proj = RowParallelLinear(config.hidden, config.hidden, group, init_std=residual_std,
+                                      style=style)
+
+    def forward(self, x: torch.Tensor, kv: LayerKV | None = None,
+                dropout_key: DropoutKey | None = None, add_bias: bool = True,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """x [b, s, h] → [b, s, h]; ``kv``: this block's cache, extended by x's keys and values;
+        ``add_bias=False`` leaves the output bias to the caller (a residual's bias+dropout+add)."""
+        qkv = self.qkv(x)                                        # [b, s, 3h/t], f inside
+        b, s, _ = qkv.shape                                      # (s: the whole sequence)
+        qkv = qkv.view(b, s, self.local_heads, 3, self.head_dim)  # per head: q | k | v
+        q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)          # each [b, heads/t, s, d]
+        if kv is not None:
+            k, v = kv.extend(k, v)                               # [b, heads/t, t, d], t ≥ s
+        y = self.core(q, k, v, dropout_key, mask)                # [b, heads/t, s, d]
+        y = y.transpose(1, 2).reshape(b, s, -1)                  # [b, s, h/t]
+        return self.proj(y, add_bias)                            # [b, s, h], g inside
