@@ -1,28 +1,18 @@
-"""Every collective the package uses, in one place that can count them.
+"""Every collective the package uses, in one place that can count them (``record()``).
 
-Two layers:
+Plain collectives (``all_reduce``, ``all_gather``, ``reduce_scatter``, ``broadcast``, ``send``,
+``recv``, ``batch_isend_irecv``, ...) wrap ``torch.distributed``, take a ``CommGroup`` and note
+each call. The papers' autograd operators (1909.08053 §3, Figure 3): ``f``, identity forward and
+all-reduce backward, and its conjugate ``g``, all-reduce forward and identity backward;
+``gather``/``scatter`` (last dimension) and ``all_gather_seq``/``reduce_scatter_seq`` (sequence)
+are conjugate pairs too. On a group of size 1 every operation is the identity and records
+nothing: a parallel layer at size 1 *is* the serial layer.
 
-* **Plain collectives** (``all_reduce``, ``all_gather``, ``reduce_scatter``, ``broadcast``,
-  ``send``/``recv``, ``isend``/``irecv``, ``batch_isend_irecv``): thin wrappers over
-  ``torch.distributed`` that take a ``CommGroup`` and note each call with any active ``record()``
-  (point-to-point calls also note their peer, and a batch its number).
-* **The papers' autograd operators** (1909.08053 §3, Figure 3): ``f`` is the identity in the
-  forward pass and an all-reduce in the backward pass; ``g`` is its conjugate, an all-reduce
-  forward and the identity backward. ``gather``/``scatter`` along the last dimension, and
-  ``all_gather_seq``/``reduce_scatter_seq`` along the sequence dimension, are the same kind of
-  conjugate pairs.
-
-A group of size 1 makes every operation the identity, with nothing recorded — so a parallel
-layer at size 1 *is* the serial layer, and it communicates nothing.
-
-**When.** ``record(timing.TimedLog(clock))`` also notes when each call was made and when its
-work was done: the timelines of notebooks 06 and 13 are drawn from these, by observers beside
-the algorithms (``timing.py``), so that no algorithm calls a timer.
-
-Bytes are counted as the size of the full buffer the collective works on (the convention of
-nccl-tests): an all-reduce of a [b, s, h] fp32 tensor is 4·b·s·h bytes, an all-gather counts its
-output, a reduce-scatter its input. ``CommEvent.wire_bytes`` is what one rank actually puts on the
-wire with a ring algorithm: 2(t−1)/t of that for an all-reduce, (t−1)/t for the others.
+``record(timing.TimedLog(clock))`` also notes when each call was made and done, for the timelines
+of notebooks 06 and 13 (``timing.py``): no algorithm calls a timer. Bytes are the full buffer's
+(nccl-tests' convention): an all-reduce of a [b, s, h] fp32 tensor is 4·b·s·h, an all-gather
+counts its output, a reduce-scatter its input; ``CommEvent.wire_bytes`` is what one rank sends
+with a ring, 2(t−1)/t of that for an all-reduce, (t−1)/t for the others.
 """
 
 from __future__ import annotations
@@ -45,7 +35,6 @@ __all__ = [
 
 
 # --- groups --------------------------------------------------------------------------------------
-
 @dataclass(frozen=True)
 class CommGroup:
     """A named set of global ranks and its process group (None when it has one member)."""
@@ -75,7 +64,6 @@ def world() -> CommGroup:
 
 
 # --- the recorder --------------------------------------------------------------------------------
-
 @dataclass(frozen=True)
 class CommEvent:
     """One collective or point-to-point call, as a ``record()`` block notes it."""
@@ -109,8 +97,7 @@ class CommLog:
     events: list[CommEvent] = field(default_factory=list)
 
     def add(self, event: CommEvent, work: dist.Work | None) -> dist.Work | None:
-        """Note a call just made; return its work to the caller (an observer that times calls,
-        ``timing.TimedLog``, may hand back its own)."""
+        """Note a call just made; return its work (``timing.TimedLog`` may hand back its own)."""
         self.events.append(event)
         return work
 
@@ -144,15 +131,13 @@ class CommLog:
         return "\n".join(rows)
 
 
-# A plain module list, not a context variable: autograd may run backward on its own threads
-# (one per device), and their collectives must be counted too.
+# A plain list, not a ContextVar: collectives on autograd's backward threads are counted too.
 _active_logs: list[CommLog] = []
 
 
 @contextmanager
 def record(log: CommLog | None = None) -> Iterator[CommLog]:
-    """Record every collective this rank makes inside the block (into ``log``: a ``CommLog`` by
-    default)."""
+    """Record every collective this rank makes inside the block into ``log`` (a new CommLog)."""
     log = log or CommLog()
     _active_logs.append(log)
     try:
@@ -174,7 +159,6 @@ def _note(op: str, group: CommGroup | str, x: torch.Tensor, label: str,
 
 
 # --- plain collectives ---------------------------------------------------------------------------
-
 class _Done:
     """The work handle of a collective on a group of one: done already."""
 
@@ -186,8 +170,7 @@ DONE = _Done()
 
 
 def _alone_is_identity(collective: Callable) -> Callable:
-    """On a group of one, ``collective(x, group, …)`` is ``x`` itself — (DONE, x) when it was
-    asked for its work handle (``async_op``): nothing is sent, nothing recorded."""
+    """On a group of one, ``collective(x, group, …)`` is ``x`` ((DONE, x) under ``async_op``)."""
     @functools.wraps(collective)
     def call(x: torch.Tensor, group: CommGroup, *args, **kwargs):
         if group.size > 1:
@@ -197,8 +180,7 @@ def _alone_is_identity(collective: Callable) -> Callable:
 
 
 def _alone_does_nothing(collective: Callable) -> Callable:
-    """On a group of one, the in-place ``collective(x, group, …)`` leaves ``x`` as it is and
-    returns the handle ``DONE``: nothing is sent, nothing recorded."""
+    """On a group of one, the in-place ``collective(x, group, …)`` does nothing: ``DONE``."""
     @functools.wraps(collective)
     def call(x: torch.Tensor, group: CommGroup, *args, **kwargs):
         return collective(x, group, *args, **kwargs) if group.size > 1 else DONE
@@ -237,8 +219,7 @@ def all_gather(x: torch.Tensor, group: CommGroup, dim: int = -1, label: str = ""
 def reduce_scatter(x: torch.Tensor, group: CommGroup, dim: int = -1, label: str = "", *,
                    async_op: bool = False, tag: int | None = None
                    ) -> torch.Tensor | tuple[dist.Work, torch.Tensor]:
-    """Sum ``x`` over the group and keep this rank's 1/size slice along ``dim`` (``async_op``:
-    (work, slice), as ``all_gather``)."""
+    """Sum ``x`` over the group; keep this rank's 1/size slice on ``dim`` (async_op: as above)."""
     parts = [p.contiguous() for p in _split(x, group.size, dim)]
     out = torch.empty_like(parts[0])
     work = dist.reduce_scatter(out, parts, group=group.pg, async_op=async_op)
@@ -276,8 +257,7 @@ def send(x: torch.Tensor, dst: int, label: str = "") -> None:
 
 def isend(x: torch.Tensor, dst: int, label: str = "",
           channel: dist.ProcessGroup | None = None) -> tuple[dist.Work, torch.Tensor]:
-    """Start sending ``x`` to global rank ``dst`` (over ``channel``, a two-rank process group, if
-    given); keep the returned (work, tensor) until ``work.wait()``."""
+    """Start sending ``x`` to ``dst`` (on ``channel`` if given); keep (work, x) until waited."""
     x = x.contiguous()
     return _note("send", "p2p", x, label, dist.isend(x, dst, group=channel), peer=dst), x
 
@@ -310,8 +290,7 @@ _batch_numbers = itertools.count()
 
 
 def batch_isend_irecv(ops: list[P2POp], group: CommGroup) -> list[dist.Work]:
-    """Start a batch of sends and receives together (on NCCL, one group call, as Megatron-LM's
-    pipeline does); wait on every returned work before using a received tensor."""
+    """Start sends and receives as one batch (on NCCL one group call, as Megatron-LM's pipeline)."""
     batch = next(_batch_numbers)
     works = dist.batch_isend_irecv([
         dist.P2POp(dist.isend if o.op == "send" else dist.irecv, o.tensor, o.peer, group.pg)
@@ -327,7 +306,6 @@ def _split(x: torch.Tensor, n: int, dim: int) -> tuple[torch.Tensor, ...]:
 
 
 # --- the papers' autograd operators --------------------------------------------------------------
-
 class _F(torch.autograd.Function):
     """f (1909.08053 §3, Fig. 3a): identity forward, all-reduce of the gradient backward."""
 
@@ -354,9 +332,8 @@ class _G(torch.autograd.Function):
 
 
 class _AllGather(torch.autograd.Function):
-    """All-gather along ``dim`` forward; backward keeps this rank's slice of the gradient
-    (``reduce=False``, the inputs were copies) or reduce-scatters it (``reduce=True``, every rank
-    used the whole gathered tensor and contributed to its gradient: sequence parallelism)."""
+    """All-gather along ``dim`` forward. Backward keeps this rank's slice of the gradient, or,
+    with ``reduce`` (every rank used the whole tensor: sequence parallelism), reduce-scatters it."""
 
     @staticmethod
     def forward(ctx, x, group, dim, reduce, label):

@@ -1,37 +1,24 @@
 """Context parallelism: the sequence split across cp ranks, attention as a ring (megatron-core's
-CP, torchtitan's and picotron's; ring attention, 2310.01889).
+CP, torchtitan's, picotron's; ring attention, Liu et al. 2023, 2310.01889).
 
-Sequence parallelism (2205.05198) splits only the layer norms and dropouts: attention still sees
-every token, and its [s, s] scores grow with the square of the context. Context parallelism
-splits everything. A rank holds s/cp tokens of every sequence — its queries, keys and values —
-and attention, where every query needs every earlier key, becomes a ring: in cp steps each rank's
-K, V block visits every rank, which attends its own queries to it, while the next block is
-already on its way (``batch_isend_irecv``: on NCCL one group call, matched on both sides).
-
-**Online softmax.** No rank ever holds a whole row of scores. Attending to block j gives a
-partial output o_j = softmax(q·k_jᵀ)·v_j and the log-sum-exp ℓ_j of its scores; two partial
-results merge exactly, as flash attention's tiles do (``merge``):
+Sequence parallelism (2205.05198) leaves attention's [s, s] scores whole. Here a rank holds s/cp
+tokens of every sequence, and in cp steps each rank's K, V block visits every rank, which attends
+its queries to it while the next block is already on its way. No rank holds a whole row of
+scores: block j gives o_j = softmax(q·k_jᵀ)·v_j and the log-sum-exp ℓ_j of its scores, and
+partial results merge exactly, as flash attention's tiles do (``merge``):
 
     ℓ = log(e^ℓ₁ + e^ℓ₂),    o = e^(ℓ₁ − ℓ)·o₁ + e^(ℓ₂ − ℓ)·o₂.
 
-**Load balance (zig-zag).** Under the causal mask a query sees only earlier keys: split the
-sequence into cp consecutive parts and the last rank attends to everything while the first
-attends to its own part alone. Split it instead into 2·cp chunks and give rank i chunks i and
-2·cp − 1 − i (megatron-core's and torchtitan's zig-zag): every rank holds one early and one late
-chunk, and all do the same work (``causal_work``). The ring computes chunk against chunk:
-a later key chunk is skipped (wholly masked), the diagonal chunk masked causally, an earlier one
-attended in full.
+**Zig-zag.** Under the causal mask, with cp consecutive parts the last rank attends to everything
+and the first to its own part alone; with 2·cp chunks, rank i holding i and 2·cp − 1 − i
+(megatron-core's and torchtitan's zig-zag), all do the same work (``causal_work``).
 
-**Backward** (hand-written, ``_RingAttention.backward``): each rank recomputes its scores block by
-block from the saved ℓ (flash attention's backward) — dQ stays local; dK, dV of a block are summed
-by the ranks it visited. Its owner keeps its own part; the partial sums of the other ranks travel
-the ring behind the K, V block, one hop per step, and reach the owner after cp − 1 hops. Bytes
-sent per rank and layer (``comm.record``, label "cp kv" / "cp dkv"): forward 2·(cp − 1) blocks of
-[b, a, s/cp, d] (K and V, cp − 1 hops), backward twice that (K, V again and their gradients).
-
-The ring's exchanges go through one small driver (``_Ring``): the attention's forward and
-backward only ask it for the next block. ``timing.record_ring()`` observes the driver — when each
-step computed and when it waited (``perf.ring.simulate_ring`` plays the same steps on paper).
+**Backward** (``_RingAttention.backward``) recomputes the scores block by block from the saved ℓ,
+as flash attention does. dQ stays local; the partial sums of a block's dK, dV travel the ring
+behind it and reach its owner after cp − 1 hops. Bytes sent per rank and layer (``comm.record``:
+"cp kv", "cp dkv"): forward 2·(cp − 1) blocks of [b, a, s/cp, d] (K and V), backward twice that.
+The exchanges go through one driver, ``_Ring``, which ``timing.record_ring()`` observes
+(``perf.ring.simulate_ring`` plays the same steps on paper).
 """
 
 from __future__ import annotations
@@ -50,8 +37,7 @@ __all__ = ["chunk_ids", "split", "unsplit", "causal_work", "merge", "ring_attent
 
 
 def chunk_ids(rank: int, cp: int, zigzag: bool = True) -> tuple[int, int]:
-    """The two of the sequence's 2·cp chunks that ``rank`` holds: i and 2·cp − 1 − i (zig-zag),
-    or 2i and 2i + 1 (consecutive parts)."""
+    """The two of the 2·cp chunks ``rank`` holds: i and 2·cp − 1 − i (zig-zag), or 2i and 2i + 1."""
     return (rank, 2 * cp - 1 - rank) if zigzag else (2 * rank, 2 * rank + 1)
 
 
@@ -98,8 +84,7 @@ def _scores(q: torch.Tensor, k: torch.Tensor, diagonal: bool) -> torch.Tensor:
 
 
 def _pairs(mine: tuple[int, int], theirs: tuple[int, int]):
-    """(local query chunk, block key chunk, their chunk ids) for each pair the causal mask
-    leaves: the key chunk not later than the query chunk (the same one: the diagonal)."""
+    """(query chunk, key chunk, their ids) of each pair the causal mask leaves: key ≤ query."""
     return [(a, b, (qc, kc)) for a, qc in enumerate(mine) for b, kc in enumerate(theirs)
             if kc <= qc]
 
@@ -107,9 +92,8 @@ def _pairs(mine: tuple[int, int], theirs: tuple[int, int]):
 def _dropout_scale(dropout: Dropout | None, key: DropoutKey | None, heads: int, chunks: tuple,
                    c: int, cp: int, device: torch.device) -> torch.Tensor | float:
     """The kept/(1 − p) factors of one chunk pair of the probabilities [b, heads, c, c]: the
-    serial model's mask there (element h·s² + query·s + key of each sample, h the global head:
-    this rank's heads are part r of t, ``dropout.parts``; recomputed in the backward pass, as
-    flash attention replays its generator)."""
+    serial model's mask (element h·s² + query·s + key, h the global head), recomputed in the
+    backward pass as flash attention replays its generator."""
     if dropout is None or not dropout.training or dropout.p == 0.0:
         return 1.0
     s, pos = 2 * cp * c, torch.arange(c, device=device)
@@ -130,16 +114,13 @@ def _exchange(group: CommGroup, send: torch.Tensor, label: str) -> tuple[list, t
 
 
 # --- the ring: its driver, and attention over it -------------------------------------------------
-
 observers: list = []   # timing.RingLog's of active ``record_ring`` blocks (as comm's record)
 
 
 class _Ring:
-    """This rank's exchanges, step after step: while the caller computes with the block it
-    holds, the block goes on to the next rank and the previous rank's arrives (one
-    ``batch_isend_irecv`` a step; on NCCL one group call, matched on both sides). Each step's
-    compute (until the caller asks for the next block) and wait (for the exchanges) is shown
-    to the ``observers``."""
+    """This rank's exchanges: while the caller computes with its block, the block goes on to the
+    next rank and the previous rank's arrives (one ``batch_isend_irecv`` a step: on NCCL one group
+    call, matched on both sides). Each step's compute and wait is shown to the ``observers``."""
 
     def __init__(self, group: CommGroup, backward: bool) -> None:
         self.group, self.backward = group, backward
@@ -158,8 +139,7 @@ class _Ring:
         self._finish(self.group.size - 1, began, [])
 
     def send_on(self, tensor: torch.Tensor, label: str) -> torch.Tensor:
-        """Send ``tensor`` to the next rank during this step; the previous rank's arrives into
-        the returned buffer, valid from the next step on."""
+        """Send ``tensor`` on this step; the previous rank's arrives in the result, by next step."""
         works, received = _exchange(self.group, tensor, label)
         self.extra.append((works, tensor))                   # alive until sent
         return received
@@ -197,8 +177,7 @@ class _RingAttention(torch.autograd.Function):
         heads, c = q.shape[1], q.shape[2] // 2
         mine = chunk_ids(r, cp, zigzag)
         qs = q.chunk(2, 2)
-        out: list = [None, None]
-        lse: list = [None, None]
+        out, lse = [None, None], [None, None]
         ring = _Ring(group, backward=False)            # the travelling block [2, b, a, s/cp, d]
         for step, kv in ring.blocks(torch.stack([k, v]), "cp kv"):
             theirs = chunk_ids((r - step) % cp, cp, zigzag)

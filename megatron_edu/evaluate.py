@@ -86,8 +86,7 @@ from megatron_edu.pipeline.schedules import forward_only, one_f_one_b
 from megatron_edu.ptdp import Parallelism
 from megatron_edu.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy, vocab_range
 
-__all__ = ["evaluate", "main", "vocab_parallel_argmax", "lambada_correct", "check_left_to_right",
-           "TASKS"]
+__all__ = ["evaluate", "main", "vocab_parallel_argmax", "lambada_correct"]
 
 TASKS = ("wikitext103", "lambada")
 

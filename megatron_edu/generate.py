@@ -64,8 +64,7 @@ from megatron_edu.pipeline.engine import build_chunks
 from megatron_edu.pipeline.schedules import Action, messages_of
 from megatron_edu.pipeline.stages import Message, StageMap
 
-__all__ = ["Sampling", "sample", "check_length", "generate", "main", "NonFiniteLogits",
-           "non_finite"]
+__all__ = ["Sampling", "sample", "generate", "main", "NonFiniteLogits"]
 
 
 # --- logits a broken checkpoint gives ------------------------------------------------------------

@@ -1,30 +1,20 @@
 """The mesh of a PTD-P run: how many ranks split each dimension, and which rank does which
 slice of the work (2104.04473 §3).
 
-``Layout`` holds the degrees only — tp, cp, pp, dp — validated once, when it is made, before any
-process starts (torchtitan's ``ParallelDims``). What each dimension then does is said elsewhere,
-by the package that does it: the pipeline's schedule, chunks and microbatches by
-``pipeline.PipelineConfig``, the ZeRO stage by ``data_parallel``; ``ptdp.Parallelism`` puts the
-three together for a run, the memory model and the advisor. A layout is pure arithmetic (no
-processes), so a notebook can draw a 1024-GPU cluster with it.
+``Layout`` holds the degrees only (torchtitan's ``ParallelDims``), validated before any process
+starts; pure arithmetic, so a notebook can draw a 1024-GPU cluster with it. ``ParallelGrid``,
+built inside a launched rank, adds the process groups.
 
-``world = tp · dp · pp`` ranks are laid out as a tensor ``ranks[pp, dp, tp]`` — tensor-parallel
-rank fastest, then data-parallel, then pipeline — exactly like Megatron-LM:
+Ranks are laid out as ``ranks[pp, dp, tp]``, tp fastest, then dp, then pp (as Megatron-LM):
 
     rank = pp_rank · (dp · tp) + dp_rank · tp + tp_rank
 
-With context parallelism (``cp`` > 1, ``context_parallel.py``) the world is tp · cp · dp · pp and
-cp sits next to tp, megatron-core's order (its ring exchanges K, V every layer, so its ranks
-are kept close): ``ranks[pp, dp, cp, tp]``. Its ranks hold parts of the same sequences, so
-their gradients are partial sums: they are reduced over the dp × cp ranks (``dp_cp_groups``).
-
-Why this order (2104.04473 §3.2–3.3, takeaway #1): tensor parallelism all-reduces activations
-twice per layer in the forward and twice in the backward, so its ranks must be adjacent — the
-GPUs of one node, on NVLink. Data parallelism exchanges gradients once per step; pipeline
-parallelism sends one activation per microbatch per stage boundary, the least traffic of all, so
-it is the dimension that may cross the slow links between nodes.
-
-``ParallelGrid`` is built inside a launched rank from a layout and adds the process groups.
+Why (2104.04473 §3.2–3.3, takeaway #1): tensor parallelism all-reduces activations twice per
+layer each way, so its ranks must share a node's NVLink; pipeline parallelism sends one activation
+per microbatch per stage boundary, the least traffic, so it may cross the slow links between
+nodes. Context parallelism (``context_parallel.py``) sits next to tp, megatron-core's order (its
+ring exchanges K, V every layer): ``ranks[pp, dp, cp, tp]``; its ranks hold parts of the same
+sequences, so gradients are reduced over the dp × cp ranks (``dp_cp_groups``).
 """
 
 from __future__ import annotations
@@ -42,8 +32,7 @@ __all__ = ["Layout", "ParallelGrid", "all_layouts"]
 
 @dataclass(frozen=True)
 class Layout:
-    """How many ranks split each dimension: tp × cp × pp × dp. A ValueError naming the number
-    if one is not a positive integer."""
+    """How many ranks split each dimension, tp × cp × pp × dp: positive integers, or ValueError."""
 
     tp: int = 1
     pp: int = 1
@@ -109,9 +98,7 @@ class Layout:
         return self._ranks.permute(1, 2, 3, 0).reshape(-1, self.pp).tolist()
 
     def embedding_groups(self, ends: tuple[int, int] = (0, -1)) -> list[list[int]]:
-        """The ranks of each pipeline that hold the tied input/output embedding: pipeline ranks
-        ``ends`` — its first and its last stage's (by default the pipeline's two ends; one rank
-        under ZB-V's V, whose stage map puts both on rank 0)."""
+        """Each pipeline's ranks ``ends``, the tied embedding's first and last stage (ZB-V: one)."""
         return [sorted({group[r] for r in ends}) for group in self.pp_groups()]
 
     def model_parallel_groups(self) -> list[list[int]]:
@@ -122,14 +109,9 @@ class Layout:
 
 class ParallelGrid:
     """This rank's place in a ``Layout`` and its tp, cp, pp, dp, dp × cp, embedding and
-    model-parallel process groups: ``ParallelGrid(layout)``, or ``ParallelGrid(tp, pp, dp)``
-    for ``Layout(tp, pp, dp)``. ``embedding_ranks``: the pipeline ranks of the first and the
-    last stage, which share the tied embedding (megatron-core's ``get_embedding_ranks``; by
-    default the pipeline's ends, ``PipelineConfig.stages(pp).ends`` for another stage map).
-
-    Build it inside a launched rank (``megatron_edu.launch.run``): every rank must construct the
-    same grid, since creating a process group is itself a collective.
-    """
+    model-parallel groups. ``embedding_ranks``: the pipeline ranks sharing the tied embedding
+    (megatron-core's ``get_embedding_ranks``). Every rank of a launched run (``launch.run``) must
+    build the same grid: creating a process group is a collective."""
 
     def __init__(self, tp: int | Layout = 1, pp: int = 1, dp: int = 1, *,
                  embedding_ranks: tuple[int, int] = (0, -1)) -> None:

@@ -1,29 +1,20 @@
 """Run a function on N processes with ``torch.distributed`` initialised — from a notebook, a test
-or a script, and unchanged under ``torchrun``.
+or a script, and unchanged under ``torchrun``:
 
     results = run(fn, 4, x, y=2)      # fn(x, y=2) on ranks 0..3; returns [result of rank 0, ...]
 
-Why it is built this way (each point was seen to matter on a 2-core laptop and in Jupyter):
-
-* ``fn`` travels by value (cloudpickle), so a function defined in a notebook cell can be run —
-  plain ``spawn`` only finds functions importable by name.
-* Children start through ``forkserver`` with torch preloaded: ~0.1 s per launch instead of the
-  2–4 s of ``spawn``, and safe after the notebook ran threaded torch ops (``fork`` can deadlock).
-* Each rank's stdout/stderr file descriptors go to a file of its own. When all ranks are done,
-  the parent prints that text rank by rank, each line prefixed ``[rank r]``: a deterministic
-  order (nbval compares it) and visible in Jupyter, where child processes' output is otherwise
-  lost or interleaved.
-* A fresh file-store rendezvous per call, so launches run back to back in one kernel.
-* If any rank raises (or dies), the parent, polling its ranks, kills the others and raises
-  ``RankError`` with that rank's traceback within seconds, however long a collective may wait
-  (``collective_timeout``); a stuck call is cut off by ``timeout``. Never a hang.
-* Opt-in, ``deadlock_after``: ranks that all sit blocked on each other — no CPU used, none
-  finishing — are stopped then, with ``DeadlockError``, instead of at the timeout (Linux: each
-  rank's CPU time is read from /proc; elsewhere the timeout alone decides).
-* Under ``torchrun`` (RANK/WORLD_SIZE/MASTER_ADDR set), ``run`` just initialises the process
-  group, calls ``fn`` on this process, and all-gathers the results so every rank returns the
-  same list. In both modes the process group ``run`` created is destroyed before it returns
-  (after a barrier): a group left alive at interpreter exit can abort the process.
+* ``fn`` travels by value (cloudpickle): a function defined in a notebook cell runs too.
+* Ranks start by ``forkserver`` with torch preloaded: ~0.1 s a launch, not spawn's 2–4 s, and safe
+  after threaded torch ops (``fork`` can deadlock). A fresh file-store rendezvous per call.
+* Each rank's fds 1 and 2 go to a file, printed afterwards rank by rank as ``[rank r] ...``: a
+  deterministic order (nbval compares it), visible in Jupyter.
+* Never a hang. A rank that raises or dies fails the run within seconds, however long a
+  collective may wait: the parent polls its ranks, kills the others and raises ``RankError`` with
+  the traceback. ``timeout`` cuts off a stuck call; opt-in, ``deadlock_after`` stops ranks all
+  blocked on each other (no CPU used, none finishing) with ``DeadlockError``.
+* Under ``torchrun`` (whose agent watches the processes), ``run`` initialises the process group,
+  calls ``fn`` here and all-gathers the results. Either way the group ``run`` made is destroyed
+  (after a barrier) before it returns: one left alive at interpreter exit can abort the process.
 """
 
 from __future__ import annotations
@@ -50,6 +41,7 @@ import torch.distributed as dist
 __all__ = ["run", "RankError", "DeadlockError", "resolve_backend", "under_torchrun"]
 
 DEFAULT_TIMEOUT = 300.0  # seconds: a call from a notebook or a test, and its collectives
+RENDEZVOUS_ATTEMPTS = 3
 # CPU seconds a rank must use to count as moving: a rank blocked in gloo's waits uses about one
 # 10 ms tick in 5 s (background threads), a computing one this much in well under 0.1 s.
 CPU_MOVED = 0.05
@@ -60,9 +52,7 @@ class RankError(RuntimeError):
 
 
 class DeadlockError(TimeoutError):
-    """The ranks still running all sat blocked — no CPU used, no rank finishing — for
-    ``run(..., deadlock_after=idle)`` seconds: stopped then, not at the timeout. ``ranks``: the
-    ranks that never finished."""
+    """The unfinished ``ranks`` sat blocked, using no CPU, for ``idle`` s (``deadlock_after``)."""
 
     def __init__(self, message: str, ranks: list[int], idle: float) -> None:
         super().__init__(message)
@@ -80,18 +70,14 @@ class _Outcome:
     in_rendezvous: bool = False  # failed in init_process_group, before fn
 
 
-RENDEZVOUS_ATTEMPTS = 3
-
-
 def under_torchrun() -> bool:
     """True when this process was started by torchrun (or any launcher setting these variables)."""
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
 def resolve_backend(backend: str, world_size: int) -> str:
-    """'auto' -> NCCL when every rank can have a GPU of its own, else gloo (CPU); 'nccl' without
-    one is refused before any rank starts. Under torchrun this machine's ranks are
-    LOCAL_WORLD_SIZE."""
+    """'auto' -> NCCL when every rank of this machine (LOCAL_WORLD_SIZE under torchrun) can have a
+    GPU of its own, else gloo; 'nccl' without them is refused before any rank starts."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if under_torchrun() \
         else world_size
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -103,33 +89,19 @@ def resolve_backend(backend: str, world_size: int) -> str:
     return "nccl" if gpus >= local else "gloo"
 
 
-def run(
-    fn: Callable[..., Any],
-    world_size: int,
-    *args: Any,
-    backend: str = "auto",
-    timeout: float | None = DEFAULT_TIMEOUT,
-    collective_timeout: float | None = None,
-    threads_per_rank: int | None = None,
-    capture_output: bool = True,
-    deadlock_after: float | None = None,
-    **kwargs: Any,
-) -> list[Any]:
+def run(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "auto",
+        timeout: float | None = DEFAULT_TIMEOUT, collective_timeout: float | None = None,
+        threads_per_rank: int | None = None, capture_output: bool = True,
+        deadlock_after: float | None = None, **kwargs: Any) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return their results in rank order.
 
-    ``backend``: "auto" (NCCL with one GPU per rank if there are enough GPUs, else gloo), "gloo"
-    or "nccl". ``timeout`` (seconds) bounds the whole call; ``None`` (long training runs) leaves
-    it unbounded. ``collective_timeout`` (seconds) bounds each collective (gloo's timeout,
-    NCCL's watchdog): by default ``timeout``, or DEFAULT_TIMEOUT when the call is unbounded. A
-    dead or raising rank fails the call within seconds whatever it is: the launcher (here) or
-    torchrun's agent watches the processes themselves.
-    ``threads_per_rank`` defaults to an even share of the CPU cores (at least 1).
-    ``capture_output=False`` lets ranks write straight to the terminal (live progress bars).
-    ``deadlock_after`` (seconds, local launch only): fail with ``DeadlockError`` as soon as every
-    rank still running has used no CPU for that long while none finished — all blocked on each
-    other (a send without its recv, a collective some rank never reaches). For callers that
-    expect a possible deadlock: a rank in ``time.sleep`` looks blocked too. ``timeout`` stays
-    the backstop, and decides alone where CPU times cannot be read (not Linux).
+    ``backend``: "auto" (``resolve_backend``), "gloo" or "nccl". ``timeout`` (s) bounds the call,
+    None nothing (long runs); ``collective_timeout`` each collective (gloo's timeout, NCCL's
+    watchdog), by default ``timeout`` or DEFAULT_TIMEOUT. ``threads_per_rank``: by default an even
+    share of the cores. ``capture_output=False``: ranks write straight to the terminal.
+    ``deadlock_after`` (s, local launch): raise ``DeadlockError`` once every running rank has used
+    no CPU for that long and none finished. Opt-in, as a rank in ``time.sleep`` looks blocked too;
+    where CPU times cannot be read (not Linux) ``timeout`` alone decides.
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
@@ -159,7 +131,6 @@ def run(
 
 
 # --- under torchrun: this process is one rank already ------------------------------------------
-
 def _run_under_torchrun(fn, world_size, args, kwargs, backend, collective_timeout) -> list[Any]:
     env_world = int(os.environ["WORLD_SIZE"])
     if env_world != world_size:
@@ -179,7 +150,6 @@ def _run_under_torchrun(fn, world_size, args, kwargs, backend, collective_timeou
 
 
 # --- local launch: the parent starts, watches and reaps the ranks ------------------------------
-
 def _context() -> mp.context.BaseContext:
     if "forkserver" in mp.get_all_start_methods():
         ctx = mp.get_context("forkserver")
@@ -195,15 +165,10 @@ def _launch(payload, world_size, backend, timeout, collective_timeout, threads, 
     ctx = _context()
     queue = ctx.Queue()
     logs = [tmp / f"rank{r}.log" for r in range(world_size)]
-    procs = [
-        ctx.Process(
-            target=_rank_main,
-            args=(r, world_size, backend, str(tmp / "store"), collective_timeout, threads,
-                  str(logs[r]) if capture else None, payload, queue),
-            daemon=True,
-        )
-        for r in range(world_size)
-    ]
+    procs = [ctx.Process(target=_rank_main, daemon=True,
+                         args=(r, world_size, backend, str(tmp / "store"), collective_timeout,
+                               threads, str(logs[r]) if capture else None, payload, queue))
+             for r in range(world_size)]
     for p in procs:
         p.start()
     stop = _KillRanksOnSigterm()
@@ -219,9 +184,8 @@ def _launch(payload, world_size, backend, timeout, collective_timeout, threads, 
 
 
 class _KillRanksOnSigterm:
-    """While ranks run, SIGTERM (a job scheduler, ``kill``) ends the parent through its normal
-    exit — whose ``finally`` kills the ranks — instead of leaving them running, orphaned.
-    Only the main thread can set a signal handler; elsewhere this does nothing."""
+    """While ranks run, SIGTERM (a job scheduler, ``kill``) exits the parent through the
+    ``finally`` that kills them, not orphaning them. Only the main thread may set the handler."""
 
     def __init__(self) -> None:
         self.previous = None
@@ -245,9 +209,8 @@ def _collect(procs, queue, timeout: float, logs, deadlock_after=None) -> dict[in
     while len(outcomes) < len(procs):
         _drain(queue, outcomes, wait=0.1)
         if _failures(procs, outcomes, logs):
-            # The first failure is often a consequence (a peer's "connection closed"), and a rank
-            # that exited may have its result still in the pipe: wait a moment, then report
-            # every failed rank, deaths first.
+            # The first failure is often a consequence (a peer's "connection closed") and a dead
+            # rank's result may still be in the pipe: wait a moment, report every failed rank.
             _drain(queue, outcomes, wait=1.0)
             if failures := _failures(procs, outcomes, logs):
                 failed = [o for o in outcomes.values() if not o.ok]
@@ -267,16 +230,13 @@ def _collect(procs, queue, timeout: float, logs, deadlock_after=None) -> dict[in
 
 
 class _DeadlockWatch:
-    """Are the ranks still running blocked on each other? Yes once none of them has used more
-    than CPU_MOVED seconds of CPU, and no rank has finished, for ``after`` seconds. A rank
-    waiting in gloo (recv, a collective) uses no CPU; a slow one computes, and so moves. A rank
-    that finished sends nothing more (it waits in its exit barrier): it is not waited for."""
+    """Are the running ranks blocked on each other? Yes once, for ``after`` s, none used CPU_MOVED
+    s of CPU (one waiting in gloo uses none) and none finished (a finished one is not waited on)."""
 
     def __init__(self, procs, after: float) -> None:
         self.procs, self.after = procs, after
         self.marks: dict[int, float] = {}  # CPU seconds of each running rank when last moving
-        self.finished = 0
-        self.since = time.monotonic()
+        self.finished, self.since = 0, time.monotonic()
 
     def stuck(self, outcomes: dict[int, _Outcome]) -> list[int]:
         """The ranks still running if they have been blocked for ``after`` s, else []."""
@@ -293,8 +253,7 @@ class _DeadlockWatch:
 
 
 def _cpu_seconds(pid: int) -> float | None:
-    """User + system CPU time of process ``pid``, all its threads, from /proc/<pid>/stat (Linux:
-    fields 14 and 15, in clock ticks); None where it cannot be read."""
+    """User + system CPU seconds of ``pid`` (/proc/<pid>/stat fields 14, 15); None if unreadable."""
     try:
         with open(f"/proc/{pid}/stat") as stat:
             fields = stat.read().rpartition(")")[2].split()  # after "(name)", which may hold spaces
@@ -333,8 +292,7 @@ def _failures(procs, outcomes: dict[int, _Outcome], logs) -> list[str]:
 
 
 def _reap(procs, grace: float = 2.0) -> None:
-    """Join every rank within ``grace`` seconds in all (they exit on their own after reporting);
-    kill those still alive — a stuck rank after a failure or a timeout."""
+    """Join the ranks within ``grace`` seconds in all; kill those still alive (stuck ones)."""
     deadline = time.monotonic() + grace
     for p in procs:
         p.join(timeout=max(0.0, deadline - time.monotonic()))
@@ -363,7 +321,6 @@ def _print_logs(logs) -> None:
 
 
 # --- inside a child ----------------------------------------------------------------------------
-
 def _rank_main(rank, world_size, backend, store_path, collective_timeout, threads, log, payload,
                queue):
     if log is not None:
@@ -393,12 +350,10 @@ def _rank_main(rank, world_size, backend, store_path, collective_timeout, thread
 
 
 # --- both modes --------------------------------------------------------------------------------
-
 def _bind_device(backend: str, local_rank: int) -> torch.device | None:
-    """Under NCCL: this rank's GPU, made current and handed to ``init_process_group`` as
-    ``device_id``, so that NCCL creates each group's communicator eagerly, when the group is made
-    (every rank at the same point), never lazily inside a pipeline schedule where two ranks could
-    each wait in communicator creation for the other."""
+    """Under NCCL: this rank's GPU, made current and passed as ``device_id``, so that NCCL creates
+    each group's communicator eagerly, when every rank makes the group — never lazily inside a
+    pipeline schedule, where two ranks could each wait in communicator creation for the other."""
     if backend != "nccl":
         return None
     device = torch.device("cuda", local_rank % torch.cuda.device_count())
@@ -407,11 +362,9 @@ def _bind_device(backend: str, local_rank: int) -> torch.device | None:
 
 
 def _shut_down() -> None:
-    """Leave the process group in order before the interpreter exits. A process group that is
-    still alive at exit is torn down by static destructors while its background threads run —
-    "terminate called without an active exception" (SIGABRT) about one exit in three, which
-    torchrun reports as a failed job. The barrier lets every rank finish its last messages first.
-    """
+    """Leave the process group before the interpreter exits: one alive at exit is torn down by
+    static destructors while its threads run — SIGABRT about one exit in three, a failed job to
+    torchrun. The barrier lets every rank finish its last messages first."""
     dist.barrier()
     dist.destroy_process_group()
 

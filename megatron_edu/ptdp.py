@@ -1,49 +1,28 @@
 """PTD-P: one GPT trained on a tp × pp × dp grid of ranks (2104.04473 §3, Figure 5 idea).
 
-How the run is split is ``Parallelism``: the mesh's degrees (``grid.Layout``), how its pipelines
-run (``pipeline.PipelineConfig``: schedule, chunks, microbatches) and the ZeRO stage of its data
-parallelism (``data_parallel``) — each owned by its package, put together here, checked against
-the model once. How it optimises is ``PTDPOptions``.
+How the run is split is ``Parallelism``; how it optimises, ``PTDPOptions``. Each parallelism is
+its package's — tensor (1909.08053 §3, ``tensor_parallel/``), pipeline (2104.04473 §2.2,
+``pipeline/engine.py``), data (§2.1, ``data_parallel``) — and they compose without knowing much
+of each other. What only the composition does, in ``train_step``:
 
-The three parallelisms compose without knowing much of each other:
-
-* **tensor** (1909.08053 §3): every matrix of a stage is split over the tp ranks; the layers
-  do their own ``f``/``g`` all-reduces (``tensor_parallel/``).
-* **pipeline** (2104.04473 §2.2): the layers are cut into pp·v virtual stages; the engine runs
-  the schedule's F and B actions over microbatches with send/recv (``pipeline/engine.py``).
-* **data** (2104.04473 §2.1): dp replicas of that pipeline, each on its slice of the global batch;
-  gradients are averaged once per step, in buckets overlapped with the last microbatch's
-  backward (``data_parallel.py``), optionally with a ZeRO-1 sharded optimizer.
-
-What only the composition has to do, in ``train_step``:
-
-1. **the loss of the step** is the mean over the target tokens (labels ≠ −100) of the whole
-   global batch: each replica's pipeline adds up its tokens' losses divided by the global count
-   (one all-reduce of the count over dp), so its gradients are its *share* — summed over dp, not
-   averaged — and a padded microbatch weighs by its tokens, not as a whole one;
-2. the **tied embedding** (GPT-2's output layer is the input embedding): the first and the last
-   pipeline stage each hold a copy, which must stay equal, so their gradients are summed over
-   ``grid.embedding_group`` before the update (Megatron-LM's ``_allreduce_word_embedding_grads``)
-   — under ZeRO-1 only the shard this rank updates; under ZB-V both copies are on rank 0,
-   whose embedding group is itself: the sum is local;
-3. under **sequence parallelism** (2205.05198), the replicated parameters' gradients — each tp
-   rank saw only its part of the sequence — are summed over tp;
-4. under **fp16 loss scaling** (1909.08053), the gradients are divided by the scale backward
-   started from (``optim.DynamicLossScale``);
-5. **gradient clipping by the global norm** across tp, pp and dp, counting every parameter once
-   (``optim.clip_grad_norm_``); a non-finite norm (an overflow, a NaN) skips the step on every
-   rank together — and halves the loss scale;
+1. **the loss** is the mean over the global batch's target tokens (labels ≠ −100): each replica
+   divides its tokens' losses by the global count (one all-reduce), so its gradients are its
+   *share* — summed over dp, not averaged — and a padded microbatch weighs by its tokens;
+2. the **tied embedding** (GPT-2's output layer is its input embedding): the first and the last
+   stage each hold a copy, kept equal by summing their gradients over ``grid.embedding_group``
+   (Megatron-LM's ``_allreduce_word_embedding_grads``);
+3. **sequence parallelism** (2205.05198): the replicated parameters' gradients, each tp rank's
+   from its part of the sequence, are summed over tp;
+4. **fp16 loss scaling** (1909.08053, ``optim.DynamicLossScale``): the gradients are unscaled;
+5. **clipping by the global norm** across tp, pp and dp (``optim.clip_grad_norm_``); a non-finite
+   norm skips the step on every rank together, and halves the loss scale;
 6. the optimizer step, identical on every replica.
 
-Under **context parallelism** (cp > 1) each rank runs its two chunks of every sequence of its
-replica's slice (``context_parallel.split``): its tokens' losses over the global count are its
-share too, so the token count, the loss and the gradients are summed over the dp × cp ranks
-(``grid.dp_cp_group``) — megatron-core's data-parallel-with-context group.
-
-Every rank counts the steps (``iteration``): with each sample's position in the global batch it
-seeds the dropout masks, so that every layout draws the serial model's masks.
-
-Started from the same seed, every layout takes the serial model's steps (tests/test_ptdp.py).
+Under **context parallelism** each rank runs its two chunks of every sequence
+(``context_parallel.split``): token count, loss and gradients are summed over the dp × cp ranks
+(``grid.dp_cp_group``, megatron-core's data-parallel-with-context group). ``iteration`` and each
+sample's position in the global batch seed the dropout masks, so every layout draws the serial
+model's masks and, from the same seed, takes its steps (tests/test_ptdp.py).
 """
 
 from __future__ import annotations
@@ -71,13 +50,9 @@ __all__ = ["Parallelism", "PTDPOptions", "PTDP", "StepResult"]
 
 @dataclass(frozen=True)
 class Parallelism:
-    """How one run is split: the mesh (``layout``: tp × cp × pp × dp ranks), how each pipeline
-    runs (``pipeline``: its schedule, chunks, microbatches) and ``zero``, the ZeRO stage of the
-    data parallelism — 1 shards the optimizer state over the dp × cp ranks that hold the same
-    weights, 2 the gradients too, 3 the parameters too (``data_parallel``). A ValueError naming
-    the numbers, when made, if the pipeline cannot run on ``layout.pp`` stages; ``check(config)``
-    adds the model's rules. Read by PTDP, the training script, the memory model and the
-    advisor."""
+    """How one run is split: the mesh, how each pipeline runs, and the ZeRO stage (1 shards the
+    optimizer state over the dp × cp ranks, 2 the gradients too, 3 the parameters too). Checked
+    against ``layout.pp`` when made; ``check(config)`` adds the model's rules."""
 
     layout: Layout = field(default_factory=Layout)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
@@ -114,8 +89,7 @@ class Parallelism:
         return self.pipeline.make_schedule(self.layout.pp)
 
     def check(self, config: GPTConfig) -> None:
-        """Raise a ValueError naming the numbers if ``config``'s model cannot be split this way:
-        tp must divide the heads and the MLP, the pp · v stages the layers."""
+        """A ValueError naming the numbers if ``config``'s model cannot be split this way."""
         config.validate(self.layout.tp, self.layout.pp, self.pipeline.chunks, self.layout.cp)
         splits = self.pipeline.splits_backward
         if self.zero >= 2 and (self.layout.pp > 1 or splits):
@@ -156,9 +130,8 @@ class StepResult:
 
 
 class PTDP:
-    """This rank's share of a GPT — its model chunks, its dp wrapper, its optimizer — and the
-    collective training step. Build it on every rank of the grid with the same arguments:
-    ``pipeline`` says how the grid's pipelines run, ``zero`` the ZeRO stage (``Parallelism``)."""
+    """This rank's share of a GPT — model chunks, dp wrapper, optimizer — and the collective
+    training step. Build it on every rank of the grid with the same arguments."""
 
     def __init__(self, config: GPTConfig, grid: ParallelGrid,
                  options: PTDPOptions | None = None, *,
@@ -195,8 +168,7 @@ class PTDP:
         return [p for chunk in self.chunks for p in chunk.parameters()]
 
     def gathered(self) -> AbstractContextManager:
-        """Inside, every parameter is whole (ZeRO-3 gathers them, and keeps what is written
-        into them; otherwise they are): to save, load or sample from the model."""
+        """Inside, every parameter is whole (ZeRO-3 gathers, keeps writes): save, load, sample."""
         return self.ddp.gathered()
 
     def train_step(self, input_ids: torch.Tensor, labels: torch.Tensor, lr: float) -> StepResult:
@@ -241,12 +213,8 @@ class PTDP:
 
     @torch.no_grad()
     def _sum_tied_embedding_grads(self) -> None:
-        """Both copies of the word embedding get the sum of their gradients (the serial model's
-        gradient of the one shared matrix), so that they stay equal after the step. Each copy
-        has a bucket of its own, laid out alike on both stages: under ZeRO only the shard this
-        rank updates is summed — 1/dp of the bytes. Under ZB-V's V placement the first and the
-        last stage are both on pipeline rank 0, whose embedding group is itself: the sum is
-        local, and nothing is sent."""
+        """Both copies of the word embedding get the sum of their gradients, so they stay equal:
+        under ZeRO only this rank's shard (buckets laid out alike); under ZB-V, on rank 0 alone."""
         grads = self.ddp.local_grads(self.tied)           # ZeRO: the shard this rank owns
         if grads:
             total = comm.all_reduce(sum(grads), self.grid.embedding_group, "embedding grads")

@@ -34,7 +34,7 @@ import torch
 
 from megatron_edu import comm, context_parallel
 
-__all__ = ["Clock", "Stamp", "TimedLog", "BucketTiming", "BucketTimer", "UnitEvent", "UnitTimer",
+__all__ = ["Clock", "TimedLog", "BucketTiming", "BucketTimer", "UnitEvent", "UnitTimer",
            "RingInterval", "RingLog", "record_ring"]
 
 Stamp = float | torch.cuda.Event

@@ -89,7 +89,7 @@ from megatron_edu.run_folder import (
     release_lock,
 )
 
-__all__ = ["parse_args", "validate", "check_data", "main", "train", "BACKENDS"]
+__all__ = ["parse_args", "validate", "main", "train"]
 
 BACKENDS = ("auto", "gloo", "nccl")
 

@@ -15,5 +15,9 @@ def test_the_course_guide_has_a_row_per_exercise_and_says_how_many():
     assert f"{len(EXERCISES)} exercises, " in text
 
 
-def test_the_readme_says_how_many_exercises_there_are():
+def test_every_count_of_the_exercises_is_the_checkers():
     assert f"{len(EXERCISES)} in all" in (ROOT / "README.md").read_text()
+    texts = [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *ROOT.glob("megatron_edu/**/*.py")]
+    counts = [(path.name, n) for path in texts
+              for n in re.findall(r"\b(\d+) exercises\b", path.read_text())]
+    assert counts and {n for _, n in counts} == {str(len(EXERCISES))}, counts

@@ -1,6 +1,6 @@
 """The course around the core: what teaches the parallelism, not the parallelism itself.
 
-exercises/       the 30 exercises' checkers: ``check(exercise_id, fn)`` answers ✓ or a hint in words
+exercises/       every exercise's checker: ``check(exercise_id, fn)`` answers ✓ or a hint in words
 viz/             the notebooks' pictures and explorers (they draw; computations live in the core
                  and in ``perf``)
 student.py       the student notebooks: every solution replaced by a stub (make student-notebooks)

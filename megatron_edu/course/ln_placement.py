@@ -42,7 +42,7 @@ from megatron_edu.data.bert import prepare_bert_data
 from megatron_edu.model import BERT, BertConfig
 from megatron_edu.optim import build_param_groups
 
-__all__ = ["SETTINGS", "CURVES", "train_curve", "load_curves"]
+__all__ = ["SETTINGS", "train_curve", "load_curves"]
 
 CURVES = Path(__file__).parents[1] / "data" / "ln_placement_curves.json"
 

@@ -28,8 +28,7 @@ import re
 import sys
 from pathlib import Path
 
-__all__ = ["student_source", "answer_pointer", "answers_of", "student_notebook",
-           "write_student_notebooks"]
+__all__ = ["student_source", "answer_pointer", "answers_of"]
 
 BEGIN, END = "# BEGIN SOLUTION", "# END SOLUTION"
 _CHECK = re.compile(r"""check\(\s*["'](\d\d\.\d+)["']""")

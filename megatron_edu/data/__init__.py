@@ -17,7 +17,6 @@ from megatron_edu.data.corpus import (
 from megatron_edu.data.dataset import (
     BatchSampler,
     TokenDataset,
-    build_token_file,
     encode_documents,
     prepare_data,
     split_point,
@@ -33,7 +32,6 @@ __all__ = [
     "BatchSampler",
     "TokenDataset",
     "Tokenizer",
-    "build_token_file",
     "default_corpus",
     "encode_documents",
     "load_corpus",

@@ -50,7 +50,7 @@ from megatron_edu.data.corpus import (
 from megatron_edu.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer, train_tokenizer
 
 __all__ = ["CLS_ID", "SEP_ID", "MASK_ID", "PAD_ID", "SPECIAL_IDS", "split_sentences",
-           "sentence_pairs", "mask_tokens", "BertDataset", "prepare_bert_data"]
+           "sentence_pairs", "mask_tokens", "prepare_bert_data"]
 
 CLS_ID, SEP_ID, MASK_ID = BOS_ID, EOS_ID, UNK_ID     # PAD_ID is the tokenizer's pad
 SPECIAL_IDS = (UNK_ID, BOS_ID, EOS_ID, PAD_ID)       # ids 0-3: never chosen, never drawn

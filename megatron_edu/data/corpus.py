@@ -36,7 +36,7 @@ from pathlib import Path
 
 __all__ = ["resolve_cache_dir", "write_atomically", "documents_sha256", "default_corpus",
            "write_default_corpus", "stdlib_docstrings", "pydoc_topics", "load_text_files",
-           "load_wikitext103", "wikitext_articles", "load_corpus"]
+           "load_wikitext103", "load_corpus"]
 
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "megatron_edu"
 DEFAULT_CORPUS_PATH = Path(__file__).with_name("default_corpus.txt.gz")

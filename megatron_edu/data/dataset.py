@@ -37,8 +37,8 @@ from megatron_edu.data.corpus import (
 )
 from megatron_edu.data.tokenizer import Tokenizer, train_tokenizer
 
-__all__ = ["token_dtype", "encode_documents", "build_token_file", "load_tokens", "split_point",
-           "TokenDataset", "BatchSampler", "unigram_entropy", "prepare_data"]
+__all__ = ["token_dtype", "encode_documents", "split_point", "TokenDataset", "BatchSampler",
+           "unigram_entropy", "prepare_data"]
 
 _ENCODE_BATCH = 256  # documents (or pieces of long ones) per sentencepiece call
 _PIECE_CHARS = 1 << 20  # a long document is encoded in pieces of about 1M characters

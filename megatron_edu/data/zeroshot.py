@@ -35,8 +35,8 @@ from pathlib import Path
 import numpy as np
 
 __all__ = ["WIKITEXT103", "LAMBADA", "find_data_file", "read_wikitext", "wikitext_detokenize",
-           "count_words", "Window", "sliding_windows", "window_batch", "read_lambada",
-           "lambada_example", "STOP_WORDS"]
+           "count_words", "sliding_windows", "window_batch", "read_lambada", "lambada_example",
+           "STOP_WORDS"]
 
 IGNORE_INDEX = -100
 

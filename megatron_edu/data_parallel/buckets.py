@@ -25,20 +25,16 @@ class Bucket:
 
     The buffer is padded to a multiple of dp so that it splits into dp equal shards; dp rank r
     owns shard r, [``start``, ``end``). Which buffers exist, and when, is the data-parallel
-    stage's to say (Rajbhandari et al. 2020, §5; each class's docstring):
+    stage's to say (Rajbhandari et al. 2020, §5):
 
-    ==========  =============================================  ===================================
-    stage       gradients                                      parameters
-    ==========  =============================================  ===================================
-    0 (DP)      ``grad_data``, whole, always                   the model's own tensors
-    1           ``grad_data`` whole; ``grad_shard`` a view     ``param_data`` whole (the weights
-                of this rank's part                            are views of it); ``param_shard``
-                                                               a view of this rank's part
-    2           ``grad_data`` only during a backward, until    as stage 1
-                reduce-scattered into ``grad_shard`` (own)
-    3           as stage 2                                     ``param_shard`` (own) at rest;
-                                                               ``param_data`` only while gathered
-    ==========  =============================================  ===================================
+    stage  gradients                                     parameters
+    0      ``grad_data`` whole, always                   the model's own tensors
+    1      ``grad_data`` whole; ``grad_shard`` views     ``param_data`` whole, which the weights
+           this rank's part                              view; ``param_shard`` views its part
+    2      ``grad_data`` only during a backward, until   as stage 1
+           reduce-scattered into (own) ``grad_shard``
+    3      as stage 2                                    (own) ``param_shard`` at rest;
+                                                         ``param_data`` only while gathered
     """
 
     def __init__(self, index: int, params: list[nn.Parameter], dp: int, rank: int = 0) -> None:
@@ -46,8 +42,7 @@ class Bucket:
         self.offsets = [0, *itertools.accumulate(p.numel() for p in params)]  # [start of each]
         self._position = {id(p): i for i, p in enumerate(params)}
         self.numel = math.ceil(self.offsets[-1] / dp) * dp
-        first = params[0]
-        self.dtype, self.device = first.dtype, first.device
+        self.dtype, self.device = params[0].dtype, params[0].device
         self.start, self.end = self.shard(rank)
         self.grad_data: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None
@@ -79,9 +74,8 @@ class Bucket:
 
     @torch.no_grad()
     def flatten_params(self) -> None:
-        """Move the parameters into one flat buffer, so that shards can be all-gathered in place
-        (ZeRO): each parameter becomes a view of ``param_data``, ``param_shard`` this rank's
-        part of it."""
+        """Make each parameter a view of one flat ``param_data``, so that shards are all-gathered
+        in place (ZeRO); ``param_shard`` is this rank's part."""
         self.param_data = self.zeros()
         for p, view in self.views(self.param_data):
             view.copy_(p)
@@ -91,14 +85,11 @@ class Bucket:
 
 def make_buckets(modules: list[nn.Module], bucket_bytes: float, dp: int,
                  alone: Iterable[nn.Parameter] = (), rank: int = 0) -> list[Bucket]:
-    """Trainable parameters in reverse registration order (last module first), cut into buckets.
-
-    A bucket closes once it holds ``bucket_bytes``, at the end of each module and where the dtype
-    changes. Each parameter in ``alone`` gets a bucket of its own (a tied embedding: its shards
-    are then laid out alike on the first and the last pipeline stage, and the two copies'
-    gradients can be summed shard by shard under ZeRO, as in Megatron-LM). ``rank``: this
-    rank's place among the dp ranks.
-    """
+    """Trainable parameters in reverse registration order (last module first), cut into buckets:
+    one closes once it holds ``bucket_bytes``, at the end of each module and where the dtype
+    changes. Each parameter in ``alone`` gets its own (a tied embedding: its shards then lie alike
+    on the first and last pipeline stage, so the copies' gradients sum shard by shard under ZeRO,
+    as in Megatron-LM). ``rank``: this rank's place among the dp ranks."""
     alone = {id(p) for p in alone}
     groups: list[list[nn.Parameter]] = []
     seen: set[int] = set()

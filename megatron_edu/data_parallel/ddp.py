@@ -1,22 +1,18 @@
 """``DataParallel``: the dp replicas' gradients summed or averaged once per optimizer step, in
 buckets whose all-reduces overlap the rest of backward (2104.04473 §2.1; PyTorch DDP's scheme).
 
-* **Once per optimizer step.** With gradient accumulation (a pipeline runs m microbatches per
-  step, §2.2) the gradients of all microbatches are summed locally and communicated once: wrap
-  every backward in ``with ddp.sync(is_last_microbatch)``; hooks communicate only during the
-  last one.
-* **Overlapped, in order.** A bucket's all-reduce is launched asynchronously the moment its last
-  gradient arrives, so it runs while backward computes earlier layers. Buckets are launched
-  strictly in order, so every rank issues the same collectives in the same order even when a
-  gradient is late or missing (a mismatch would hang). A parameter that got no gradient counts
-  as zero.
+* **Once per optimizer step.** Under gradient accumulation (m microbatches per step, §2.2) the
+  gradients are summed locally and communicated once: wrap every backward in ``with
+  ddp.sync(is_last_microbatch)``.
+* **Overlapped, in order.** A bucket's all-reduce is launched asynchronously when its last
+  gradient arrives, while backward computes earlier layers. Buckets are launched strictly in
+  order, so every rank issues the same collectives in the same order even when a gradient is
+  late or missing (a mismatch would hang); a missing gradient counts as zero.
 
-This is data parallelism without sharding (ZeRO stage 0), and the machinery the ZeRO stages
-build on (``zero1.py``, ``zero2.py``, ``zero3.py``): each of those says what it shards by
-overriding what a bucket holds (``_allocate``), how its gradients are reduced (``_reduce``) and
-how the optimizer runs (``optimizer``); the hooks and the in-order launching are this file's.
-Every stage answers PTD-P and the checkpoints the same questions — ``local_grads``,
-``held_grads``, ``clip_grad_norm_``, ``gathered`` — so they never ask which stage it is.
+This is ZeRO stage 0, and the machinery the ZeRO stages build on: each overrides what a bucket
+holds (``_allocate``), how it is reduced (``_reduce``) and the optimizer (``optimizer``). Every
+stage answers PTD-P and the checkpoints the same questions (``local_grads``, ``held_grads``,
+``clip_grad_norm_``, ``gathered``), so they never ask which stage it is.
 """
 
 from __future__ import annotations
@@ -44,16 +40,13 @@ Launched = tuple[torch.distributed.Work, Callable[[], object]]
 class DataParallel:
     """Average (or sum) the gradients of ``modules`` over ``group`` once per step, in buckets.
 
-    ``modules``: one module or several (the model chunks of an interleaved pipeline); buckets
-    never span two modules. ``bucket_mb``: bucket size in MiB (a bucket closes once it holds at
-    least that much). ``overlap=False``: no communication during backward; ``finish_grad_sync``
-    then communicates bucket after bucket (with a huge ``bucket_mb``: one all-reduce of all
-    gradients after backward, the baseline). ``average=False``: sum instead of average, for
-    losses that are already each replica's share of the global mean. ``alone``: parameters that
-    get a bucket of their own (``make_buckets``). ``units``: ZeRO-3's (ignored here).
-
-    Build it after the model is on its device: parameters are broadcast from dp rank 0, so that
-    every replica starts from the same weights.
+    ``modules``: one module or several (an interleaved pipeline's chunks); buckets never span
+    two. ``bucket_mb``: a bucket closes once it holds that many MiB. ``overlap=False``: nothing
+    communicates during backward; ``finish_grad_sync`` then goes bucket by bucket (a huge
+    ``bucket_mb``: one all-reduce after backward, the baseline). ``average=False``: sum, for
+    losses already each replica's share of the global mean. ``alone``: parameters bucketed alone
+    (``make_buckets``). ``units``: ZeRO-3's. Build it with the model on its device: parameters
+    are broadcast from dp rank 0, so every replica starts from the same weights.
     """
 
     shards_optimizer = False         # each rank holds the whole optimizer state (checkpoints)
@@ -98,9 +91,8 @@ class DataParallel:
         return work, lambda: None                   # the sum is in place: nothing to keep
 
     def _prepare(self, bucket: Bucket) -> None:
-        """Before the bucket's collective: each ``.grad`` must still be its view of the buffer
-        (``zero_grad(set_to_none=True)`` then backward makes a fresh tensor): a missing
-        gradient counts as zero."""
+        """Make each ``.grad`` its view of the buffer again (``zero_grad(set_to_none=True)`` then
+        backward makes a fresh tensor); a missing gradient counts as zero."""
         for p, view in bucket.views(bucket.grad_data):
             if p.grad is None:
                 view.zero_()

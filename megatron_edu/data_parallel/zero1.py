@@ -2,19 +2,12 @@
 optimizer state sharded over the dp ranks.
 
 Each dp rank owns 1/dp of every bucket (``Bucket.shard``): backward reduce-scatters the
-gradients (a rank receives only its shard's sum), the optimizer — and so its Adam moments —
-exists for that shard only, and the updated shards are all-gathered back into every replica's
-weights. The traffic equals one all-reduce (= reduce-scatter + all-gather); the optimizer state
-per rank falls to 1/dp.
-
-What a rank steps is its ``Piece``s: the parts of parameters that lie in its shards, views of
-the flat parameter and gradient buffers. ``DistributedOptimizer`` runs any element-wise
-optimizer over them; ZeRO-2 and ZeRO-3 (``zero2.py``, ``zero3.py``) keep the pieces and shard
-more.
-
-"The dp ranks" are the ranks of the group: under context parallelism PTD-P gives it the dp × cp
-ranks that hold the same weights (``grid.dp_cp_group``), so the state falls to 1/(dp·cp), as
-megatron-core shards its distributed optimizer over data-parallel-with-context ranks.
+gradients, the optimizer (and its Adam moments) exists for that shard only, and the updated
+shards are all-gathered into every replica's weights. The traffic equals one all-reduce; the
+optimizer state per rank falls to 1/dp. A rank steps its ``Piece``s, the parts of parameters in
+its shards, with any element-wise optimizer (``DistributedOptimizer``). Under context
+parallelism PTD-P passes the dp × cp ranks that hold the same weights (``grid.dp_cp_group``), so
+the state falls to 1/(dp·cp), as in megatron-core.
 """
 
 from __future__ import annotations
@@ -31,17 +24,14 @@ from megatron_edu.data_parallel.ddp import DataParallel, Launched
 from megatron_edu.grid import ParallelGrid
 from megatron_edu.optim import counted_in_norm, global_grad_norm, scale_grads
 
-__all__ = ["ZeRO1", "Piece", "DistributedOptimizer"]
+__all__ = ["ZeRO1", "DistributedOptimizer"]
 
 
 @dataclass(eq=False)
 class Piece:
-    """The part of parameter ``param`` that lies in this rank's shard of a bucket.
-
-    ``tensor`` is a view of the bucket's flat parameter buffer (an update lands in the model's
-    weights) whose ``.grad`` views the same range of the gradient shard; the optimizer steps it.
-    ``offset``: where it starts in ``param`` flattened (to assemble whole states for checkpoints).
-    """
+    """The part of ``param`` in this rank's shard of a bucket: ``tensor`` views the flat parameter
+    buffer (an update lands in the weights) and its ``.grad`` the gradient shard; the optimizer
+    steps it. ``offset``: its start in ``param`` flattened (for whole states in checkpoints)."""
 
     tensor: torch.Tensor
     param: nn.Parameter
@@ -49,11 +39,9 @@ class Piece:
 
 
 class ZeRO1(DataParallel):
-    """``DataParallel`` whose gradients are reduce-scattered — each rank receives its shard's
-    sum, launched as asynchronously and kept when waited for (Megatron-LM's
-    ``overlap_grad_reduce``) — and whose optimizer steps this rank's shard only, then
-    all-gathers the updated weights (``optimizer``: a ``DistributedOptimizer``). The arguments
-    are ``DataParallel``'s."""
+    """``DataParallel`` whose gradients are reduce-scattered, each rank keeping its shard's sum
+    (Megatron-LM's ``overlap_grad_reduce``), and whose optimizer (``DistributedOptimizer``) steps
+    this rank's shard only, then all-gathers the updated weights."""
 
     shards_optimizer = True          # each rank holds its pieces' state only (checkpoints)
 
@@ -85,9 +73,8 @@ class ZeRO1(DataParallel):
 
     def clip_grad_norm_(self, max_norm: float, grid: ParallelGrid,
                         tied_copies: Iterable[nn.Parameter] = ()) -> float:
-        """Clip by the global norm; each rank holds 1/dp of the gradients, so their squares are
-        summed over dp (× cp) too. ``tied_copies``: parameters whose original another stage
-        holds (counted there)."""
+        """Clip by the global norm, the squares summed over dp (× cp) too; ``tied_copies``: the
+        parameters whose original another stage holds (counted there)."""
         copies = {id(p) for p in tied_copies}
         counted = [piece.tensor.grad for piece in self.pieces
                    if counted_in_norm(piece.param, grid.tp_rank) and id(piece.param) not in copies]
@@ -109,16 +96,11 @@ class ZeRO1(DataParallel):
 
 
 class DistributedOptimizer:
-    """Any element-wise optimizer, run by each dp rank on its pieces of a ZeRO stage's buckets
-    (``ZeRO1.optimizer`` builds it).
-
-    ``params``: parameters or param groups (as for ``torch.optim``; e.g. ``build_param_groups``),
-    covering exactly the parameters of ``zero``. ``optimizer_cls(**defaults)`` is built over the
-    ``Piece`` tensors of this rank, each in its parameter's group. Element-wise update rules
-    (SGD, Adam, AdamW) give exactly the unsharded result; rules that need a whole tensor (LAMB's
-    trust ratio, Adafactor) would not. Parameters are fp32 here — they are the master weights
-    (mixed precision by autocast) — so ZeRO's separate fp32 master copy is not needed.
-    """
+    """Any element-wise optimizer, run by each dp rank on its pieces (``ZeRO1.optimizer``).
+    ``params``: parameters or groups, as for ``torch.optim``, covering exactly ``zero``'s; each
+    piece goes in its parameter's group. Element-wise rules (SGD, Adam, AdamW) give exactly the
+    unsharded result; rules that need a whole tensor (LAMB's trust ratio, Adafactor) would not.
+    Parameters are fp32, the master weights (mixed precision by autocast): no separate copy."""
 
     def __init__(self, params: Iterable, zero: ZeRO1,
                  optimizer_cls: type[torch.optim.Optimizer] = torch.optim.AdamW,
@@ -151,12 +133,10 @@ class DistributedOptimizer:
 
     @torch.no_grad()
     def param_states(self) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
-        """Each parameter's whole optimizer state, as an unsharded optimizer would hold it.
-
-        A collective over dp that every rank runs alike — also one that holds no piece (a bucket
-        smaller than dp): each writes its pieces into zeros, the sums assemble them, and the
-        scalar state (Adam's step) is taken from the ranks that have one. {} before any step.
-        """
+        """Each parameter's whole optimizer state, as an unsharded optimizer holds it ({} before
+        any step). A collective every dp rank runs, even one holding no piece (a bucket smaller
+        than dp): each writes its pieces into zeros, the sums assemble them, and the scalar state
+        (Adam's step) comes from the ranks that have one."""
         tensors, scalars = self.state_keys
         have = float(bool(self.optimizer.state))
         sample = next(iter(self.optimizer.state.values()), {})
@@ -216,8 +196,7 @@ def _param_groups(params: Iterable, ddp: DataParallel) -> list[dict]:
 
 
 def _pieces(bucket: Bucket) -> list[Piece]:
-    """The pieces of the bucket's parameters that lie in this rank's shard, each a view of the
-    flat parameter shard whose ``.grad`` views the gradient shard."""
+    """The ``Piece``s of the bucket's parameters that lie in this rank's shard."""
     lo, hi = bucket.start, bucket.end                     # this rank's shard of the buffer
     pieces = []
     for p, start, stop in zip(bucket.params, bucket.offsets, bucket.offsets[1:], strict=False):

@@ -1,11 +1,10 @@
 """ZeRO stage 2 (Rajbhandari et al. 2020, "P_os+g"): the gradients sharded too.
 
-ZeRO-1 still holds every gradient whole until its bucket's reduce-scatter. ZeRO-2 keeps only
-this rank's shard of them between steps: a bucket's whole buffer exists from its first gradient
-of a backward to its reduce-scatter, whose sum is added into the shard and the buffer freed. So
-the reduce-scatter runs in *every* backward — with m microbatches per step that is m of them, as
-DeepSpeed's ZeRO-2 and FSDP do: the price of never holding every gradient at once. At most two
-whole buckets live at a time (one filling, one in flight). The optimizer is ZeRO-1's.
+Between steps a rank holds only its shard of the gradients: a bucket's whole buffer lives from
+its first gradient of a backward to its reduce-scatter, whose sum is added into the shard. So the
+reduce-scatter runs in *every* backward (m per step, as DeepSpeed's ZeRO-2 and FSDP do): the
+price of never holding every gradient. At most two whole buckets live at once (one filling, one
+in flight). The optimizer is ZeRO-1's.
 """
 
 from __future__ import annotations

@@ -1,32 +1,24 @@
 """ZeRO stage 3 (Rajbhandari et al. 2020, §5.3, "P_os+g+p"; PyTorch's FSDP, Zhao et al. 2023): the
 parameters sharded over the dp ranks too, gathered only where they are used.
 
-At rest a dp rank holds 1/dp of every parameter — its shard of each unit's flat buffer
-(``Bucket.param_shard``, which the ``DistributedOptimizer`` steps). A *unit* is a transformer
-block, or the rest of a model chunk (embeddings, final layer norm); each is one bucket
-(``ZeRO3(..., units=)``). Around every use of a unit:
-
-1. forward: all-gather it just before its forward — the next unit's gather already on its way
-   (prefetch: communication overlaps the current unit's compute) — and free it after;
-2. backward: gather it again when backward reaches its output (the previous unit prefetched),
-   and free it, and its whole gradients, once they are reduce-scattered (ZeRO-2's way).
-
-The rest of a chunk (the root) stays gathered from its forward to its backward: it is needed at
-both ends (the tied embedding reads the words in and scores them out), as FSDP2 keeps its root.
+At rest a dp rank holds 1/dp of every parameter: its shard of each unit's flat buffer, which
+the ``DistributedOptimizer`` steps. A *unit* is a transformer block or the rest of a model chunk
+(the root), one bucket each. Forward all-gathers a unit just before its forward, prefetching the
+next, and frees it after; backward gathers it again when it reaches the unit's output,
+prefetching the previous, and frees it, and its whole gradients, once those are reduce-scattered
+(ZeRO-2's way). The root stays gathered from forward to backward: the tied embedding reads the
+words in and scores them out, as FSDP2 keeps its root.
 
 Traffic per step, Ψ a unit's bytes, d ranks: two all-gathers and one reduce-scatter of
-(d − 1)/d · Ψ each — 3(d − 1)/d · Ψ, 1.5× data parallelism's all-reduce (the ZeRO paper's §7).
-With m microbatches, m times (each backward needs the parameters again): the reason Megatron
-pairs pipelines, which run many microbatches, with ZeRO-1 only (2104.04473 §3), and DeepSpeed
+(d − 1)/d · Ψ each, 1.5× data parallelism's all-reduce (the ZeRO paper's §7), and m times with
+m microbatches: why Megatron pairs pipelines with ZeRO-1 only (2104.04473 §3), and DeepSpeed
 refuses ZeRO-2/3 inside a pipeline.
 
-How a parameter is emptied: it stays a view of its unit's flat buffer, whose storage is resized
-to nothing at rest and back when gathered (``_fill``, ``_free``; FSDP's own mechanism). Shapes
-stay intact (an optimizer, a checkpoint can still read them), and whatever autograd saved of a
-parameter for backward reads the refilled storage there. Under full recomputation a block's
-forward runs again inside backward: its hooks see that (``_in_backward``) and neither free nor
-prefetch. The gathers are tagged with their bucket (``comm.record``): ``timing.UnitTimer``
-draws them, beside the units' passes, without a timer in here.
+An emptied parameter stays a view of its unit's flat buffer, whose storage is resized to nothing
+at rest and back when gathered (``_fill``, ``_free``; FSDP's mechanism): shapes stay intact, and
+what autograd saved reads the refilled storage. Under full recomputation a block's forward runs
+again inside backward; its hooks see that (``_in_backward``) and neither free nor prefetch.
+Gathers are tagged with their bucket (``comm.record``) for ``timing.UnitTimer``.
 """
 
 from __future__ import annotations
@@ -47,10 +39,9 @@ __all__ = ["ZeRO3", "ParameterSharding"]
 
 
 class ZeRO3(ZeRO2):
-    """``ZeRO2`` whose parameters are sharded too: one bucket per unit (each module of
-    ``units``, a transformer block, and one for the rest of each of ``modules``), gathered
-    around its forward and its backward by a ``ParameterSharding``. The arguments are
-    ``DataParallel``'s."""
+    """``ZeRO2`` whose parameters are sharded too: one bucket per unit (each of ``units``, and
+    the rest of each of ``modules``), gathered around its forward and backward by a
+    ``ParameterSharding``."""
 
     def _make_buckets(self, bucket_bytes: float, alone: Iterable[nn.Parameter],
                       units: list[nn.Module]) -> list[Bucket]:
@@ -102,9 +93,8 @@ def _fill(bucket: Bucket, whole: torch.Tensor) -> None:
 
 
 def _free(bucket: Bucket) -> None:
-    """Empty ``param_data``'s storage. The parameters stay its views — their shapes intact, their
-    values gone until ``_fill`` — and so does what autograd saved of them: in backward it reads
-    the refilled storage (FSDP's storage resize)."""
+    """Empty ``param_data``'s storage; the parameters, and what autograd saved of them, stay its
+    views, their values gone until ``_fill`` (FSDP's storage resize)."""
     bucket.param_data.untyped_storage().resize_(0)
 
 
@@ -164,8 +154,7 @@ class ParameterSharding:
     # --- called by ZeRO3 -------------------------------------------------------------------
 
     def after_backward(self, bucket: Bucket) -> None:
-        """All the bucket's gradients are in (its reduce-scatter launched): nothing needs its
-        parameters now."""
+        """The bucket's gradients are all in (reduce-scatter launched): free its parameters."""
         self._free(self.unit_of[bucket.index], bucket)
 
     def free_all(self) -> None:
@@ -178,9 +167,8 @@ class ParameterSharding:
 
     @contextmanager
     def gathered(self) -> Iterator[None]:
-        """Inside, every parameter is whole — to read, save or load them: the whole model on
-        every rank for a moment; a collective, every rank enters it. What is written into them
-        stays: each rank keeps its shard of it on leaving."""
+        """Inside, every parameter is whole, to read, save or load (a collective). What is
+        written into them stays: each rank keeps its shard of it on leaving."""
         for i in range(len(self.units)):
             self._gather(i)
         self._pinned = True                              # the hooks inside free nothing

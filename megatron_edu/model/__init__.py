@@ -1,11 +1,6 @@
-"""The models (1909.08053 §3, §5.3; 2104.04473 §2.2): configurations, GPT, BERT, pipeline stages.
-
-config.py        GPTConfig, BertConfig: sizes, presets, checks before launching
-attention.py     self-attention split by heads; its cores (eager, fused, ring), picked once
-transformer.py   the tensor-parallel blocks both models share, and the pipeline stage of them
-fused.py         the block's elementwise chains, op by op or compiled (2104.04473 §4.2)
-gpt.py, bert.py  GPT-2 (causal, a KV cache to generate); BERT (bidirectional, its two heads)
-hf.py            Hugging Face GPT-2 weights in and out
+"""The models (1909.08053 §3, §5.3; 2104.04473 §2.2): GPT-2 (``gpt.py``) and BERT (``bert.py``)
+on the tensor-parallel blocks they share and their pipeline stages (``transformer.py``), with the
+attention cores (``attention.py``), fused chains (``fused.py``) and configurations (``config.py``).
 """
 
 from megatron_edu.grid import ParallelGrid
@@ -13,7 +8,7 @@ from megatron_edu.model.bert import BERT
 from megatron_edu.model.config import BertConfig, GPTConfig, config_from_dict
 from megatron_edu.model.gpt import GPT
 
-__all__ = ["GPTConfig", "BertConfig", "config_from_dict", "GPT", "BERT", "MODELS", "build_model"]
+__all__ = ["GPTConfig", "BertConfig", "config_from_dict", "GPT", "BERT", "build_model"]
 
 MODELS = {GPTConfig: GPT, BertConfig: BERT}  # the model each configuration describes
 

@@ -1,34 +1,26 @@
 """Self-attention split by heads (1909.08053 §3, Figure 3b), and the cores that compute it.
 
-``Attention`` is the qkv projection (column-parallel: this rank's num_heads/t heads' q, k and v),
-a core, and the output projection (row-parallel). The core — softmax(q·kᵀ/√d + masks)·v, with
-dropout on the probabilities — is one of three objects with one interface, ``core(q, k, v,
-dropout_key, mask)`` on this rank's heads, chosen once when the layer is built:
+``Attention`` is the qkv projection (column-parallel: q, k and v of this rank's num_heads/t
+heads), a core, and the output projection (row-parallel). The core, softmax(q·kᵀ/√d + masks)·v
+with dropout on the probabilities, is one of three objects with one interface, ``core(q, k, v,
+dropout_key, mask)``, chosen once when the layer is built:
 
-* ``EagerCore`` — op by op, as the papers count it (2205.05198: 5·a·s²·b bytes saved per layer).
-  Its dropout masks are the serial model's, element by element (``tensor_parallel/random.py``):
-  a tp rank draws its own heads' part of the one mask, so any tp equals the serial model with
-  dropout on. (Megatron-LM seeds a stream per tp rank instead, 1909.08053 App. B.2: its masks
-  depend on tp.)
-* ``FusedCore`` — one kernel (``scaled_dot_product_attention``: flash or memory-efficient
-  attention on a GPU, which keep no [s, s] tensor), its dropout drawn inside the kernel from the
-  device's generator (Megatron's way, a stream per tp rank: here seeded for each call from the
-  step, the samples, the layer and the tp rank, so a recomputation replays it). Fast, and equal
-  to the serial model at dropout 0 — not with dropout on. ``config.attention = "fused"``; the
-  GPU default of the training script.
-* ``RingCore`` — context parallelism: ``context_parallel.ring_attention`` over the cp ranks
-  (the serial masks too). Chosen whenever cp > 1.
+* ``EagerCore``: op by op, as the papers count it (2205.05198: 5·a·s²·b bytes saved per layer).
+  Its dropout masks are the serial model's, keyed by the global head index: a tp rank draws its
+  heads' part of the one mask (``tensor_parallel/random.py``), so any tp equals the serial model
+  with dropout on (Megatron-LM seeds a stream per tp rank, App. B.2: its masks depend on tp).
+* ``FusedCore``: one kernel (``scaled_dot_product_attention``; flash or memory-efficient on a
+  GPU, no [s, s] tensor kept), its dropout drawn inside from the device's generator, seeded per
+  call from the step, samples, layer and tp rank, so a recomputation replays it. Equal to the
+  serial model at dropout 0, not with dropout on; the training script's GPU default.
+* ``RingCore``: context parallelism, ``context_parallel.ring_attention`` over the cp ranks (the
+  serial masks too). Chosen whenever cp > 1; it keeps no scores for backward, so selective
+  recomputation (2205.05198 §5, ``Recomputed``) wraps only the other two.
 
-Selective recomputation (2205.05198 §5, ``recompute="selective"``) wraps the eager or the fused
-core (``Recomputed``): none of it is kept for backward, it runs again there. The ring keeps no
-scores for backward: there is nothing to drop, and it is not wrapped.
-
-Layout of the fused qkv weight: stored [3h, h] (nn.Linear's [out, in]) with the output rows
-grouped *per head* — head 0's q, k, v rows, then head 1's, … (Megatron's [np, 3, hn] layout).
-A column split into t equal blocks then gives each rank whole heads with their own q, k and v,
-at every t; and because the layout does not depend on t, the whole tensor is the same at tp = 1,
-2, 4 (layout-independent initialisation and checkpoints). Hugging Face's c_attn is [h, 3h] as
-q | k | v blocks; ``megatron_edu/hf.py`` permutes it.
+The qkv weight is stored [3h, h] (nn.Linear's [out, in]) with rows grouped per head: head 0's q,
+k, v, then head 1's, … (Megatron's [np, 3, hn]). A column split into t blocks then gives each
+rank whole heads at every t, and the whole tensor does not depend on t (layout-independent
+initialisation and checkpoints). ``megatron_edu/hf.py`` permutes Hugging Face's q | k | v c_attn.
 """
 
 from __future__ import annotations
@@ -73,12 +65,9 @@ class LayerKV:
 
 @dataclass
 class KVCache:
-    """The keys and values of the ``length`` positions seen so far, per block of one stage.
-
-    Pass the same cache to successive forwards (the prompt, then one token at a time): each
-    block attends over its cached positions plus the new ones, so a new token costs the work
-    of one position, not of the whole sequence.
-    """
+    """The keys and values of the ``length`` positions seen so far, per block of one stage. Pass
+    the same cache to successive forwards (the prompt, then one token at a time): a new token
+    costs the work of one position, not of the whole sequence."""
 
     length: int = 0
     layers: dict[str, LayerKV] = field(default_factory=dict)
@@ -92,9 +81,8 @@ class KVCache:
 
 def causal_mask(s: int, t: int, keys: torch.Tensor | None,
                 device: torch.device) -> torch.Tensor:
-    """[s, t] (or [b, 1, s, t] with padding) True where a query may attend: the s queries are
-    the last of the t keys' positions, query i sees keys 0 … t − s + i; ``keys`` [b, t]: keys
-    where it is False (padding) are seen by no query."""
+    """[s, t] (or [b, 1, s, t] with ``keys`` [b, t]) True where a query may attend: the s queries
+    are the last s of t positions, query i sees keys 0 … t − s + i, and none sees padding."""
     allowed = torch.ones(s, t, dtype=torch.bool, device=device).tril(t - s)
     return allowed if keys is None else allowed & keys[:, None, None, :]
 
@@ -134,10 +122,9 @@ class EagerCore(nn.Module):
 
 
 class FusedCore(nn.Module):
-    """The same in one kernel (``scaled_dot_product_attention``), which takes the masks as one
-    boolean ``attn_mask`` — or none at all for plain causal attention, so that a GPU may run
-    flash attention. Dropout inside the kernel, from the device's generator seeded for the call
-    (``_seeded``): per tp rank, as Megatron-LM's tracker forks a stream per tp rank."""
+    """The same in one kernel (``scaled_dot_product_attention``), given no mask for plain causal
+    attention so that a GPU may run flash attention. Its dropout comes from the device's
+    generator seeded per call and tp rank (``_seeded``): a recomputation replays it."""
 
     def __init__(self, config: GPTConfig, group: CommGroup, layer: int) -> None:
         super().__init__()
@@ -157,8 +144,7 @@ class FusedCore(nn.Module):
                                                   dropout_p=p)
 
     def _seed(self, key: DropoutKey | None, p: float) -> int | None:
-        """This call's seed: the step, its first sample, the layer and the tp rank (None: no
-        dropout, the generator untouched)."""
+        """This call's seed, from the step, first sample, layer and tp rank; None: no dropout."""
         if p == 0.0:
             return None
         if key is None:
@@ -181,9 +167,8 @@ def _seeded(device: torch.device, seed: int | None) -> Iterator[None]:
 
 
 class RingCore(nn.Module):
-    """Causal attention over the sequence split across ``cp_group`` (context parallelism): each
-    rank holds its two zig-zag chunks of q, k, v; ``ring_attention`` passes K, V around the
-    ring, with the serial model's dropout masks (this rank's heads). No padding, no cache."""
+    """Causal attention over the sequence split across ``cp_group``: ``ring_attention`` passes
+    K, V around the ring, with the serial dropout masks (its heads'). No padding, no cache."""
 
     def __init__(self, config: GPTConfig, group: CommGroup, layer: int,
                  cp_group: CommGroup) -> None:
@@ -194,7 +179,7 @@ class RingCore(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 dropout_key: DropoutKey | None, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """q, k, v [b, heads/t, s/cp, d]: this rank's chunks → this rank's part of the output."""
+        """q, k, v [b, heads/t, s/cp, d]: this rank's two zig-zag chunks → its output."""
         if k.shape[2] != q.shape[2] or mask is not None:
             raise ValueError("context parallelism attends causally within the sequence: no "
                              "padding mask and no KV cache (generate at cp = 1)")
@@ -202,8 +187,7 @@ class RingCore(nn.Module):
 
 
 class Recomputed(nn.Module):
-    """Selective recomputation (2205.05198 §5): ``core`` keeps nothing for backward and runs
-    again there, its dropout masks replayed (a function of the ``DropoutKey``)."""
+    """Selective recomputation (2205.05198 §5): ``core`` reruns in backward, its masks replayed."""
 
     def __init__(self, core: nn.Module) -> None:
         super().__init__()
@@ -229,15 +213,9 @@ def attention_core(config: GPTConfig, group: CommGroup, layer: int,
 
 
 class Attention(nn.Module):
-    """Self-attention split by heads: each tp rank computes h/t of the heads (§3).
-
-    ``config.causal``: each position attends to itself and the positions before it (GPT);
-    otherwise to every position (BERT). ``mask``, a keep-mask of the keys [b, t] (False:
-    padding), keeps padded positions out of every query's softmax, causal or not. ``layer``:
-    the block's global index (its dropout masks depend on it). How the tp region is entered and
-    left is ``config``'s (``tensor_parallel.STYLES``); ``cp_group``: the
-    context-parallel ranks.
-    """
+    """Self-attention split by heads: each tp rank computes num_heads/t of them (§3). Causal (GPT)
+    or bidirectional (BERT) as ``config.causal`` says; ``mask`` [b, t] (False: padding) keeps
+    padded keys out of every softmax. ``layer``: the global index, which keys the dropout masks."""
 
     def __init__(self, config: GPTConfig, group: CommGroup, layer: int = 0,
                  cp_group: CommGroup | None = None) -> None:

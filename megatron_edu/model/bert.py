@@ -1,39 +1,29 @@
-"""BERT on the blocks it shares with the GPT (Devlin et al. 2019; 1909.08053 §5.3, Figure 7).
+"""BERT on the GPT's blocks (Devlin et al. 2019; 1909.08053 §5.3, Figure 7).
 
-1909.08053 finds that the original BERT (Figure 7a: layer norm *after* each residual add) trains
-well at 336M parameters but not at 752M, while rearranging the layer norm and the residual
-connection — pre-LN, as in GPT-2 (Figure 7b) — trains both stably, the larger to the lower loss;
-so rearranged, it trains BERTs of 1.3B and 3.9B (Table 4). Both arrangements are the switch
-``config.ln_placement`` of the shared ``Block`` (``model/transformer.py`` explains how one switch
-gives both).
+1909.08053 finds the original BERT (Figure 7a, post-LN) trains well at 336M parameters but not
+at 752M; rearranged, pre-LN as in GPT-2 (Figure 7b), both train stably, as do BERTs of 1.3B and
+3.9B (Table 4). Both are the switch ``config.ln_placement`` of the shared ``Block``.
 
-What BERT adds to the GPT, and nothing else:
+What BERT adds to the GPT:
 
-* **inputs**: ``[CLS] a [SEP] b [SEP]`` with [PAD] after; attention is bidirectional
-  (``config.causal`` False) and keeps padded keys out of every softmax (a keep-mask [b, s]);
-  a token-type (segment) embedding is added to the word and position embeddings: 0 up to and
-  including the first [SEP], 1 after. Both follow from the ids (``pad_id``, ``sep_id``), so a
-  pipeline stage needs no tensors beyond the engine's ids and labels.
+* **inputs**: ``[CLS] a [SEP] b [SEP]``, [PAD] after; bidirectional attention that keeps padded
+  keys out of every softmax; a token-type embedding (0 up to and including the first [SEP], 1
+  after). Both follow from the ids, so a pipeline stage needs only the engine's ids and labels.
 * **the masked-LM head** (Devlin §3.1): dense + GeLU + layer norm, then the output layer tied to
-  the vocabulary-parallel word embedding plus a vocabulary-parallel bias — logits stay split
-  [b, s, V/t] and go into the vocabulary-parallel cross entropy, as the GPT's do (§3).
-* **the sentence-order head** (ALBERT's SOP, Lan et al. 2019, which 1909.08053 §5.3 uses in
-  place of next-sentence prediction): a pooler (dense + tanh) on the [CLS] position, then a
-  2-way classifier: are a and b in their original order (0) or swapped (1)? Pooler and
-  classifier are small and replicated on every tp rank, as in Megatron-LM.
+  the word embedding plus a vocabulary-parallel bias; logits stay split, [b, s, V/t] (§3).
+* **the sentence-order head** (ALBERT's SOP, Lan et al. 2019, which §5.3 uses in place of
+  next-sentence prediction): a pooler (dense + tanh) on [CLS], then a 2-way classifier: in order
+  (0) or swapped (1)? Small, and replicated on every tp rank, as in Megatron-LM.
 
-**The labels**, one [b, s] tensor, as the pipeline engine passes them: ``labels[:, 1:]`` are the
-masked-LM targets (the original token where one was masked, −100 elsewhere) and
-``labels[:, 0]`` — the [CLS] position, never a masked-LM target — is the sentence-order label.
-The loss is the mean over every prediction, masked tokens and one order label per sequence,
-which is exactly what the engine's weighting by the count of labels ≠ −100 gives. (Megatron-LM
-adds two means instead, mlm_mean + sop_mean; here a sequence's order label weighs as one of its
-~0.15·s masked tokens.)
+**Labels**, one [b, s] tensor as the pipeline engine passes them: ``labels[:, 1:]`` are the
+masked-LM targets (−100 where nothing was masked), ``labels[:, 0]`` ([CLS], never a masked-LM
+target) the order label. The loss is the mean over all of them: the engine's weighting by the
+count of labels ≠ −100. (Megatron-LM adds two means, mlm_mean + sop_mean; here an order label
+weighs as one of the sequence's ~0.15·s masked tokens.)
 
-**Padding under a pipeline.** Only the first stage sees the ids, so only it can find the padding;
-later stages receive hidden states only. With pp > 1 batches must therefore hold no [PAD]: the
-training data is packed to full length (``data/bert.py``), and a padded batch on a first stage
-that is not also the last raises a ValueError.
+**Padding under a pipeline.** Only the first stage sees the ids to find the padding in, so with
+pp > 1 batches hold no [PAD] (the training data is packed, ``data/bert.py``), and a padded batch
+on a first stage that is not also the last raises.
 """
 
 from __future__ import annotations
@@ -57,7 +47,7 @@ from megatron_edu.tensor_parallel.cross_entropy import vocab_parallel_cross_entr
 from megatron_edu.tensor_parallel.init import mark, normal, placeholder, zeros
 from megatron_edu.tensor_parallel.random import DropoutKey
 
-__all__ = ["BERT", "BertOutput", "token_types", "padding_mask"]
+__all__ = ["BERT", "token_types", "padding_mask"]
 
 MLM_BIAS = "mlm.bias"
 
@@ -128,11 +118,10 @@ class BERT(TransformerStage):
                 attention_mask: torch.Tensor | None = None,
                 dropout_key: DropoutKey | None = None,
                 loss_reduction: str = "mean") -> torch.Tensor | BertOutput:
-        """ids [b, s] (first stage) or hidden [b, s, h] → hidden [b, s, h] (not last), the two
-        heads' logits (last, no labels) or the loss over every label ≠ −100, masked-LM targets
-        and order labels (``labels[:, 0]``) alike: their mean, or their sum with
-        ``loss_reduction="sum"``. ``attention_mask`` [b, s] bool (False: padding): by default
-        the ids that are not ``pad_id``."""
+        """ids [b, s] (first stage) or hidden [b, s, h] → hidden (not last), the heads' logits
+        (last, no labels) or the loss over every label ≠ −100, masked-LM and order alike: their
+        mean, or their sum with ``loss_reduction="sum"``. ``attention_mask`` [b, s] bool (False:
+        padding) defaults to the ids that are not ``pad_id``."""
         dropout_key = self._dropout_key(x, dropout_key)
         h, mask = self.enter(x, dropout_key, attention_mask)
         h = self._blocks(h, dropout_key, mask=mask)

@@ -1,10 +1,6 @@
-"""The model configurations: sizes, presets from the papers, and the checks that tensor and
-pipeline parallelism need, run before any process starts (a bad configuration is a ValueError
-naming the numbers, raised in the parent, never a crash on some rank).
-
-``GPTConfig`` describes GPT-2; ``BertConfig`` (a GPTConfig) the BERT of 1909.08053 §5.3, built
-from the same blocks: bidirectional attention, token types, and the layer-norm placement as a
-switch (``ln_placement``, Figure 7).
+"""The model configurations: sizes, presets from the papers, and the checks tensor and pipeline
+parallelism need, run in the parent before any process starts (a ValueError naming the numbers,
+never a crash on some rank). ``BertConfig`` is the BERT of 1909.08053 §5.3, on the GPT's blocks.
 
 Presets:
   tiny                    a model a 2-core laptop trains in minutes (the notebooks' and tests' size)
@@ -35,22 +31,13 @@ class GPTConfig:
     """A GPT-2-style model. ``ffn_hidden`` = 0 means 4·hidden, resolved at construction (so
     ``dataclasses.replace(config, hidden=…)`` keeps the old value: pass ``ffn_hidden=0`` too).
 
-    How activations are kept (Korthikanti et al. 2022, arXiv 2205.05198; ``perf.memory`` counts
-    them): ``recompute`` "full" keeps only each block's input and runs the block again in the
-    backward pass (2104.04473 §3.5); "selective" recomputes only the attention core — softmax,
-    its dropout and the product with V, the 5·a·s²·b part that grows with s²; "none" keeps
-    everything. ``sequence_parallel`` splits the activations along the sequence over the tp ranks
-    wherever they would be replicated (layer norms, dropouts, residual adds). ``attention``: the
-    core, "eager" (op by op, the serial model's dropout masks at any layout) or "fused" (one
-    kernel, ``scaled_dot_product_attention``; its dropout the device's: ``model.attention``).
-    ``fused``: bias+GeLU and bias+dropout+add compiled into one kernel each (``torch.compile``);
-    off, every operation runs on its own, as the papers count them. (``True``/``False`` for
-    ``recompute`` mean "full"/"none".)
-
-    The blocks, shared with BERT: ``causal`` attention (each position sees only those before
-    it; False: every position sees all, BERT) and ``ln_placement`` (1909.08053 §5.3, Figure 7):
-    "rearranged", x + f(LN(x)), GPT-2's and Megatron-BERT's; "original", LN(x + f(x)), the
-    original BERT's (``model.transformer.Block`` says how).
+    Activation memory (2205.05198; ``perf.memory`` counts it): ``recompute`` "full" keeps only
+    each block's input and reruns the block in backward (2104.04473 §3.5); "selective" reruns
+    only the attention core, the 5·a·s²·b part that grows with s²; "none" keeps everything (True
+    and False mean "full" and "none"). ``attention``: "eager" (op by op, the serial model's
+    dropout masks at any layout) or "fused" (one kernel, the device's dropout: ``model.attention``).
+    ``ln_placement`` (1909.08053 §5.3, Figure 7): "rearranged", x + f(LN(x)), GPT-2's and
+    Megatron-BERT's; "original", LN(x + f(x)), the original BERT's (``transformer.PostLN``).
     """
 
     vocab_size: int = 50257
@@ -62,10 +49,10 @@ class GPTConfig:
     dropout: float = 0.1
     layernorm_eps: float = 1e-5
     seed: int = 1234
-    recompute: str = "none"              # "none" | "selective" | "full" (see below)
+    recompute: str = "none"              # "none" | "selective" | "full"
     sequence_parallel: bool = False      # split the sequence outside the tp regions (2205.05198)
-    fused: bool = False                  # fused bias kernels (2104.04473 §4.2; see below)
-    attention: str = "eager"             # the attention core: "eager" | "fused" (see below)
+    fused: bool = False                  # compiled bias+GeLU, bias+dropout+add (2104.04473 §4.2)
+    attention: str = "eager"             # the attention core: "eager" | "fused"
     async_tp: bool = False               # overlap dX's tp collective with dW (layers.py)
     init_std: float = 0.02
     make_vocab_size_divisible_by: int = 128  # Megatron's padding unit, times tp
@@ -134,17 +121,14 @@ class GPTConfig:
 
     def num_parameters(self, tp: int = 1, layers: int | None = None, first: bool = True,
                        last: bool = True) -> int:
-        """Parameters one tensor-parallel rank holds of a stage of ``layers`` blocks (None: all)
-        with the embeddings if ``first``, the final layer norm and the output layer if ``last``:
-        what ``GPT(config, grid, layers=…, first=…, last=…)`` builds. The package's one exact
-        count; ``perf.parameters_per_rank`` adds up the stages a pipeline rank holds.
+        """Parameters one tp rank holds of a stage of ``layers`` blocks (None: all), with the
+        embeddings if ``first`` and, if ``last``, the final layer norm and the tied output layer
+        (a copy of the word table unless also first): what ``GPT(config, grid, …)`` builds. The
+        package's one exact count; ``perf.parameters_per_rank`` sums a pipeline rank's stages.
 
-        Per block, with f = ffn_hidden: QKV and fc column-parallel (weights and biases split by
-        tp), both projections row-parallel (weights split, biases replicated), two replicated
-        layer norms: (4h² + 3h + 2h·f + f)/tp + 6h. The word table (padded vocabulary, split by
-        tp) on the first stage and, tied, its copy on a last stage that is not the first too;
-        the positions on the first, the final layer norm on the last. Whole at tp = 1 with
-        f = 4h: 12·l·h² + 13·l·h + (V + s)·h + 2h (2104.04473 §5.1, plus the final LN).
+        Per block, f = ffn_hidden: QKV and fc column-parallel (biases split too), both projections
+        row-parallel (biases replicated), two replicated layer norms: (4h² + 3h + 2h·f + f)/tp +
+        6h. Whole at tp = 1, f = 4h: 12·l·h² + 13·l·h + (V + s)·h + 2h (2104.04473 §5.1, + ln_f).
         """
         self.validate(tp)
         h, f = self.hidden, self.ffn_hidden
@@ -192,13 +176,9 @@ PRESETS: dict[str, dict[str, int]] = {
 @dataclass
 class BertConfig(GPTConfig):
     """A BERT (Devlin et al. 2019) as 1909.08053 §5.3 trains it: the GPT's blocks with
-    bidirectional attention, a token-type (segment) embedding, a masked-LM head and a
-    sentence-order head (``model.bert``). ``ln_placement`` "original" is Figure 7a, "rearranged"
-    (the default, Megatron-BERT's) Figure 7b.
-
-    ``pad_id`` and ``sep_id``: the model finds the padding mask and the token types in the ids
-    (0 up to and including the first [SEP], 1 after); the defaults are the roles the package's
-    tokenizer gives its control ids (``data/bert.py``).
+    bidirectional attention, a token-type embedding, a masked-LM head and a sentence-order head
+    (``model.bert``). The model finds the padding and the token types in the ids by ``pad_id``
+    and ``sep_id``: by default the roles of the package tokenizer's control ids (``data/bert.py``).
     """
 
     causal: bool = False

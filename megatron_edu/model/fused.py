@@ -1,13 +1,11 @@
 """Operator fusion (2104.04473 §4.2): elementwise chains compiled into one kernel each.
 
-A transformer layer's matmuls are compute-bound; the elementwise operations between them are
-memory-bound — each reads and writes the whole activation. Megatron-LM fuses the chains into
-single kernels: bias + GeLU after the MLP's first matmul, bias + dropout + residual add after each
-block's output projection, and scale + mask + softmax in attention (here the attention core,
-``attention.FusedCore``). The chains are plain PyTorch: ``PLAIN`` runs them op by op, as the
-papers count them; ``FUSED`` compiles each into one kernel with ``torch.compile`` on first use
-(``GPTConfig(fused=True)``); tests check the two agree. A bias is added in the activation's
-dtype (autocast).
+Matmuls are compute-bound; the elementwise operations between them are memory-bound, each
+reading and writing the whole activation. Megatron-LM fuses bias + GeLU, bias + dropout +
+residual add, and scale + mask + softmax (here ``attention.FusedCore``). ``PLAIN`` runs the
+chains op by op, as the papers count them; ``FUSED`` compiles each with ``torch.compile`` on
+first use (``GPTConfig(fused=True)``); tests check they agree. Biases are added in the
+activation's dtype (autocast).
 """
 
 from __future__ import annotations
@@ -22,7 +20,7 @@ import torch.nn.functional as F
 from megatron_edu.model.config import GPTConfig
 from megatron_edu.tensor_parallel.random import Dropout, DropoutKey
 
-__all__ = ["Kernels", "PLAIN", "FUSED", "kernels"]
+__all__ = ["PLAIN", "FUSED", "kernels"]
 
 
 def _bias_gelu(y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -49,8 +47,7 @@ def _bias_dropout_add(y: torch.Tensor, bias: torch.Tensor, dropout: Dropout,
 def _fused_bias_dropout_add(y: torch.Tensor, bias: torch.Tensor, dropout: Dropout,
                             key: DropoutKey | None, residual: torch.Tensor) -> torch.Tensor:
     """The same as one kernel, given the dropout's mask (its bits: the same masks)."""
-    drop = dropout.training and dropout.p > 0
-    keep = dropout.keep(key, y) if drop else None
+    keep = dropout.keep(key, y) if dropout.training and dropout.p > 0 else None
     return _compiled(_masked_bias_add)(y, bias, keep, 1.0 / (1.0 - dropout.p), residual)
 
 

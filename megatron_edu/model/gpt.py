@@ -1,9 +1,8 @@
-"""GPT-2 (Radford et al. 2019) on the tensor-parallel blocks of ``model/transformer.py``, whole
-or one pipeline stage: learned positions, pre-LN blocks, causal self-attention, a GeLU MLP of 4h
-(tanh GeLU, "gelu_new", so Hugging Face weights load exactly), a final layer norm, and an output
-layer tied to the input embedding. Generation: ``forward(ids, cache=KVCache())`` keeps every
-block's keys and values, so the next call feeds only the new token; its position and its causal
-mask are offset by the cached length (``megatron_edu/generate.py`` drives it, over any tp × pp).
+"""GPT-2 (Radford et al. 2019) on the blocks of ``model/transformer.py``, whole or one pipeline
+stage: learned positions, pre-LN blocks, causal self-attention, a 4h MLP with tanh GeLU
+("gelu_new", so Hugging Face weights load exactly), a final layer norm, and an output layer tied
+to the input embedding. ``forward(ids, cache=KVCache())`` keeps every block's keys and values,
+so the next call feeds only the new token (``megatron_edu/generate.py``, over any tp × pp).
 """
 
 from __future__ import annotations
@@ -28,13 +27,11 @@ class GPT(TransformerStage):
                 cache: KVCache | None = None, dropout_key: DropoutKey | None = None,
                 loss_reduction: str = "mean") -> torch.Tensor:
         """ids [b, s] (first stage) or hidden [b, s, h] → hidden [b, s, h] (not last), this rank's
-        logits [b, s, V_padded/t] (last, no labels; padded ids are −inf) or the loss over the
-        tokens whose label is not −100 (last, labels [b, s]; equal on every tp rank): their mean,
-        or their sum with ``loss_reduction="sum"``.
-        ``cache``: x holds positions cache.length, … of a sequence whose earlier positions'
-        keys and values the cache holds; x's own are appended to it.
-        ``dropout_key``: the step and global samples that seed the dropout masks (a pipeline
-        passes it); without one, a model in training numbers its calls as steps."""
+        logits [b, s, V_padded/t] (last, no labels; padded ids −inf) or the loss over the tokens
+        whose label is not −100, equal on every tp rank: their mean, or their sum with
+        ``loss_reduction="sum"``. ``cache``: the keys and values of the positions before x's;
+        x's are appended. ``dropout_key``: the step and global samples that seed the dropout
+        masks (a pipeline passes it); without one, a model in training numbers its calls."""
         if cache is not None and self.style.sequence_split * self.cp_group.size > 1:
             raise ValueError("generation with a KV cache runs without sequence or context "
                              "parallelism: build the model with sequence_parallel=False and "

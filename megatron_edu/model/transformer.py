@@ -1,28 +1,21 @@
-"""The blocks GPT and BERT share, from tensor-parallel layers (1909.08053 §3, Figures 2–3), and
-the stage of them a pipeline holds (2104.04473 §2.2). With ``grid=None`` (or tp=1) every layer
-is the plain PyTorch layer: an ordinary transformer, like nanoGPT's. With t tp ranks (Figure 3):
+"""The blocks GPT and BERT share, built from tensor-parallel layers (1909.08053 §3, Figures 2–3),
+and the pipeline stage that holds some of them (2104.04473 §2.2). At tp = 1 every layer is the
+plain PyTorch layer: an ordinary transformer, like nanoGPT's. Over t tp ranks (Figure 3)
+attention is split by heads (qkv column-parallel, output projection row-parallel) and the MLP
+column (fc) then row (proj), so a block makes 2 all-reduces forward (``g``) and 2 backward
+(``f``). The word table is split by vocabulary and tied to the output layer, whose logits stay
+split, [b, s, V/t], into the vocab-parallel cross entropy.
 
-* attention is split by heads (``attention.py``): the qkv projection is column-parallel, the
-  core runs on this rank's num_heads/t heads, the output projection is row-parallel;
-* the MLP is split column (fc) then row (proj);
-* so each block communicates exactly 2 all-reduces forward (``g`` after attention and after the
-  MLP) and 2 backward (``f`` before them) — §3, "Figure 4";
-* the embedding table is split by vocabulary and the output layer reuses it: logits stay split
-  [b, s, V/t] and go straight into the vocab-parallel cross entropy.
+Each technique is an object picked once from the configuration when a layer is built: the tp
+style (``tensor_parallel.STYLES``), the attention core (``attention.attention_core``), the
+layer-norm placement (``LN_PLACEMENTS``, Figure 7), the bias kernels (``fused.kernels``) and
+recomputation (``RECOMPUTE_BLOCK``, ``attention.RECOMPUTE_CORE``).
 
-Each technique is an object chosen once, when a layer is built, from the configuration: how the
-tp regions are entered and left (``tensor_parallel.STYLES``: plain, overlapped, or sequence
-parallelism), the attention core (``attention.attention_core``), the layer-norm placement
-(``LN_PLACEMENTS``, 1909.08053 Figure 7), the bias kernels, fused or not (``fused.kernels``),
-and recomputation (``RECOMPUTE_BLOCK``, ``attention.RECOMPUTE_CORE``).
-
-Pipeline stages (``TransformerStage``, of which ``GPT`` and ``BERT`` are kinds): blocks live in
-an ``nn.ModuleDict`` keyed by their global index, so a stage's parameter names are exactly the
-serial model's (``blocks.5.attn.qkv.weight``), each initialised from the same seed by name. A
-last stage that is not also the first holds its own copy of ``embedding.word.weight`` for the
-output layer; its gradient must be all-reduced with the first stage's over
-``grid.embedding_group`` (2104.04473's tied embeddings across stages; PTD-P's job, ``ptdp.py``).
-Layers are built on the meta device; a stage initialises its own (``init_parameters``).
+A stage keys its blocks by global index, so its parameter names are the serial model's
+(``blocks.5.attn.qkv.weight``) and each is initialised from the same seed by name. A last stage
+that is not the first holds its own copy of ``embedding.word.weight``; PTD-P (``ptdp.py``)
+sums its gradient with the first stage's over ``grid.embedding_group`` (2104.04473's tied
+embeddings). Layers are built on the meta device; a stage initialises its own.
 """
 
 from __future__ import annotations
@@ -77,17 +70,16 @@ def reduce_loss(total: torch.Tensor, labels: torch.Tensor, reduction: str) -> to
 def layer_norm(config: GPTConfig) -> nn.LayerNorm:
     """A layer norm over the hidden size: weight one, bias zero, whole on every tp rank."""
     ln = nn.LayerNorm(config.hidden, eps=config.layernorm_eps, device="meta")
-    mark(ln.weight, None, ones)   # replicated on every tp rank
+    mark(ln.weight, None, ones)
     mark(ln.bias, None, zeros)
     return ln
 
 
 def sequence_parts(style: TensorParallel, cp_group: CommGroup) -> tuple[tuple[int, int], ...]:
-    """The parts (r, n) of the sequence a rank holds outside the tp regions, in order — part r of
-    n equal parts: under sequence parallelism part r of t (2205.05198 §4.2.2); under context
-    parallelism the zig-zag chunks of 2·cp (``context_parallel.chunk_ids``); under both, SP
-    splits the cp rank's two chunks, in order, into t parts: of the 2·cp·t pieces of the sequence
-    (t in each chunk) tp rank r holds the cp rank's local pieces 2r and 2r + 1."""
+    """The parts (r, n) of the sequence (part r of n) a rank holds outside the tp regions, in
+    order: r of t under sequence parallelism (2205.05198 §4.2.2); the zig-zag chunks of 2·cp under
+    context parallelism (``context_parallel.chunk_ids``); under both, SP splits each of the cp
+    rank's two chunks into t, and tp rank r holds its local pieces 2r and 2r + 1 of the 2·cp·t."""
     t = style.sequence_split                              # 1 without sequence parallelism
     r = style.group.rank % t
     if cp_group.size == 1:
@@ -105,8 +97,7 @@ def word_table(config: GPTConfig, group: CommGroup) -> VocabParallelEmbedding:
 
 
 class TiedCopy(nn.Module):
-    """A last stage's copy of the first stage's word table, for the output layer it is tied to
-    (2104.04473: the two copies' gradients are summed over ``grid.embedding_group``)."""
+    """A last stage's copy of the word table, for its tied output layer (2104.04473)."""
 
     def __init__(self, config: GPTConfig, group: CommGroup) -> None:
         super().__init__()
@@ -114,11 +105,8 @@ class TiedCopy(nn.Module):
 
 
 class Embedding(nn.Module):
-    """Word embedding (split by vocabulary) + learned positions (replicated), then dropout.
-
-    Under sequence parallelism the rank's output is its part of the sequence, [b, s/t, h];
-    under context parallelism ids hold the rank's two chunks, embedded at their positions.
-    """
+    """Word embedding (split by vocabulary) + learned positions (replicated), then dropout. Under
+    sequence or context parallelism the output is this rank's parts of the sequence."""
 
     def __init__(self, config: GPTConfig, group: CommGroup, *,
                  cp_group: CommGroup | None = None) -> None:
@@ -173,11 +161,10 @@ class PreLN:
 
 
 class PostLN:
-    """"original" (post-LN; BERT, Figure 7a): the residual starts *after* the layer norm,
-    u + f(u) with u = ln(x) (Megatron-LM's ``apply_residual_connection_post_layernorm``).
-    Chained, this is exactly original BERT: ln1 of block 0 normalises the embeddings, the ln2 of
-    block i and the ln1 of block i+1 are LN(x + attn(x)) and LN(x + mlp(x)) of Figure 7a, and
-    the final layer norm is the last block's. Every residual path passes through a layer norm."""
+    """"original" (post-LN; BERT, Figure 7a): u + f(u), u = ln(x) (Megatron-LM's
+    ``apply_residual_connection_post_layernorm``). Chained, this is Figure 7a exactly: block i's
+    ln2 and block i+1's ln1 are LN(x + attn(x)) and LN(x + mlp(x)); block 0's ln1 normalises the
+    embeddings; the final layer norm is the last block's."""
 
     @staticmethod
     def residual(x: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
@@ -188,13 +175,10 @@ LN_PLACEMENTS = {"rearranged": PreLN, "original": PostLN}
 
 
 class Block(nn.Module):
-    """A transformer block: attention, then the MLP, each with a layer norm and a residual add
-    (Figure 2), the layer norm where ``config.ln_placement`` puts it (``PreLN``, ``PostLN``:
-    the same parameters, only where they act differs). ``layer``: the block's global index
-    (dropout masks depend on it, not on the stage holding it). Under sequence parallelism x is
-    this rank's part of the sequence, [b, s/t, h]: the layer norms, dropouts and residual adds
-    run on it; attention and the MLP gather the sequence in. ``mask``: the keys' padding mask.
-    """
+    """Attention, then the MLP, each with a layer norm and a residual add (Figure 2), placed as
+    ``config.ln_placement`` says. ``layer``: the global index (dropout masks depend on it, not on
+    the stage). Under sequence parallelism x is [b, s/t, h]: layer norms, dropouts and residual
+    adds run on it; attention and the MLP gather the sequence."""
 
     def __init__(self, config: GPTConfig, group: CommGroup, layer: int = 0,
                  cp_group: CommGroup | None = None) -> None:
@@ -215,7 +199,7 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, kv: LayerKV | None = None,
                 dropout_key: DropoutKey | None = None,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
-        """x [b, s, h] → [b, s, h] (or this rank's part, [b, s/t, h])."""
+        """x [b, s, h] → [b, s, h] (or [b, s/t, h]); ``mask``: the keys' padding mask."""
         check_initialised(self)
         u = self.ln1(x)                                  # [b, s, h]
         y = self.attn(u, kv, dropout_key, add_bias=False, mask=mask)
@@ -255,15 +239,13 @@ def _hidden_out(h: torch.Tensor, *args) -> torch.Tensor:
 
 class TransformerStage(nn.Module):
     """A model whole (the defaults) or one pipeline stage of it, tensor-parallel over ``grid``
-    (None → serial); ``GPT`` and ``BERT`` add their inputs, heads and ``forward``.
+    (None: serial); ``GPT`` and ``BERT`` add their inputs, heads and ``forward``.
 
-    ``layers``: global indices of the blocks held (default all). ``first``: holds the embeddings
-    and takes input ids [b, s]; otherwise hidden states [b, s, h] ([b, s/t, h] under sequence
-    parallelism). ``last``: holds the final layer norm and the output layer (tied to the word
-    embedding). Parameters are drawn from ``config.seed`` by name (the same at any tp and pp),
-    on the grid's device. What the stage's ends do is chosen once, here: ``enter`` (the
-    embeddings, or the hidden states as they come) and ``leave`` (the heads, or the hidden
-    states as they go).
+    ``layers``: global indices of the blocks held (default all). ``first``: holds the embeddings,
+    takes ids [b, s]; else hidden states [b, s, h] ([b, s/t, h] under sequence parallelism).
+    ``last``: holds the final layer norm and the tied output layer. Parameters are drawn from
+    ``config.seed`` by name: the same at any tp and pp. The ends, ``enter`` and ``leave``
+    (embeddings and heads, or hidden states passed through), are chosen once, here.
     """
 
     config_class = GPTConfig        # the configuration it is built from, exactly (BERT: its own)
@@ -291,8 +273,7 @@ class TransformerStage(nn.Module):
                         device=grid.device if grid is not None else "cpu")
 
     def _build(self, config: GPTConfig) -> None:
-        """The modules of this stage, on the meta device until initialised; the kinds of model
-        add their own ends (``_build_first``, ``_build_last``)."""
+        """The stage's modules; each model adds its ends (``_build_first``, ``_build_last``)."""
         if self.first:                    # the embeddings, whose word table the output layer uses
             self.embedding = Embedding(config, self.tp_group, cp_group=self.cp_group)
             self.enter = self._build_first(config)
@@ -313,8 +294,7 @@ class TransformerStage(nn.Module):
 
     def _blocks(self, h: torch.Tensor, dropout_key: DropoutKey | None,
                 cache: KVCache | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """This stage's blocks in order; ``mask``: the keys' padding mask [b, s] (BERT);
-        ``cache``: generation's keys and values (each block's own)."""
+        """The blocks in order; ``mask``: the keys' padding mask [b, s]; ``cache``: generation's."""
         for name, block in self.blocks.items():
             h = (block(h, cache.layer(name)) if cache is not None
                  else self.run_block(block, h, dropout_key, mask))
@@ -331,15 +311,13 @@ class TransformerStage(nn.Module):
         return self.embedding(ids, offset, dropout_key, extra)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        """The output layer: a column-parallel linear sharing the embedding table (tied); h is
-        gathered from the sequence under sequence parallelism."""
+        """The output layer: column-parallel, tied to the word table (gathers h under SP)."""
         logits = self.style.column_linear(h, self.embedding.word.weight, None)  # [b, s, V/t]
         return mask_padded_vocab(logits, self.config.vocab_size, self.tp_group)
 
     def boundary_shape(self, ids: torch.Size) -> torch.Size:
-        """The shape of what this stage sends on, for a microbatch of token ids ``ids`` [b, s]:
-        the residual stream [b, s, h] of this rank's part of the sequence (s/t under sequence
-        parallelism)."""
+        """What this stage sends on for token ids of shape ``ids`` [b, s]: the residual stream
+        [b, s, h] of this rank's part of the sequence (s/t under sequence parallelism)."""
         parts = self.style.sequence_split
         if ids[1] % parts:
             raise ValueError(f"{ids[1]} tokens do not split into {parts} parts")

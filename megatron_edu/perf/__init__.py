@@ -15,6 +15,7 @@ sweeps.py    the model swept over one setting: the experiments of 2104.04473 §3
 traffic.py   bytes on the wire from ``comm.record()`` logs, by purpose
 papers.py    the papers' tables shipped in docs/papers/, as numbers and models
 measure.py   memory and MFU measured on this machine
+ring.py      ring attention's steps, simulated: what notebook 12's timelines compare with
 """
 
 from .advisor import (
@@ -23,7 +24,6 @@ from .advisor import (
     SELENE_A100,
     Hardware,
     Prediction,
-    TimeBreakdown,
     advise,
     candidates,
     predict,
@@ -31,7 +31,6 @@ from .advisor import (
 )
 from .flops import (
     A100_BF16_PEAK,
-    H100_PCIE_BF16_PEAK,
     H100_SXM_BF16_PEAK,
     V100_FP16_PEAK,
     datasheet_bf16_peak,
@@ -62,9 +61,9 @@ from .sweeps import best_per_split, interleaving_speedup, microbatch_tradeoff, t
 from .traffic import PURPOSES, wire_bytes_by_group
 
 __all__ = [
-    "A100_BF16_PEAK", "DGX2H_V100", "DGX_H100", "FP32", "GIB", "H100_PCIE_BF16_PEAK",
+    "A100_BF16_PEAK", "DGX2H_V100", "DGX_H100", "FP32", "GIB",
     "H100_SXM_BF16_PEAK", "MIXED", "MIXED_FP32_GRADS", "PURPOSES", "SELENE_A100",
-    "V100_FP16_PEAK", "Hardware", "MemoryEstimate", "Precision", "Prediction", "TimeBreakdown",
+    "V100_FP16_PEAK", "Hardware", "MemoryEstimate", "Precision", "Prediction",
     "activation_bytes_per_layer", "activation_bytes_per_rank", "advise", "best_per_split",
     "candidates", "datasheet_bf16_peak", "datasheet_peak_flops",
     "embedding_activation_bytes", "forwards_in_flight", "interleaving_speedup", "measure_mfu",

@@ -85,9 +85,8 @@ from .memory import (
     parameters_per_rank,
 )
 
-__all__ = ["GEMM_EFFICIENCY", "DP_OVERLAP", "Hardware", "SELENE_A100", "DGX_H100", "DGX2H_V100",
-           "TimeBreakdown", "Prediction", "predict", "rejection_reason", "candidates",
-           "advise"]
+__all__ = ["Hardware", "SELENE_A100", "DGX_H100", "DGX2H_V100", "Prediction", "predict",
+           "rejection_reason", "candidates", "advise"]
 
 GEMM_EFFICIENCY = 0.62
 DP_OVERLAP = 0.0

@@ -22,10 +22,9 @@ import time
 
 import torch
 
-__all__ = ["A100_BF16_PEAK", "H100_SXM_BF16_PEAK", "H100_PCIE_BF16_PEAK", "NVL_BF16_PEAK",
-           "V100_FP16_PEAK", "DATASHEET_BF16_PEAKS", "num_parameters", "training_flops",
-           "training_time_seconds", "model_flops_utilization", "datasheet_bf16_peak",
-           "datasheet_peak_flops", "measure_matmul_flops"]
+__all__ = ["A100_BF16_PEAK", "H100_SXM_BF16_PEAK", "V100_FP16_PEAK", "DATASHEET_BF16_PEAKS",
+           "num_parameters", "training_flops", "training_time_seconds", "model_flops_utilization",
+           "datasheet_bf16_peak", "datasheet_peak_flops", "measure_matmul_flops"]
 
 # Dense 16-bit tensor-core peaks (FLOP/s per GPU), no sparsity.
 A100_BF16_PEAK = 312e12

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from megatron_edu.comm import CommLog
 
-__all__ = ["PURPOSES", "SCALAR_LABELS", "wire_bytes_by_group"]
+__all__ = ["PURPOSES", "wire_bytes_by_group"]
 
 PURPOSES = ("tp", "pp", "dp", "embedding", "scalars")
 # the labels of the few-byte collectives: the loss printed, the loss weighted by target tokens,

@@ -1,38 +1,23 @@
 """A stage's backward pass: whole, or split into B (input gradient) and W (weight gradient).
 
-References: Qi et al. 2023, arXiv 2401.10241 §1, Figure 1 — for a layer z = W·x the backward pass
-computes two things from dL/dz: dL/dx = Wᵀ·dL/dz, which the previous stage is waiting for (B), and
-dL/dW = dL/dz·xᵀ, which nobody needs before the optimizer step (W). Megatron-LM's
-``custom_backward`` (2104.04473's implementation) for the whole pass after the output was freed.
+2401.10241 §1, Figure 1: for a layer z = W·x the backward pass computes dL/dx = Wᵀ·dL/dz, which
+the previous stage is waiting for (B), and dL/dW = dL/dz·xᵀ, which nobody needs before the
+optimizer step (W). **Whole** (`backward`): autograd's engine, run directly since the output was
+freed after its send (Megatron-LM's ``custom_backward``).
 
-**Whole** (`backward`): autograd's engine from the output and the gradient received for it.
+**Split** (`backward_input`, then `WeightPass.run`) cuts the stage's autograd graph in two, with
+no knowledge of the model: the *trunk*, nodes that lead to the stage's input or to more than one
+weight, and the *weight branches*, nodes that lead to one weight only (a linear's weight
+transpose, a bias, a layer norm's scale). B runs autograd over the trunk only, so a matmul
+computes Wᵀ·dL/dz and skips dL/dz·xᵀ; at every *fork*, a trunk node a branch leaves, a hook keeps
+the arriving dL/dz. W restarts autograd at each fork for the branches and runs them down into
+``.grad`` as a normal backward does (data-parallel hooks fire in W). Nothing is computed twice.
 
-**Split** (`backward_input`, then `WeightPass.run`). Autograd computes both halves in one walk;
-here the stage's autograd graph is cut in two, with no knowledge of the model:
-
-* the *trunk*: every node that leads to the stage's input, or to more than one weight — the
-  path the gradient flows down (attention, the MLP's activations, the residual stream);
-* the *weight branches*: nodes that lead to one weight only (the transpose of a linear layer's
-  weight, its bias, a layer norm's scale), where a weight leaves the trunk.
-
-B runs autograd over the trunk only, asking for the input's gradient (on the first stage, whose
-input is token ids, for the gradient at the bottom of the trunk): a matmul node then computes
-Wᵀ·dL/dz and skips dL/dz·xᵀ, since no requested gradient needs it. At every *fork* — a trunk node
-from which a branch leaves — a hook keeps the gradient arriving there, dL/dz. W restarts autograd
-at each fork from the kept gradient, asking only for the branch's gradient (dL/dz·xᵀ), then runs
-the branches down to the weights, accumulating into ``.grad`` as a normal backward does — so
-data-parallel gradient hooks fire in W. Nothing is computed twice: B never computes a weight's
-gradient, W never an activation's.
-
-**Memory** (2401.10241 §2.3, Table 1): between B and W a microbatch keeps what the forward pass
-saved for the forks' re-run and the branches (the layer inputs x), plus the kept gradients dL/dz.
-Autograd frees saved tensors node by node only when a node runs for the last time, so here the
-trunk's own saved tensors (the paper's M_B − M_W) also wait for W: a microbatch holds its
-activations from F to W.
-
-Limits: an operation that computes several gradients in one custom function (sequence
-parallelism's all-gather linear, a non-reentrant checkpoint's recomputation) runs whole in B and
-again in W — correct, but not split.
+**Memory** (2401.10241 §2.3, Table 1): autograd frees a node's saved tensors only when it runs for
+the last time, so the trunk's own (M_B − M_W) wait for W too: a microbatch holds its activations,
+and the kept dL/dz, from F to W. Limits: a custom function computing several gradients at once
+(sequence parallelism's all-gather linear, non-reentrant checkpointing) runs whole in B and again
+in W: correct, not split.
 """
 
 from __future__ import annotations
@@ -49,9 +34,8 @@ TRUNK = "trunk"  # what `_leads_to` says of a node that leads to the input or to
 
 
 def backward(out: torch.Tensor, grad: torch.Tensor | None) -> None:
-    """The whole backward pass: ``torch.autograd.backward(out, grad)`` without its shape check,
-    which an output freed after its send fails (Megatron-LM's ``custom_backward``): the graph
-    itself is intact."""
+    """``torch.autograd.backward(out, grad)`` without its shape check, which an output freed after
+    its send fails though its graph is intact (Megatron-LM's ``custom_backward``)."""
     if grad is None:
         out.backward()  # the loss: a scalar that was never freed
         return
@@ -90,11 +74,9 @@ class WeightPass:
 
 def backward_input(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor | None
                    ) -> tuple[torch.Tensor | None, WeightPass]:
-    """B: the gradient of the stage input ``x`` (None on the first stage), and what W needs.
-
-    ``out``: the stage's output (its values may be freed) or its loss (``grad`` None).
-    No ``.grad`` is touched: the input's gradient is returned, the weights' wait for W.
-    """
+    """B: the gradient of the stage input ``x`` (None on the first stage), and what W needs;
+    ``out`` is the stage's output (values may be freed) or its loss (``grad`` None). No ``.grad``
+    is touched."""
     root = out.grad_fn
     grad = torch.ones_like(out) if grad is None else grad
     x_node = get_gradient_edge(x).node if x is not None and x.requires_grad else None

@@ -1,49 +1,21 @@
 """Execute a pipeline schedule for real: model chunks, microbatches, messages (2104.04473 §2.2).
 
-Each pipeline rank walks its list of actions from ``schedules.py``:
+Each pipeline rank runs its list from ``schedules.py`` (F, B and, with the backward split, W:
+2401.10241, ``backward.py``), receiving and sending what ``schedules.messages_of`` says through a
+transport (``p2p.py``). The last virtual stage computes the loss.
 
-* ``F(mb, c)``: take the microbatch's input — token ids on virtual stage 0, otherwise the
-  activation received from the previous virtual stage — run model chunk ``c`` on it, keep what
-  the backward pass needs, and send the output on (the last virtual stage computes the loss).
-* ``B(mb, c)``: backpropagate from the loss (last virtual stage) or from the gradient received
-  from the next virtual stage, then send the input's gradient back.
-* ``W(mb, c)``, in a zero-bubble schedule (2401.10241): the weights' gradient. B then computes
-  only the input's gradient and leaves W what it needs (``backward.py``); W accumulates into
-  the parameters' ``.grad`` and sends nothing.
+**Memory.** 1F1B holds at most p microbatches' activations, not GPipe's m (§2.2.1), so nothing
+here outlives what the schedule says: a send's tensor is released when the send completes, not at
+the step's end; a sent output's values are freed (Megatron-LM's ``deallocate_output_tensor``),
+keeping only its autograd node, which is why backward bypasses ``torch.autograd.backward``'s shape
+check (``backward.backward``); a microbatch's kept input and output go with its B (or its W).
+``PipelineResult.peak_boundary_tensors`` counts boundary tensors alive at once, by storage.
 
-Which virtual stage chunk c of rank r holds is the schedule's ``StageMap`` (c·p + r, §2.2.2, or
-ZB-V's V); what each action receives and sends is ``schedules.messages_of`` — the same data flow
-that ``check_schedule`` and the simulator read. Messages go through a transport
-(``p2p.py``): on gloo a mailbox with receives posted in advance, on NCCL batches that both
-neighbours issue at the same point of their schedules — the engine asks the same three things of
-either.
-
-**Memory.** 1F1B exists to hold at most p microbatches' activations instead of GPipe's m (§2.2.1),
-so nothing here may keep a microbatch alive longer than the schedule says:
-
-* a sent tensor is released as soon as its send completes, not at the end of the step;
-* a stage's output is freed once it is sent (Megatron-LM's ``deallocate_output_tensor``): only
-  its autograd node is needed for backward, the values live on in the next stage. Its ``.data``
-  becomes a one-element tensor, and backward then goes through autograd's engine directly
-  (Megatron-LM's ``custom_backward``), since ``torch.autograd.backward`` would reject a gradient
-  whose shape differs from the freed output's;
-* what each microbatch keeps — its input (for the input's gradient) and its output's node — is
-  dropped by its backward pass; with the backward split, what W needs lives until W.
-
-``PipelineResult.peak_boundary_tensors`` counts how many tensors crossing a stage boundary were
-alive at once (by their storage, so a freed output no longer counts); tests measure the peak
-bytes, too.
-
-**The loss** is the mean over target tokens (labels ≠ −100) of the whole batch — across
-microbatches, and across data-parallel replicas when ``num_tokens`` counts theirs too — not a mean
-of microbatch means, which would weight a padded microbatch like a full one: each microbatch adds
-its summed token losses divided by that count.
-
-**Dropout** masks are drawn from (seed, ``step``, global sample index, layer), so they do not
-depend on how the batch is cut into microbatches, stages or replicas (``random.py``).
-
-Every action's start and end is recorded (``timing.Clock``: CUDA events on a GPU): the measured
-timeline, in the simulator's format.
+**The loss** is the token mean (labels ≠ −100) of the whole batch, across microbatches and, via
+``num_tokens``, replicas: a mean of microbatch means would weight a padded microbatch like a full
+one. **Dropout** masks are keyed by (seed, ``step``, global sample, layer), independent of the cut
+into microbatches, stages or replicas (``random.py``). Every action's start and end is recorded
+(``timing.Clock``): a measured timeline in the simulator's format.
 """
 
 from __future__ import annotations
@@ -88,11 +60,10 @@ def build_chunks(config: GPTConfig, grid: ParallelGrid, stages: StageMap | None 
 
 @dataclass(frozen=True)
 class Batch:
-    """One replica's batch of one step, [b, s] ids and labels (every pipeline rank may pass it;
-    only the first and the last stage read it), and what makes its loss and its dropout masks
-    the serial model's: the optimizer ``step`` and the global index of its ``first_sample`` key
-    the masks; ``num_tokens`` is the count of target tokens (labels ≠ −100) its loss is
-    averaged over — the global batch's under data parallelism (None: this batch's)."""
+    """One replica's [b, s] ids and labels of one step (only the first and last stage read them).
+    ``step`` and the global index of ``first_sample`` key the dropout masks; ``num_tokens``: the
+    target tokens the loss averages over, the global batch's under data parallelism (None: this
+    batch's)."""
 
     input_ids: torch.Tensor
     labels: torch.Tensor
@@ -103,16 +74,12 @@ class Batch:
 
 @dataclass(frozen=True)
 class RunSettings:
-    """How a step runs, beside what it computes.
-
-    ``scatter_gather``: each tp rank sends 1/tp of an activation replicated over tp, the
-    receiver all-gathers it (2104.04473 §4.1). ``transport``: "auto" (batched on NCCL, the
-    mailbox on gloo), "batched" or "mailbox" (``p2p.py``). ``grad_sync(chunk, is_last)`` wraps
-    every pass that accumulates weight gradients — each B, or each W when the schedule has W
-    actions: a data-parallel wrapper communicates in each chunk's last one (§2.1).
-    ``loss_scale``: backward starts from the loss times this (fp16's loss scaling; the reported
-    loss is not scaled). ``messages``: what each action receives and sends (exercise 05.2 passes
-    the learner's)."""
+    """How a step runs, beside what it computes. ``scatter_gather``: send 1/tp of an activation
+    replicated over tp, all-gathered on receipt (2104.04473 §4.1). ``transport``: "auto", "batched"
+    or "mailbox" (``p2p.py``). ``grad_sync(chunk, is_last)`` wraps each pass that accumulates
+    weight gradients (B, or W when split): data parallelism communicates in a chunk's last (§2.1).
+    ``loss_scale``: fp16 loss scaling of backward (the reported loss is unscaled). ``messages``:
+    what each action receives and sends (exercise 05.2 passes the learner's)."""
 
     scatter_gather: bool = False
     transport: str = "auto"
@@ -133,15 +100,11 @@ class PipelineResult:
 
 def run_schedule(schedule: Schedule, chunks: Sequence[nn.Module], grid: ParallelGrid,
                  batch: Batch, settings: RunSettings | None = None) -> PipelineResult:
-    """Run this rank's list of ``schedule`` over ``chunks``: one forward-backward of the batch,
-    cut into the schedule's microbatches. Gradients accumulate in the chunks' parameters.
-
-    ``chunks`` are called as GPT stages are: ``chunk(x, dropout_key=key)`` returns the next
-    stage's input, of ``chunk.boundary_shape(ids.shape)`` (its part of the sequence under
-    sequence parallelism) in the parameters' dtype, and on the last virtual stage
-    ``chunk(x, labels, dropout_key=key, loss_reduction="sum")`` the summed token losses. Where
-    they live is the schedule's own ``stages``, which ``build_chunks`` built them by.
-    """
+    """Run this rank's list of ``schedule`` over ``chunks`` (``build_chunks``): one
+    forward-backward of the batch; gradients accumulate in the chunks' parameters. A chunk is
+    called as a GPT stage: ``chunk(x, dropout_key=key)`` returns the next stage's input, of
+    ``chunk.boundary_shape(ids.shape)``; the last stage's ``chunk(x, labels, dropout_key=key,
+    loss_reduction="sum")`` the summed token losses."""
     settings = settings or RunSettings()
     m = schedule.num_microbatches
     if batch.input_ids.shape[0] % m:
@@ -151,15 +114,11 @@ def run_schedule(schedule: Schedule, chunks: Sequence[nn.Module], grid: Parallel
         raise ValueError(f"{len(chunks)} chunks on this rank, but the schedule runs "
                          f"{schedule.stages.v} per rank ({schedule.stages})")
     ids = batch.input_ids.chunk(m)
+    # between stages: the residual stream's dtype, the parameters' (fp32 under autocast)
+    dtype = next(chunks[0].parameters()).dtype
     wire = make_transport(settings.transport, schedule, grid, chunks[0].boundary_shape(
-        ids[0].shape), _boundary_dtype(chunks), settings.scatter_gather, settings.messages)
+        ids[0].shape), dtype, settings.scatter_gather, settings.messages)
     return _Run(schedule, chunks, grid, batch, settings, wire).execute()
-
-
-def _boundary_dtype(chunks: Sequence[nn.Module]) -> torch.dtype:
-    """The dtype of activations between stages: the residual stream's, the parameters' (fp32
-    under autocast: Megatron-LM's ``fp32_residual_connection``); checked on every message."""
-    return next(chunks[0].parameters()).dtype
 
 
 class _Run:
@@ -261,14 +220,10 @@ class _Run:
         return comm.all_reduce(loss, self.grid.pp_group, label="pp loss")
 
 
-# --- freeing a sent output (backward.py's passes still work after it) -----------------------------
-
 def _free_output(out: torch.Tensor) -> None:
-    """Free the values of a stage's output once sent; keep the tensor for its autograd node.
-
-    Safe only for a tensor that owns its memory and that autograd did not save: the stage's
-    last operation is a residual add, which saves nothing (Megatron-LM asserts the same).
-    """
+    """Free a sent stage output's values, keeping the tensor for its autograd node. Safe only for
+    a tensor that owns its memory and autograd did not save: a stage ends in a residual add, which
+    saves nothing (Megatron-LM asserts the same)."""
     if not out.requires_grad:
         return  # no backward will come (evaluation): nothing is kept anyway
     if out._base is not None:

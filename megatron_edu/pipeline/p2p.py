@@ -1,51 +1,32 @@
-"""Messages between pipeline stages, and the two ways of sending them: gloo's and NCCL's.
+"""Messages between pipeline stages, and two transports for them: gloo's and NCCL's.
 
-Every message crossing a stage boundary has one key, ``stages.Message(kind, microbatch, stage)``;
-the schedule's ``StageMap`` says who sends and who receives it, and which messages stay on their
-rank (ZB-V's turn: they never touch the wire); ``schedules.messages_of`` says which action
-receives and sends which. Every rank knows every schedule (they are data), so every rank knows
-which messages it will send and receive, in which order — nothing is negotiated at run time.
+A message's key is ``stages.Message(kind, microbatch, stage)``; the ``StageMap`` says who sends
+and receives it (or that it stays on its rank: ZB-V's turn), ``schedules.messages_of`` which
+action. Schedules are data, so each rank knows all its messages in advance, in order. The engine
+calls ``send(message, tensor)``, ``receive(message)`` and ``at_point(i)`` before action i (and
+after the last).
 
-The engine asks a transport three things: ``send(message, tensor)`` after an action produced it,
-``receive(message)`` before an action needs it, and ``at_point(i)`` before its i-th action (and
-once after its last). Two transports answer:
+**``MailboxTransport`` (gloo, CPU).** Sends start at once and a helper thread releases each as it
+completes (gloo reports completion only to ``wait()``). Each (kind, direction) has its own channel
+(``grid.p2p_channels``) whose next receive is always posted, so a message lands while the
+receiver computes. Safe on gloo: a send completes without its receive, and a channel carries
+nothing else.
 
-**``MailboxTransport`` (gloo, CPU).** Sends start at once (``isend``) and each is released as soon
-as it completes (gloo tells only a ``wait()``, so a helper thread waits for each in turn and drops
-its tensor); each (kind, direction) has a two-rank channel of its own (``grid.p2p_channels``)
-whose next receive is always posted in advance, so a message lands while the receiver
-computes. A receiver takes each channel's messages in the order the sender sends them and keeps
-early arrivals until their action comes. Safe on gloo: a send completes into the peer's buffer
-without it, receives are plain buffers posted on a channel that carries nothing else, and a
-schedule that ``check_schedule`` accepts reaches every receive.
-
-**``BatchedTransport`` (NCCL, GPU).** NCCL needs more: a send and its receive are one kernel pair
-that both sides must launch; a receive left posted spins on the GPU while the rank computes (and
-NCCL documents that a device synchronisation, such as the caching allocator freeing memory, can
-then deadlock); and an unbatched send or receive on a communicator not yet created makes one
-lazily, where two ranks touching their channels in different orders each wait for the other.
-So, as Megatron-LM's ``batch_isend_irecv`` p2p and ``torch.distributed.pipelining`` do, neighbours
-exchange in **batches that match one to one**: at a fixed point of both their schedules, both
-issue one ``batch_isend_irecv`` over the pipeline group (its communicator made eagerly, with the
-group: ``device_id`` in ``launch``) holding the same messages in the same order, and wait for it
-before computing on. Nothing stays posted across computation. Which messages go in which batch at
-which point is decided before the step by ``exchange_plan``: the meetings of the schedule's one
-walk (``schedules.walk``), which every rank computes alike (tests check both sides of every pair
-on every schedule).
-The plan makes each batch an exchange between a rank that has just produced messages and a
-neighbour standing between two actions — in 1F1B's steady state exactly Megatron's
-``send_forward_recv_backward`` / ``send_backward_recv_forward`` pairs.
-
-The scatter/gather optimisation (2104.04473 §4.1): with tensor parallelism the activation between
-stages is replicated on the tp ranks, so each sends only its 1/tp slice and the receiver
-all-gathers it over the fast intra-node tp group. Both transports share that wire format.
+**``BatchedTransport`` (NCCL, GPU).** On NCCL a send and its receive are one kernel pair both
+sides must launch; a receive left posted spins on the GPU while the rank computes (and can
+deadlock with a device synchronisation, such as the caching allocator freeing memory); a lazily
+created communicator deadlocks ranks that reach it in different orders. So, as Megatron-LM does,
+neighbours exchange in batches that match one to one: at a point of both schedules fixed by
+``exchange_plan``, both issue one ``batch_isend_irecv`` (communicator made eagerly: ``device_id``
+in ``launch``) with the same messages in the same order, and wait for it. In 1F1B's steady state
+these are Megatron's ``send_forward_recv_backward`` / ``send_backward_recv_forward``. Both
+transports share the wire format (``Whole``, or 2104.04473 §4.1's ``ScatterGather``).
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -54,29 +35,19 @@ import torch.distributed as dist
 
 from megatron_edu import comm
 from megatron_edu.grid import ParallelGrid
-from megatron_edu.pipeline.schedules import (
-    Action,
-    Meeting,
-    MessagesOf,
-    Schedule,
-    messages_of,
-    walk,
-)
+from megatron_edu.pipeline.schedules import Action, Meeting, MessagesOf, Schedule, messages_of, walk
 from megatron_edu.pipeline.stages import Message, StageMap
 
-__all__ = ["Exchange", "exchange_plan", "MailboxTransport", "BatchedTransport",
-           "make_transport", "LABELS"]
+__all__ = ["exchange_plan", "make_transport", "LABELS"]
 
 LABELS = {"act": "pp activation", "grad": "pp gradient"}  # as comm.record() names them
 
 
 # --- the exchange plan: matched batches, decided before the step --------------------------------
-
 @dataclass(frozen=True)
 class Exchange:
-    """One batch between this rank and pipeline rank ``peer``. Both issue it with the same
-    ``messages``, in the same order (those the lower rank sends first, each direction in sending
-    order); each side sends the messages whose source it is and receives the others."""
+    """One batch with pipeline rank ``peer``: both sides issue the same ``messages`` in the same
+    order (the lower rank's first); each sends those it is the source of, receives the rest."""
 
     peer: int
     messages: tuple[Message, ...]
@@ -86,14 +57,11 @@ Plan = tuple[tuple[tuple[Exchange, ...], ...], ...]  # plan[rank][i]: before ran
 
 
 def exchange_plan(schedule: Schedule, messages: MessagesOf = messages_of) -> Plan:
-    """For every rank and every point of its list (before action i; i = len: after the last),
-    the exchanges it runs there: the meetings of ``schedules.walk``. The two sides of each pair
-    issue matching batches in the same order, and every rank receives each input before the
-    action that needs it. Each rank does its exchanges in the walk's one global order, so the
-    real run cannot deadlock: the earliest exchange not yet done always has both sides ready for
-    it. A schedule that ``check_schedule`` accepts always has a plan. Cached (a run asks for the
-    same plan every step, and the walk takes tens of ms at p = 8, m = 64), hence immutable.
-    """
+    """Per rank and point of its list (before action i; i = len: after the last), the exchanges
+    it runs there: the meetings of ``schedules.walk``. Every rank runs them in the walk's one
+    global order, so the earliest not yet done always has both sides ready: no deadlock (every
+    schedule ``check_schedule`` accepts has a plan). Cached (the walk takes tens of ms at p = 8,
+    m = 64), hence immutable."""
     return _plan(tuple(map(tuple, schedule)), schedule.stages, messages)
 
 
@@ -109,7 +77,6 @@ def _plan(rows: tuple[tuple[Action, ...], ...], stages: StageMap, messages: Mess
 
 
 # --- the wire: what goes on it, shared by both transports ----------------------------------------
-
 class Whole:
     """A message on the wire: the whole flat tensor."""
 
@@ -141,9 +108,8 @@ class ScatterGather(Whole):
 
 
 class _Transport:
-    """The wire format (dtype, and ``Whole`` or ``ScatterGather``), the global ranks of
-    neighbours, and the hand-over of ``local`` messages (ZB-V's turn), which never touch the
-    wire."""
+    """The wire format (dtype; ``Whole`` or ``ScatterGather``), neighbours' global ranks, and the
+    hand-over of ``local`` messages (ZB-V's turn), which never touch the wire."""
 
     def __init__(self, schedule: Schedule, grid: ParallelGrid, shape: tuple[int, ...],
                  dtype: torch.dtype, scatter_gather: bool, messages: MessagesOf) -> None:
@@ -157,8 +123,7 @@ class _Transport:
         return self.grid.pp_group.ranks[pp_rank]
 
     def to_wire(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The flat payload (a view: the tensor's memory stays alive until the send that holds
-        it is released)."""
+        """The flat payload (a view: the tensor's memory lives until its send is released)."""
         if tensor.dtype != self.dtype or tensor.shape != self.full_shape:
             raise ValueError(f"a pipeline message is {tuple(tensor.shape)} {tensor.dtype}, but "
                              f"the receiver expects {tuple(self.full_shape)} {self.dtype}")
@@ -193,8 +158,9 @@ class MailboxTransport(_Transport):
     def __init__(self, schedule: Schedule, grid: ParallelGrid, shape: tuple[int, ...],
                  dtype: torch.dtype, scatter_gather: bool, messages: MessagesOf) -> None:
         super().__init__(schedule, grid, shape, dtype, scatter_gather, messages)
-        incoming = [m for r in range(grid.pp) for m in _sent_by(schedule, r, messages)
-                    if self.stages.receiver(m) == grid.pp_rank and not self.stages.is_local(m)]
+        sent = (messages(a, r, self.stages)[1] for r, row in enumerate(schedule) for a in row)
+        incoming = [m for m in sent if m is not None and self.stages.receiver(m) == grid.pp_rank
+                    and not self.stages.is_local(m)]
         if incoming and not grid.p2p_channels:
             raise ValueError("the mailbox transport needs grid.p2p_channels (made on gloo only)")
         # Each channel's messages in the sender's order: the order gloo matches them in.
@@ -208,10 +174,8 @@ class MailboxTransport(_Transport):
             self._post(channel)
 
     def _stream(self, message: Message) -> tuple[str, int]:
-        """(channel, sender): the in-order stream ``message`` travels on. The grid has one
-        channel per kind along the ring (activations forward, gradients back); a message going
-        the other way (ZB-V's chunk 1 runs back up the ranks) shares the channel of its
-        direction, in the sender's order."""
+        """(channel, sender): the in-order stream of ``message``. The grid has one channel per kind
+        along the ring; a message going the other way (ZB-V's chunk 1) shares its direction's."""
         src, dst = self.stages.sender(message), self.stages.receiver(message)
         kinds = [k for k in LABELS
                  if (k, self.global_rank(src), self.global_rank(dst)) in self.grid.p2p_channels]
@@ -322,14 +286,6 @@ class BatchedTransport(_Transport):
     def finish(self) -> None:
         assert not self.outbox and not self.inbox and not self.handed_over, \
             "the exchange plan left a message behind"
-
-
-def _sent_by(schedule: Schedule, rank: int, messages: MessagesOf) -> Iterator[Message]:
-    """The messages pipeline rank ``rank`` sends, in its order."""
-    for action in schedule[rank]:
-        _, sends = messages(action, rank, schedule.stages)
-        if sends is not None:
-            yield sends
 
 
 TRANSPORTS = {"mailbox": MailboxTransport, "batched": BatchedTransport}

@@ -1,29 +1,19 @@
 """1F1B you can read as a loop: 2104.04473's Figure 4 (top) in code, as Megatron-LM runs it.
 
-Figure 4 (top) shows 1F1B (PipeDream-Flush, §2.2.1): rank r runs forward passes only (warm-up),
-then alternates one forward and one backward pass (the steady 1F1B state), then the backward
-passes left (cool-down), and the batch ends in a flush. ``pipeline_step`` is Megatron-LM's
-``forward_backward_pipelining_without_interleaving``, its paired operations under their names:
+``pipeline_step`` is Megatron-LM's ``forward_backward_pipelining_without_interleaving``
+(§2.2.1), its paired operations under their names:
 
 * warm-up, min(p − r − 1, m) times: ``recv_forward``, forward, ``send_forward``;
 * steady, the other m − warm-up: forward, ``send_forward_recv_backward``, the oldest
   microbatch's backward, ``send_backward_recv_forward`` (after the last: ``send_backward``);
 * cool-down, warm-up times: ``recv_backward``, backward, ``send_backward``.
 
-GPipe (Figure 3) is the same loop with a warm-up of m. **Memory**: a microbatch's activations
-live from its forward to its backward; rank r runs p − r − 1 forwards before the steady state and
-one more before each backward, so it holds at most p − r microbatches' (GPipe: all m).
-
-**No deadlock, on gloo or NCCL.** Each named call is one ``batch_isend_irecv`` with one neighbour
-over the pipeline group, waited on at once (as in Megatron-LM's p2p): nothing stays posted across
-computation, as NCCL requires. Along each link the calls match one to one, in order: rank r's
-``send_forward``, ``send_forward_recv_backward``, ``recv_backward`` meet r + 1's ``recv_forward``,
-``send_backward_recv_forward``, ``send_backward`` (r + 1 warms up once less: its receive before
-the steady loop meets r's last warm-up send, its last steady send r's first cool-down receive).
-Both sides issue each pair at the same moment of Figure 4: a rank waits only for work before it.
-
-``engine.py`` generalises this loop to any schedule given as data (interleaved, zero bubble);
-this file deliberately handles only these two.
+GPipe (Figure 3) is the same loop with a warm-up of m. Rank r holds at most p − r microbatches'
+activations (GPipe: all m). No deadlock, on gloo or NCCL: each call is one waited
+``batch_isend_irecv`` with one neighbour (nothing stays posted, as NCCL requires), and along each
+link the calls match one to one, in order: r's ``send_forward``, ``send_forward_recv_backward``,
+``recv_backward`` meet r + 1's ``recv_forward``, ``send_backward_recv_forward``,
+``send_backward`` (r + 1 warms up once less). ``engine.py`` runs any schedule given as data.
 """
 
 from __future__ import annotations

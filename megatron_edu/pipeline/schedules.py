@@ -1,25 +1,15 @@
 """Pipeline schedules as data: for each pipeline rank, the ordered list of actions it runs.
 
-References: Narayanan et al. 2021, arXiv 2104.04473 §2.2 — GPipe (Figure 3), 1F1B / PipeDream-Flush
-(Figure 4, top) and the interleaved 1F1B schedule (Figure 4, bottom). The orders are those of
-Megatron-LM's `forward_backward_pipelining_without_interleaving` and
-`forward_backward_pipelining_with_interleaving`. Qi et al. 2023, arXiv 2401.10241 — the zero-bubble
-schedules ZB-H1 and ZB-H2 (§2, Figure 3) and ZB-V (§6), whose backward pass is split in two.
+GPipe, 1F1B and interleaved 1F1B (2104.04473 §2.2, Figures 3 and 4), in the orders of Megatron-LM's
+``forward_backward_pipelining_{without,with}_interleaving``; the zero-bubble ZB-H1, ZB-H2
+(2401.10241 §2, Figure 3) and ZB-V (§6) split the backward pass (§1, Figure 1): B computes the
+input's gradient, which the previous stage waits for, W the weights', which nobody needs before
+the optimizer step. Without W actions, B is the whole backward.
 
-A `Schedule` is a list with one entry per pipeline rank, each a list of `Action`s in execution
-order, and the `StageMap` saying where its model chunks live (`stages.py`: chunk c of rank r is
-stage c·p + r, or ZB-V's V). Nothing here computes or communicates: the same lists are checked
-(`check_schedule`), simulated (`simulate.py`), drawn and executed over send/recv (`engine.py`;
-`reference.py` runs 1F1B as a plain loop).
-
-The backward pass split in two (2401.10241 §1, Figure 1): for a layer y = f(x, W), B computes the
-input's gradient — which the previous stage waits for — and W the weights' gradient, which nobody
-needs before the optimizer step. A schedule with W actions runs B as the input gradient only; a
-schedule without them (GPipe, 1F1B, interleaved) runs the whole backward as its B.
-
-What an action receives and sends (`messages_of`) is the one definition of the data flow; the
-dependencies, the checker, the simulator and the exchange plan of `p2p.py` all follow from it
-through one walk of the ranks' lists (`walk`).
+Nothing here computes or communicates: the lists are checked (``check_schedule``), simulated
+(``simulate.py``) and executed (``engine.py``). ``messages_of`` is the one definition of the data
+flow; the dependencies, the checker, the simulator and ``p2p.exchange_plan`` all follow from it
+through one ``walk``.
 """
 
 from __future__ import annotations
@@ -33,8 +23,7 @@ from megatron_edu.pipeline.stages import Message, StageMap
 __all__ = ["Action", "Schedule", "gpipe", "one_f_one_b", "interleaved_one_f_one_b",
            "zero_bubble_h1", "zero_bubble_h2", "zero_bubble_v", "SCHEDULES", "stage_map",
            "check_layout", "make_schedule", "PipelineConfig", "forward_only", "format_schedule",
-           "messages_of",
-           "dependencies", "Meeting", "walk", "check_schedule"]
+           "messages_of", "dependencies", "Meeting", "walk", "check_schedule"]
 
 
 @dataclass(frozen=True)
@@ -56,8 +45,7 @@ class Action:
 
 
 class Schedule(list):
-    """One list of `Action`s per pipeline rank, in order — a plain list of lists to read, print
-    and edit — and ``stages``, the `StageMap` its chunks live on, which every reader asks."""
+    """One list of `Action`s per pipeline rank, in order, and ``stages``, its chunks' `StageMap`."""
 
     def __init__(self, rows: Iterable[Iterable[Action]], stages: StageMap) -> None:
         super().__init__(list(row) for row in rows)
@@ -87,8 +75,6 @@ class Schedule(list):
 
 
 # --- the schedules ----------------------------------------------------------------------------
-
-
 def _warmup_then_1f1b(forwards: list[Action], backwards: list[Action],
                       num_warmup: int) -> list[Action]:
     """`num_warmup` forwards, then alternate one forward and one backward, then the rest backward.
@@ -104,10 +90,8 @@ def _warmup_then_1f1b(forwards: list[Action], backwards: list[Action],
 
 
 def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
-    """All forwards, then all backwards, on every rank (2104.04473 §2.2.1, Figure 3).
-
-    Every rank holds the activations of all m microbatches before its first backward pass.
-    """
+    """All forwards, then all backwards, on every rank (2104.04473 §2.2.1, Figure 3): each
+    holds all m microbatches' activations."""
     check_layout("gpipe", num_stages, num_microbatches)
     forwards = [Action("F", i) for i in range(num_microbatches)]
     backwards = [Action("B", i) for i in range(num_microbatches)]
@@ -131,11 +115,8 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
 
 
 def _interleaved_stream(kind: str, p: int, m: int, v: int) -> list[Action]:
-    """The k-th forward (backward) of a rank, for k in 0..m·v−1, in Megatron's interleaved order.
-
-    Microbatches go in groups of p: p microbatches through chunk 0, the same p through chunk 1, …,
-    then the next p microbatches. Backward passes visit the chunks in reverse (v−1 first).
-    """
+    """A rank's m·v forwards (backwards) in Megatron's interleaved order: p microbatches through
+    chunk 0, the same p through chunk 1, …, then the next p; backwards take the chunks from v−1."""
     stream = []
     for k in range(m * v):
         chunk = (k // p) % v
@@ -148,18 +129,13 @@ def interleaved_one_f_one_b(num_stages: int, num_microbatches: int, num_chunks: 
                             warmup_per_hop: int = 2) -> Schedule:
     """Interleaved 1F1B with v model chunks per rank (2104.04473 §2.2.2, Figure 4 bottom).
 
-    Rank r warms up with (p − r − 1)·2 + (v − 1)·p forwards (at most m·v), as in Megatron-LM's
-    forward_backward_pipelining_with_interleaving, then alternates. Needs m to be a multiple of p,
-    since microbatches go through the chunks in groups of p. With v = 1 this is 1F1B itself.
-
-    The 2 per hop back is Megatron-LM's: it exchanges both directions' messages in one call after
-    each step, so a result reaches the neighbour a step late each way. Sends that leave at once
-    need one per hop (``warmup_per_hop=1``): the same bubble with less held, but every send's
-    latency on the critical path (notebook 04 compares the two).
-
-    One difference from Megatron-LM: when m = p it runs every forward first, a constraint of its
-    paired send/recv calls. As data that is not needed: this order has the same bubble,
-    (p − 1)/(v·m), and holds fewer activations, so the warm-up formula is used for every m.
+    Rank r warms up with (p − r − 1)·2 + (v − 1)·p forwards (at most m·v), as Megatron-LM does,
+    then alternates; m must be a multiple of p. With v = 1 this is 1F1B. The 2 per hop is
+    Megatron-LM's: it exchanges both directions in one call after each step, so a result reaches
+    the neighbour a step late. Sends that leave at once need ``warmup_per_hop=1``: the same bubble
+    with less held, but every send's latency on the critical path (notebook 04). Megatron-LM runs
+    every forward first when m = p (its paired calls need it); as data, the same formula holds for
+    every m: the same bubble, (p − 1)/(v·m), with fewer activations held.
     """
     p, m, v = num_stages, num_microbatches, num_chunks
     check_layout("interleaved", p, m, v)
@@ -174,8 +150,6 @@ def interleaved_one_f_one_b(num_stages: int, num_microbatches: int, num_chunks: 
 
 
 # --- zero bubble (2401.10241): the backward split into B and W ---------------------------------
-
-
 def _weights_after_backwards(order: list[Action], delay: int) -> list[Action]:
     """`order` with each B followed by the W of the backward `delay` B's before it; the W's of
     the last `delay` backward passes close the list.
@@ -213,11 +187,9 @@ def _zero_bubble(num_stages: int, num_microbatches: int, k: int) -> Schedule:
 def zero_bubble_h1(num_stages: int, num_microbatches: int) -> Schedule:
     """ZB-H1 (2401.10241 §2.1, Figure 3 top): 1F1B whose B is the input gradient only.
 
-    Each rank warms up as in 1F1B, and rank r runs the W of a microbatch r backward passes after
-    its B — the later ranks, which warmed up less, keep their W's for the tail, where 1F1B idles.
-    Every rank holds p microbatches, 1F1B's peak on rank 0, and B reaches rank 0 without waiting
-    for any W: the bubble shrinks to (p − 1)(t_F + t_B − t_W), a third of 1F1B's when the three
-    costs are equal (§2.3, Table 2; when t_W ≤ t_F).
+    Rank r runs each W r backward passes after its B, filling the tail where 1F1B idles. Every
+    rank holds p microbatches (1F1B's rank 0) and B reaches rank 0 without waiting for a W: the
+    bubble is (p − 1)(t_F + t_B − t_W), a third of 1F1B's at equal costs (§2.3 Table 2; t_W ≤ t_F).
     """
     return _zero_bubble(num_stages, num_microbatches, 1)
 
@@ -225,12 +197,10 @@ def zero_bubble_h1(num_stages: int, num_microbatches: int) -> Schedule:
 def zero_bubble_h2(num_stages: int, num_microbatches: int) -> Schedule:
     """ZB-H2 (2401.10241 §2.2, Figure 3 bottom): ZB-H1 stretched to hold 2p − 1 microbatches.
 
-    Rank r warms up with 2(p − r − 1) forwards, which fill the wait for the first B, and delays
-    its W's by 2r backward passes, which fill the tail: the ranks' timelines become
-    parallelograms, busy from their first action to their last (t_F = t_B = t_W; otherwise
-    (p − 1)(t_F + t_B − 2·t_W) idle, §2.3 Table 2). The idle time left is each rank's late start
-    and early finish, which the next step's actions fill once the optimizer step does not
-    synchronise the ranks (§4).
+    Rank r warms up with 2(p − r − 1) forwards and delays its W's by 2r backward passes: each rank
+    is busy from its first action to its last (t_F = t_B = t_W; else (p − 1)(t_F + t_B − 2·t_W)
+    idle, §2.3 Table 2). The next step fills its late start and early finish once the optimizer
+    step no longer synchronises the ranks (§4).
     """
     return _zero_bubble(num_stages, num_microbatches, 2)
 
@@ -238,14 +208,10 @@ def zero_bubble_h2(num_stages: int, num_microbatches: int) -> Schedule:
 def zero_bubble_v(num_stages: int, num_microbatches: int) -> Schedule:
     """ZB-V (2401.10241 §6): two chunks per rank placed in a V, 1F1B's memory and no bubble.
 
-    Chunk 0 of rank r is stage r, chunk 1 is stage 2p − 1 − r (``StageMap`` kind "v"):
-    a microbatch goes down the ranks and back up, so the first and the last stage share rank 0.
-    Rank r runs, on chunk 0 (F⁰, B⁰, W⁰) and chunk 1 (F¹, B¹, W¹), the phases of the paper's
-    (and PyTorch's ScheduleZBVZeroBubble's) order: 2(p − r) − 1 F⁰; r × (F¹ F⁰); p − r ×
-    (F¹ B¹ W¹); the steady (F⁰ B⁰ W⁰ F¹ B¹ W¹) until every forward ran; r × (B⁰ B¹);
-    p − r × (B⁰ W⁰); the W's left. With fewer than 2p − 1 microbatches the order is that of
-    2p − 1 without the missing ones. Every rank holds at most 2p chunk-microbatches, each half a
-    stage's layers: p whole microbatches, as 1F1B's rank 0.
+    Chunk 1 of rank r is stage 2p − 1 − r (``StageMap`` kind "v"): rank 0 holds the first and the
+    last stage. The order is the paper's (and PyTorch's ScheduleZBVZeroBubble), phase by phase in
+    ``_zbv_rank``; for m < 2p − 1, that of 2p − 1 without the missing microbatches. A rank holds at
+    most 2p chunk-microbatches of half a stage: p microbatches, as 1F1B's rank 0.
     """
     p, m = num_stages, num_microbatches
     check_layout("zb-v", p, m)
@@ -254,7 +220,7 @@ def zero_bubble_v(num_stages: int, num_microbatches: int) -> Schedule:
 
 
 def _zbv_rank(p: int, n: int, rank: int) -> list[Action]:
-    """ZB-V's order on `rank` for n ≥ 2p − 1 microbatches (see `zero_bubble_v`)."""
+    """ZB-V's order on `rank` for n ≥ 2p − 1 microbatches, phase by phase (2401.10241 §6)."""
     count = {(kind, c): 0 for kind in "FBW" for c in (0, 1)}
     order: list[Action] = []
 
@@ -279,7 +245,6 @@ def _zbv_rank(p: int, n: int, rank: int) -> list[Action]:
 
 
 # --- by name -------------------------------------------------------------------------------------
-
 SCHEDULES: dict[str, Callable[..., Schedule]] = {
     "gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_one_f_one_b,
     "zb-h1": zero_bubble_h1, "zb-h2": zero_bubble_h2, "zb-v": zero_bubble_v}
@@ -287,9 +252,8 @@ _CHUNKS = {"zb-v": 2}  # model chunks per rank where fixed and not 1 (interleave
 
 
 def check_layout(name: str, p: int, m: int, v: int | None = None) -> int:
-    """Raise a ValueError naming the numbers unless schedule ``name`` runs p stages, m
-    microbatches and v chunks per rank; return v (None: the schedule's own — 2 for ZB-V, else
-    1). Every rule of the schedules' sizes is here, for the generators and ``PipelineConfig``."""
+    """Raise a ValueError unless schedule ``name`` runs p stages, m microbatches, v chunks per
+    rank; return v (None: the schedule's own, 2 for ZB-V, else 1). Every size rule is here."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; choose one of {sorted(SCHEDULES)}")
     if v is None:
@@ -315,18 +279,16 @@ def stage_map(name: str, p: int, v: int | None = None) -> StageMap:
 
 
 def make_schedule(name: str, p: int, m: int, v: int | None = None) -> Schedule:
-    """The schedule called `name` ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v"):
-    p stages, m microbatches; v model chunks per rank (interleaved: any; ZB-V: 2; others: 1)."""
+    """Schedule `name` (a key of ``SCHEDULES``): p stages, m microbatches, v chunks per rank."""
     v = check_layout(name, p, m, v)
     return interleaved_one_f_one_b(p, m, v) if name == "interleaved" else SCHEDULES[name](p, m)
 
 
 @dataclass(frozen=True)
 class PipelineConfig:
-    """How a pipeline runs, whatever its number of stages p: the ``schedule`` (a name of
-    ``SCHEDULES``) with ``chunks`` model chunks per rank (None: the schedule's own — 2 for ZB-V,
-    else 1; interleaved needs it), ``num_microbatches`` m of ``microbatch`` b sequences each per
-    replica and step. Checked when made; against p by ``check`` (``ptdp.Parallelism`` asks)."""
+    """How a pipeline of any p runs: ``schedule`` (a key of ``SCHEDULES``) with ``chunks`` per
+    rank (None: the schedule's own), ``num_microbatches`` of ``microbatch`` sequences per replica
+    and step. Checked when made; against p by ``check``."""
 
     schedule: str = "1f1b"
     chunks: int | None = None
@@ -362,11 +324,8 @@ class PipelineConfig:
 
 
 def forward_only(schedule: Schedule) -> Schedule:
-    """The forward passes of ``schedule`` alone, in the same order: evaluation needs no backward.
-
-    It cannot deadlock: a forward waits only for forwards of earlier virtual stages, each of
-    which runs in its rank's order without waiting on any backward.
-    """
+    """The forward passes of ``schedule`` alone, in order (evaluation). It cannot deadlock: a
+    forward waits only for forwards of earlier stages, none of which waits on a backward."""
     return Schedule(([a for a in row if a.kind == "F"] for row in schedule), schedule.stages)
 
 
@@ -377,19 +336,14 @@ def format_schedule(schedule: Schedule) -> str:
 
 
 # --- the data flow, and one walk of it ------------------------------------------------------------
-
 MessagesOf = Callable[[Action, int, StageMap], tuple[Message | None, Message | None]]
 
 
 def messages_of(action: Action, rank: int, stages: StageMap
                 ) -> tuple[Message | None, Message | None]:
     """(what ``action`` on pipeline rank ``rank`` receives, what it sends); None for neither.
-
-    F of virtual stage s takes the activation of s (unless s is the first) and sends one to s+1
-    (unless s is the last, which computes the loss); B takes the gradient of s's output (unless
-    s is the last: it starts from the loss) and sends its input's gradient to s−1; W keeps to
-    itself (the weights' gradient stays on the rank until the optimizer step).
-    """
+    F of stage s receives act s and sends act s+1; B receives grad s and sends grad s−1; none at
+    the ends (the last stage starts from its loss). W keeps to itself."""
     stage, last, mb = stages.stage(rank, action.chunk), stages.num_stages - 1, action.microbatch
     if action.kind == "F":
         return (Message("act", mb, stage) if stage > 0 else None,
@@ -407,10 +361,8 @@ def _producer(message: Message, stages: StageMap) -> tuple[int, Action]:
 
 
 def dependencies(rank: int, action: Action, stages: StageMap) -> list[tuple[int, Action]]:
-    """The (rank, action) pairs that must finish before `action` can start on `rank`: the sender
-    of its input (F of stage s−1 for F of s; B of s+1 for B of s — only B, never W, which is
-    what lets a zero-bubble schedule delay W, 2401.10241 §2), and on its own rank B's own F and
-    W's own B."""
+    """The (rank, action) pairs `action` on `rank` waits for: its input's sender (a B, never a
+    W: what lets zero bubble delay W, 2401.10241 §2), and on its own rank B's F and W's B."""
     own = {"B": [(rank, Action("F", action.microbatch, action.chunk))],
            "W": [(rank, Action("B", action.microbatch, action.chunk))]}.get(action.kind, [])
     receive, _ = messages_of(action, rank, stages)
@@ -419,9 +371,8 @@ def dependencies(rank: int, action: Action, stages: StageMap) -> list[tuple[int,
 
 @dataclass(frozen=True)
 class Meeting:
-    """Two neighbouring ranks (lower first) hand each other ``messages`` in one exchange, each
-    standing before action ``at[i]`` of its list (the lower rank's messages first, each
-    direction in sending order)."""
+    """Neighbours ``ranks`` (lower first) swap ``messages`` in one exchange, standing before
+    actions ``at`` of their lists (the lower rank's messages first, each in sending order)."""
 
     ranks: tuple[int, int]
     at: tuple[int, int]
@@ -431,15 +382,12 @@ class Meeting:
 def walk(schedule: Schedule, messages: MessagesOf = messages_of
          ) -> Iterator[tuple[int, Action] | Meeting]:
     """Play the ranks' lists as a real run does; yield each (rank, action) as it runs and each
-    `Meeting` where messages change hands.
+    `Meeting` where messages change hands (``p2p.exchange_plan``'s matched batches).
 
-    A rank runs its next action once that action's input has arrived, and stops after an action
-    that produced a message, until the message is handed over; when no rank can move, every pair
-    of neighbours with messages pending meets, where both stand, and swaps all of them. A
-    ``local`` message (ZB-V's turn) is in its rank's hands at once. Every action comes after all
-    the actions it needs; the meetings are the exchange plan of NCCL's matched batches
-    (``p2p.exchange_plan``). Raises ValueError on deadlock: no rank can move, none has a
-    message to hand over, yet some rank still has work.
+    A rank runs its next action once its input has arrived and stops after one that produced a
+    message until that is handed over; when no rank can move, each pair of neighbours with
+    messages pending meets where both stand and swaps them all (a ``local`` message, ZB-V's turn,
+    arrives at once). ValueError on deadlock: nobody can move or hand over, yet work is left.
     """
     p, stages = len(schedule), schedule.stages
     position = [0] * p
@@ -485,14 +433,9 @@ def _waits(schedule: Schedule, position: list[int], messages: MessagesOf) -> str
 
 
 def check_schedule(schedule: Schedule) -> None:
-    """Raise ValueError unless `schedule` is complete, dependency-ordered and deadlock-free.
-
-    Complete: every rank runs F and B — and W, if the schedule splits the backward — of every
-    microbatch (0..m−1, m inferred from the largest microbatch seen) on each of its chunks
-    exactly once. Dependency-ordered: no rank lists an action before one it needs from itself
-    (a B before its F, a W before its B). Deadlock-free: the ranks, each blocking on its inputs,
-    all reach the end of their lists (``walk``).
-    """
+    """Raise ValueError unless `schedule` is complete (each rank runs F, B and, if split, W of
+    every microbatch on each chunk exactly once), ordered on each rank (no B before its F, no W
+    before its B) and deadlock-free (``walk``)."""
     if not isinstance(schedule, Schedule):
         raise TypeError(f"check_schedule takes a Schedule (its lists and the StageMap they run "
                         f"on), got {type(schedule).__name__}: wrap the lists as "

@@ -1,26 +1,14 @@
 """Run a pipeline schedule on paper: when each action starts and ends, and how much is bubble.
 
-References: Narayanan et al. 2021, arXiv 2104.04473 §2.2.1 (pipeline bubble t_pb / t_id =
-(p − 1)/m for GPipe and 1F1B) and §2.2.2 (interleaved: (p − 1)/(v·m), with v times the
-point-to-point communication). Qi et al. 2023, arXiv 2401.10241 §2.3 Table 2 (the bubble sizes of
-1F1B, ZB-H1 and ZB-H2 in t_F, t_B and t_W) and §5.3 (a step lasts as long as its longest stage).
+`simulate` plays a schedule with fixed costs: each action starts once its rank is free and its
+inputs have arrived. Time is exact (`fractions.Fraction`), so the simulated bubble equals the
+paper's formula exactly. The result is a `Timeline`, the object that also holds a measured run
+(``engine.py``), so bubble, memory in flight and message counts are computed one way for both.
 
-`simulate` plays a schedule with fixed costs: each rank runs its list in order and every action
-starts as soon as its rank is free and its inputs have arrived. Time is kept as exact fractions
-(`fractions.Fraction`), so the simulated bubble equals the paper's formula exactly, not to 1e-16.
-The result is a `Timeline`, the same object that holds a *measured* run (the engine records
-(action, start, end) per rank), so bubble fraction, memory in flight and message counts are
-computed one way for both.
-
-Two measures of the bubble, because the two papers count it differently:
-
-* `bubble_fraction` (2104.04473): every rank waits for the whole step — from the first action
-  anywhere to the last — since the optimizer step synchronises the ranks; idle over compute.
-* `bubble_size` (2401.10241): the longest any rank idles between its *own* first and last
-  action. Once the optimizer step no longer synchronises the ranks (§4), the next step's first
-  forwards start while the last ranks finish, and a rank's late start and early finish are no
-  longer idle: this is what ZB-H2 brings to zero. For 1F1B and ZB-H1 the two agree: rank 0
-  starts first and finishes last.
+The papers count the bubble differently: `bubble_fraction` (2104.04473 §2.2.1) counts a rank idle
+until the whole step ends, since the optimizer step synchronises the ranks; `bubble_size`
+(2401.10241 §2.3) only between a rank's *own* first and last action, the idle left once steps
+overlap (§4), which ZB-H2 brings to zero. For 1F1B and ZB-H1 they agree.
 """
 
 from __future__ import annotations
@@ -72,12 +60,8 @@ class Timeline:
 
     @property
     def bubble_fraction(self) -> Real:
-        """Idle time over compute time, summed over ranks: Σ t_pb / Σ t_id (2104.04473 §2.2.1).
-
-        With balanced stages every rank has the same t_pb and t_id, so this is each rank's own
-        t_pb / t_id: (p − 1)/m for GPipe and 1F1B, (p − 1)/(v·m) interleaved. With unbalanced
-        stages it is the pipeline's idle device-time per unit of useful compute.
-        """
+        """Idle over compute time, summed over ranks: Σ t_pb / Σ t_id (2104.04473 §2.2.1); with
+        balanced stages (p − 1)/m for GPipe and 1F1B, (p − 1)/(v·m) interleaved (§2.2.2)."""
         return sum(self.idle) / sum(self.busy)
 
     @property
@@ -119,14 +103,10 @@ def simulate(schedule: Schedule, forward_time: Cost = 1.0, backward_time: Cost =
              send_latency: float = 0.0, weight_time: Cost = 0.0) -> Timeline:
     """Play `schedule` with fixed costs and return its Timeline (times as exact Fractions).
 
-    forward_time, backward_time, weight_time: cost of a whole stage's forward pass, input-gradient
-    pass and weight-gradient pass for one microbatch (2401.10241's t_F, t_B, t_W), one number or
-    one per rank; with v chunks per rank each chunk costs 1/v of it. A schedule with W actions
-    pays t_B per B and t_W per W; one without (GPipe, 1F1B, interleaved) runs the whole backward
-    as its B, t_B + t_W — so with the default weight_time = 0, backward_time is the whole backward.
-    send_latency: delay between an action ending on one rank and a dependent action starting on
-    another (the p2p send, which does not occupy either rank's compute). Where the chunks live
-    is the schedule's own ``stages``.
+    forward_time, backward_time, weight_time: a whole stage's t_F, t_B, t_W per microbatch
+    (2401.10241), one number or one per rank; a chunk costs 1/v of it. Without W actions, B is the
+    whole backward, t_B + t_W. send_latency: from an action's end to a dependent action's start
+    on another rank (the send occupies neither rank's compute).
     """
     p, stages = len(schedule), schedule.stages
     check_schedule(schedule)
@@ -149,9 +129,8 @@ def simulate(schedule: Schedule, forward_time: Cost = 1.0, backward_time: Cost =
 
 
 def measured_costs(timeline: Timeline, kinds: str = "FB") -> tuple[list[float], ...]:
-    """Per rank, the mean time of a whole stage's forward and of its backward pass (and, with
-    ``kinds="FBW"``, of its weight-gradient pass; 0 where a rank ran none): the costs `simulate`
-    takes. With v chunks per rank an action runs 1/v of the stage's layers: its mean times v."""
+    """Per rank, a whole stage's mean F and B time (and W with ``kinds="FBW"``; 0 where a rank ran
+    none): `simulate`'s costs. An action runs 1/v of a stage, so its mean is scaled by v."""
     def mean(row, kind: str):
         durations = [end - start for action, start, end in row if action.kind == kind]
         return timeline.stages.v * sum(durations) / len(durations) if durations else 0

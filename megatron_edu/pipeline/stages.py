@@ -1,29 +1,21 @@
 """Where each stage of a pipeline lives, and the messages between stages (2104.04473 §2.2).
 
-A model cut into p·v *virtual stages* runs on p pipeline ranks, v model chunks each. Which rank and
-chunk hold stage s is one value, a ``StageMap``, that every schedule carries (``Schedule.stages``):
-the checker, the simulator, the engine, generation, the tied embedding and the memory model all ask
-it, so none of them can disagree about the placement.
+p·v *virtual stages* run on p pipeline ranks, v model chunks each. One ``StageMap``, carried by
+every schedule, places them, so the checker, simulator, engine, generation, tied embedding and
+memory model cannot disagree:
 
-Two placements:
-
-* ``"interleaved"`` (2104.04473 §2.2.2): chunk c of rank r is stage c·p + r — every chunk's stages
-  run down the ranks again, so messages wrap from rank p − 1 to rank 0. With v = 1 this is the
-  plain pipeline: rank r holds stage r.
-* ``"v"`` (2401.10241 §6, ZB-V): even chunks run down the ranks, odd ones back up — chunk 1 of
-  rank r is stage 2p − 1 − r — so rank 0 holds the first and the last stage, and the turn at
-  rank p − 1 hands stage p − 1's output to stage p on the same rank: a *local* message.
-
-A message crossing a stage boundary has one key, ``Message(kind, microbatch, stage)``: an
-activation ("act") for ``stage`` from the stage before it, or a gradient ("grad") for it from the
-stage after it. Sender and receiver follow from the key and the map.
+* ``"interleaved"`` (§2.2.2): chunk c of rank r is stage c·p + r, so messages wrap from rank
+  p − 1 to rank 0 (v = 1: rank r holds stage r);
+* ``"v"`` (2401.10241 §6, ZB-V): odd chunks run back up the ranks (chunk 1 of rank r is stage
+  2p − 1 − r), so rank 0 holds the first and last stage, and stage p − 1 hands its output to
+  stage p on its own rank: a *local* message.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["PLACEMENTS", "StageMap", "Message"]
+__all__ = ["StageMap", "Message"]
 
 PLACEMENTS = ("interleaved", "v")
 
@@ -79,8 +71,7 @@ class StageMap:
 
     @property
     def ends(self) -> tuple[int, int]:
-        """The pipeline ranks of the first and the last stage, which hold the tied embedding
-        (``grid.ParallelGrid(embedding_ranks=…)``)."""
+        """The ranks of the first and last stage: the tied embedding's (``embedding_ranks``)."""
         return self.first_rank, self.last_rank
 
     @property
@@ -104,8 +95,7 @@ class StageMap:
         return range(stage * per_stage, (stage + 1) * per_stage)
 
     def sender(self, message: Message) -> int:
-        """The pipeline rank that sends ``message``: its stage's predecessor (act) or
-        successor (grad)."""
+        """The pipeline rank that sends ``message``: its stage's predecessor (act) or successor."""
         return self.location(message.stage + (-1 if message.kind == "act" else 1))[0]
 
     def receiver(self, message: Message) -> int:

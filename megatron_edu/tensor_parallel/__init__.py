@@ -1,14 +1,10 @@
 """Tensor (intra-layer) model parallelism of 1909.08053 §3.
 
-layers.py              ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, and
-                       how a region is entered and left: TensorParallel (f, g), its overlap
-sequence_parallel.py   SequenceParallel: the activations split along the sequence outside
-                       the regions (2205.05198); STYLES, the style a model's flags choose
-cross_entropy.py       the loss over vocabulary-parallel logits, never gathering them
-random.py              dropout masks seeded by (step, sample, layer): each rank draws its part
-                       of the serial model's mask, at any layout; recomputation
-init.py                parameters drawn from seeds of their own, each rank only its shard
-                       (layout-independent)
+layers.py             column- and row-parallel linears, the vocab-parallel embedding; TensorParallel
+sequence_parallel.py  SequenceParallel (2205.05198); STYLES, the style a model's flags choose
+cross_entropy.py      the loss over vocabulary-parallel logits, never gathering them
+random.py             dropout masks keyed by (step, sample, layer): the serial ones at any layout
+init.py               layout-independent parameters, each rank drawing only its shard
 """
 
 from megatron_edu.tensor_parallel.cross_entropy import (

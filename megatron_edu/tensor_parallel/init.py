@@ -1,25 +1,18 @@
 """Parameters independent of the layout, each rank drawing only its own shard; gathered back whole.
 
-One serial truth (docs/principles.md, principle 1): a parameter's numbers do not depend on the
-tp layout, so tp = 1, 2, 4 start from the same weights and a parallel run can be checked against
-the serial one step by step. Nothing whole on one rank at scale: no rank draws, or holds, a whole
-parameter. Both at once: the full tensor is cut into fixed blocks of ``BLOCK`` rows (or columns)
-along the dimension it is split on — a layout that depends on the full shape only, never on tp —
-and block k is drawn from a generator seeded by (model seed, the parameter's full name, k). A rank
-draws just the blocks that meet its slice and copies in the part it holds. Drawn on the CPU with
-CPU generators, so the numbers do not depend on the device either. (Megatron-LM draws a "master
-weight" whole on every rank and splits it; picotron draws per shard, which cannot be compared
-with serial.)
+A parameter's numbers do not depend on tp (docs/principles.md, principle 1), so tp = 1, 2, 4
+start from the same weights and a parallel run can be checked against the serial one step by
+step; and no rank draws or holds a whole parameter. Both at once: the full tensor is cut into
+blocks of ``BLOCK`` rows (or columns) along its split dimension — a layout of the full shape
+only, never of tp — and block k is drawn from a generator seeded by (model seed, parameter name,
+k). A rank draws the blocks that meet its slice and keeps its part. CPU generators: the same
+numbers on any device. (Megatron-LM draws a whole "master weight" on every rank and splits it;
+picotron draws per shard, which cannot be compared with serial.)
 
-Layers are built on the meta device (``placeholder``s: shapes, no numbers), made real and filled
-by ``init_parameters``; used before, they raise (``check_initialised``). Every parameter carries
-two attributes set where it is created:
-
-* ``param.tp_dim`` — the dimension it is split along across the tensor-parallel group, or None
-  when every tp rank holds the whole of it (layer norms, row-parallel biases, positions). Gathering
-  shards, resharding checkpoints and a global gradient norm without double counting all read it.
-* ``param.init`` — an ``Init``: ``normal(std)``, ``normal(std, rows=n)`` (only the first n rows
-  are drawn, the rest are zero: vocabulary padding), ``zeros`` or ``ones``.
+Layers are built on the meta device (``placeholder``s), filled by ``init_parameters``; used
+before, they raise (``check_initialised``). Each parameter carries ``tp_dim``, the dimension it
+is split along over tp (None: whole on every tp rank, e.g. layer norms, row-parallel biases,
+positions), and ``init``, an ``Init``.
 
 GPT-2's initialisation (Radford et al. 2019 §2.3; 1909.08053 §3 follows it): weights normal(0,
 0.02), residual output projections scaled by 1/sqrt(2·layers), biases zero, layer-norm weights one.
@@ -36,16 +29,13 @@ from torch import nn
 from megatron_edu import comm
 from megatron_edu.comm import CommGroup
 
-__all__ = [
-    "Init", "normal", "zeros", "ones", "mark", "placeholder", "check_initialised", "param_seed",
-    "full_shape", "shard", "gather_full", "init_parameters", "BLOCK", "blocks",
-]
+__all__ = ["normal", "zeros", "ones", "mark", "placeholder", "check_initialised", "full_shape",
+           "shard", "gather_full", "init_parameters", "BLOCK", "blocks"]
 
 # Rows (or columns) per block along tp_dim. Model widths are multiples of 64 (heads of 64 or 128,
-# the vocabulary padded to 128·tp), so shard edges fall on block edges and a rank draws exactly
-# its shard (GPT-2 XL at tp = 5: 960 qkv rows, 320 projection columns); otherwise at most 63
-# wasted rows per edge. A block is 64·h numbers: seeding its generator is noise beside drawing
-# it, and the temporary it is drawn into stays small (400 KB at h = 1600).
+# the vocabulary padded to 128·tp), so shard edges fall on block edges: a rank draws exactly its
+# shard (else at most 63 wasted rows per edge). A block is 64·h numbers: seeding its generator
+# is noise beside drawing it, and the temporary stays small (400 KB at h = 1600).
 BLOCK = 64
 
 
@@ -70,8 +60,7 @@ ones = Init(value=1.0)
 
 def mark(param: nn.Parameter, tp_dim: int | None, init: Init) -> nn.Parameter:
     """Attach the split dimension and the initialiser to a parameter; return it."""
-    param.tp_dim = tp_dim
-    param.init = init
+    param.tp_dim, param.init = tp_dim, init
     return param
 
 
@@ -81,9 +70,8 @@ def placeholder(shape: tuple[int, ...], tp_dim: int | None, init: Init) -> nn.Pa
 
 
 def check_initialised(module: nn.Module) -> None:
-    """Raise if ``module``'s parameters are still placeholders (never initialised). One is
-    enough to look at: ``init_parameters`` materialises a module's parameters all together, and
-    this runs in every forward."""
+    """Raise if ``module``'s parameters are still placeholders. One is enough to look at:
+    ``init_parameters`` fills a module's all together, and this runs in every forward."""
     if (param := next(module.parameters(), None)) is not None and param.is_meta:
         raise RuntimeError(f"{type(module).__name__} is not initialised: its parameters are meta-"
                            f"device placeholders. Call init_parameters(module, seed, group) first")
@@ -107,16 +95,13 @@ def full_shape(param: torch.Tensor, tp_size: int) -> tuple[int, ...]:
 
 def shard(full: torch.Tensor, tp_dim: int | None, group: CommGroup) -> torch.Tensor:
     """This rank's slice of a whole tensor (the whole tensor when ``tp_dim`` is None)."""
-    if tp_dim is None:
-        return full
-    return full.chunk(group.size, dim=tp_dim)[group.rank]
+    return full if tp_dim is None else full.chunk(group.size, dim=tp_dim)[group.rank]
 
 
 def gather_full(shard_: torch.Tensor, tp_dim: int | None, group: CommGroup) -> torch.Tensor:
     """The whole tensor from every rank's slice (a collective: all tp ranks must call it)."""
-    if tp_dim is None:
-        return shard_
-    return comm.all_gather(shard_.detach(), group, dim=tp_dim, label="gather params")
+    return shard_ if tp_dim is None else comm.all_gather(shard_.detach(), group, dim=tp_dim,
+                                                         label="gather params")
 
 
 def blocks(length: int, lo: int, hi: int) -> range:

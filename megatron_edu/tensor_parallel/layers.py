@@ -1,34 +1,24 @@
 """Column- and row-parallel linear layers and the vocabulary-parallel embedding (1909.08053 §3).
 
-A linear layer Y = X·A can be split two ways across t tensor-parallel ranks:
+A linear layer Y = X·A splits two ways over t tensor-parallel ranks:
 
-* **by columns** (``ColumnParallelLinear``): A = [A_1, …, A_t]; rank i computes Y_i = X·A_i, a
-  slice of the output. Every rank needs all of X, so the input goes through ``f`` (identity
-  forward, all-reduce of the gradient backward). A nonlinearity can follow on each slice alone —
-  GeLU(X·A_i) — which is why the MLP's first matrix is split this way (§3, eq. 3).
-* **by rows** (``RowParallelLinear``): A = [A_1; …; A_t] stacked; rank i holds A_i and the
-  matching slice X_i of the input (the output of a column-parallel layer), so Y = Σ_i X_i·A_i:
-  ``g`` sums the partial products (all-reduce forward, identity backward). The bias is added
-  once, after the sum.
+* **by columns** (``ColumnParallelLinear``): A = [A_1, …, A_t], rank i computes Y_i = X·A_i.
+  Every rank needs all of X: ``f`` (identity forward, all-reduce backward). A nonlinearity can
+  follow on each slice alone, GeLU(X·A_i): why the MLP's first matrix is split so (§3, eq. 3).
+* **by rows** (``RowParallelLinear``): A = [A_1; …; A_t], rank i holds A_i and the matching
+  slice X_i of the input (a column layer's output); ``g`` sums Y = Σ_i X_i·A_i (all-reduce
+  forward, identity backward). The bias is added once, after the sum.
 
-Together, column then row, a whole MLP or attention block costs one all-reduce forward (``g``)
-and one backward (``f``): Figure 3. Weights are stored as nn.Linear stores them, [out, in]: a
-column split is ``tp_dim=0`` of the stored weight, a row split ``tp_dim=1``.
+Column then row, an MLP or attention block costs one all-reduce forward and one backward (Figure
+3). Weights are stored [out, in], as nn.Linear stores them: a column split is ``tp_dim=0``, a
+row split ``tp_dim=1``. The embedding is split by vocabulary: each rank looks up the ids in its
+rows, zeros for the others, and ``g`` sums the partial lookups. With a group of one every layer
+is the plain PyTorch layer; parameters are filled by ``init.init_parameters``.
 
-The embedding is split by vocabulary (§3, "input embedding"): each rank owns a contiguous range
-of rows, looks up the ids that fall in it, writes zeros for the others, and ``g`` sums the partial
-lookups so that every rank ends with the full [b, s, h] embedding.
-
-**How a region is entered and left** is a ``TensorParallel`` object, chosen once for the model
-(torchtitan calls them parallel styles): this file's ``TensorParallel`` is Figure 3 as written —
-``f`` in, ``g`` out, activations replicated over tp outside the regions; ``AsyncTensorParallel``
-is the same with the column layer's backward written out, its dX all-reduce overlapping dW; and
-``sequence_parallel.SequenceParallel`` splits the activations along the sequence outside the
-regions (2205.05198). The layers ask their style; none branches on it.
-
-With a group of one member every layer here is the plain PyTorch layer and communicates nothing.
-Parameters are built on the meta device and filled by ``init.init_parameters`` (each rank drawing
-its shard only, the same numbers at any tp); a layer used before that raises.
+How a region is entered and left is a ``TensorParallel`` object, chosen once for the model
+(torchtitan's parallel styles): ``TensorParallel`` is Figure 3 as written; ``AsyncTensorParallel``
+overlaps the column layer's dX all-reduce with dW; ``sequence_parallel.SequenceParallel`` splits
+the activations along the sequence outside the regions. The layers ask their style, never branch.
 """
 
 from __future__ import annotations
@@ -87,12 +77,9 @@ class AsyncTensorParallel(TensorParallel):
 
 
 class ColumnParallelLinear(nn.Module):
-    """Y = X·A + b with A split by output columns: this rank computes Y_i = X·A_i + b_i.
-
-    ``style``: how the region is entered (``TensorParallel``: ``f`` then ``F.linear``, Figure 3
-    as written — zero bubble splits their dX and dW; ``AsyncTensorParallel``; sequence
-    parallelism's all-gather).
-    """
+    """Y = X·A + b with A split by output columns: this rank computes Y_i = X·A_i + b_i. ``style``
+    enters the region: ``f`` then ``F.linear`` (whose dX and dW zero bubble splits), ``f``
+    overlapped with dW (``AsyncTensorParallel``), or sequence parallelism's all-gather."""
 
     def __init__(self, in_features: int, out_features: int, group: CommGroup, *,
                  bias: bool = True, init_std: float = 0.02,
@@ -121,7 +108,6 @@ class RowParallelLinear(nn.Module):
         self.group, self.style = group, style(group)
         in_local = _divide(in_features, group.size, "in_features")
         self.weight = placeholder((out_features, in_local), 1, normal(init_std))
-        # Replicated: added once after the all-reduce, so it is not counted t times.
         self.bias = placeholder((out_features,), None, zeros) if bias else None
 
     def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
@@ -167,13 +153,9 @@ class _AsyncColumnLinear(torch.autograd.Function):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """An embedding table whose rows (the vocabulary) are split in contiguous ranges over tp.
-
-    ``padded_vocab`` rows in all (default ``vocab_size``; it must divide by the tp size); the rows
-    from ``vocab_size`` on are padding, initialised to zero and never looked up. The partial
-    lookups are summed as ``style`` sums (reduce-scattered along the sequence under sequence
-    parallelism).
-    """
+    """An embedding table whose rows (the vocabulary) are split in contiguous ranges over tp:
+    ``padded_vocab`` rows (default ``vocab_size``), those from ``vocab_size`` on zero padding,
+    never looked up. ``style`` sums the partial lookups."""
 
     def __init__(self, vocab_size: int, hidden: int, group: CommGroup, *,
                  padded_vocab: int | None = None, init_std: float = 0.02,

@@ -1,39 +1,32 @@
 """Dropout masks that depend on the data, not on the layout — and recomputation that replays them.
 
-1909.08053 Appendix B.2: dropout outside the tensor-parallel regions (on the embeddings and each
-residual branch, where every tp rank holds the same [b, s, h] activation) must draw the *same*
-mask on every tp rank, or the replicas drift apart; dropout inside a region (on the attention
-probabilities, each rank's own heads) a *different* one, or the ranks' heads would share a
-pattern. Megatron-LM keeps two streams (``CudaRNGStatesTracker``), the inside one seeded per tp
-rank: its masks then depend on tp, and a tp = 2 run does not take the serial run's steps.
+1909.08053 Appendix B.2: dropout outside the tp regions (embeddings, residual branches, where
+every tp rank holds the same activation) must draw the *same* mask on every tp rank, or the
+replicas drift apart; inside a region (attention probabilities, each rank's own heads) a
+*different* one. Megatron-LM keeps two streams (``CudaRNGStatesTracker``), the inside one seeded
+per tp rank: its masks depend on tp, and a tp = 2 run does not take the serial run's steps.
 
-Here a mask is not drawn from a stream that advances with every use, but computed, element by
-element, from a key made of what the mask is *for*, one per sequence of the batch:
+Here a mask is not drawn from a stream but computed, element by element, from a key per sequence
+of the batch,
 
     key(model seed, step, global sample index, global layer, site)
 
-and the element's index in the serial model's tensor. A rank holding a part of a tensor — its
-heads of the attention probabilities (part r of t along the heads), its part of the sequence
-under sequence or context parallelism — computes the serial mask's elements of that part
-(``Dropout(parts=…)``). Nothing else enters: not the microbatch, the pipeline stage, the
-interleaved chunk, the data-parallel replica, nor the tp rank. Every layout draws the serial
-model's masks for the same sample and step, so every layout — tp > 1 included — gives the
-serial model's losses and gradients *with dropout on* (tests/test_ptdp.py): different heads get
-different masks because they are different elements of one mask, as B.2 asks, and no stream
-depends on the layout. (On a GPU Megatron's way is cheaper: ``model.attention.FusedCore`` draws
-from the device's generator inside the kernel.) Recomputation (2104.04473 §3.5) replays the
-masks: the key is an argument of the function.
+and the element's index in the serial model's tensor. A rank holding part of a tensor — its
+heads (part r of t), its part of the sequence under sequence or context parallelism — computes
+that part of the serial mask (``Dropout(parts=…)``). Nothing else enters: not the microbatch,
+stage, chunk, dp replica, nor tp rank. So every layout, tp > 1 included, gives the serial
+model's losses and gradients *with dropout on* (tests/test_ptdp.py): different heads get
+different masks because they are different elements of one mask, as B.2 asks. Recomputation
+(2104.04473 §3.5) replays the masks: the key is an argument of the function.
 
-``DropoutKey(step, samples)`` names the step and each row's global sample (one per microbatch).
-As counter-based generators do (Philox, that of PyTorch's CUDA kernels), element j of a sample's
-mask is a hash of j and the sample's 64-bit key (``mask_seed``; 32-bit words k₀, k₁), fmix32
-being MurmurHash3's finaliser (a bijection whose every output bit depends on every input bit):
+As counter-based generators do (Philox), element j of a sample's mask hashes j with the sample's
+64-bit key (``mask_seed``; 32-bit words k₀, k₁), fmix32 being MurmurHash3's finaliser (a
+bijection; every output bit depends on every input bit):
 
     h = fmix32(fmix32(j ⊕ k₀) ⊕ k₁),    kept ⟺ h ≥ round(p·2³²).
 
-The b keys go to the device as one [b, 2] tensor; the hash runs over the whole batch, on a GPU in
-one compiled kernel, on a CPU as int64 kernels where no product overflows: the same bits. The mask
-kept for backward is 1 byte per element (2205.05198's count); an SP rank hashes its part only.
+The hash runs over the whole batch, on a GPU in one compiled kernel, on a CPU in int64 where no
+product overflows: the same bits. The mask kept for backward is 1 byte an element (2205.05198).
 """
 
 from __future__ import annotations
@@ -113,10 +106,9 @@ def keep_mask(keys: torch.Tensor, start: int, n: int, p: float) -> torch.Tensor:
 
 class Dropout(nn.Module):
     """Dropout with each sample's mask keyed by (seed, step, sample, layer, site): the serial
-    model's mask. ``parts``: the parts (r, t) — part r of t equal parts — of dim 1 that x holds,
-    in order, and so of its mask: ((r, t),) for a tp rank's heads, or its part of the sequence
-    under sequence parallelism; the zig-zag chunks ((r, 2·cp), (2·cp − 1 − r, 2·cp)) under
-    context parallelism; ((0, 1),) the whole."""
+    model's mask. ``parts``: the parts (r, t), part r of t, of dim 1 that x holds, in order:
+    ((r, t),) for a tp rank's heads or an SP rank's sequence; the zig-zag chunks ((r, 2·cp),
+    (2·cp − 1 − r, 2·cp)) under context parallelism; ((0, 1),) the whole."""
 
     def __init__(self, p: float, seed: int, layer: int, site: str,
                  parts: tuple[tuple[int, int], ...] = ((0, 1),)) -> None:

@@ -1,19 +1,16 @@
-"""Sequence parallelism (Korthikanti et al. 2022, arXiv 2205.05198 §4.2.2): outside the
-tensor-parallel regions the activations are split along the sequence over the t ranks,
-[b, s/t, h], instead of replicated — the layer norms, dropouts and residual adds each do 1/t of
-the work and hold 1/t of the memory.
+"""Sequence parallelism (Korthikanti et al. 2022, arXiv 2205.05198 §4.2.2): outside the tp
+regions the activations are split along the sequence, [b, s/t, h], instead of replicated, so
+layer norms, dropouts and residual adds do 1/t of the work and hold 1/t of the memory.
 
-Entering a region, the column layer all-gathers the sequence (``g`` of the paper, where plain
-tensor parallelism has the identity ``f``); leaving it, the row layer reduce-scatters it (``ḡ``,
-where plain has the all-reduce ``g``): the same bytes, since an all-reduce *is* a
-reduce-scatter followed by an all-gather. The column layer keeps only its split input for the
-backward pass and all-gathers it again there — what makes the saving real: the gathered input
-is never kept — so a layer's backward makes one more all-gather per column layer than the
-forward. The collectives are overlapped with the GEMMs that do not need them.
+A column layer enters a region by all-gathering the sequence (the paper's ``g``, where plain tp
+has the identity ``f``); a row layer leaves by reduce-scattering it (``ḡ``, where plain tp
+all-reduces): the same bytes, since an all-reduce *is* a reduce-scatter then an all-gather. The
+column layer keeps only its split input and gathers it again in backward: the gathered input is
+never kept, which makes the saving real. The collectives overlap the GEMMs that do not need them.
 
-The replicated parameters (layer norms, row-parallel biases, positions) see only this rank's
-part of the sequence: their gradients are summed over tp after backward
-(``sum_replicated_grads_``, Megatron-LM's ``_allreduce_layernorm_grads``).
+Replicated parameters (layer norms, row-parallel biases, positions) see only this rank's part of
+the sequence: their gradients are summed over tp after backward (``sum_replicated_grads_``,
+Megatron-LM's ``_allreduce_layernorm_grads``).
 """
 
 from __future__ import annotations
@@ -48,12 +45,10 @@ class SequenceParallel(TensorParallel):
 
 class _SequenceParallelLinear(torch.autograd.Function):
     """F.linear(all_gather_seq(x), weight, bias), keeping only the split x [b, s/t, in] for
-    backward (Megatron-LM's ``LinearWithGradAccumulationAndAsyncCommunication`` with sequence
-    parallelism). Backward: the re-gather of x runs during dX = dY·A, dX's reduce-scatter during
-    dW = dYᵀ·X. Safe on NCCL: all ranks start the collectives in autograd's order, which no timing
-    changes; no GEMM between touches their tensors; each is awaited before its result is read.
-    Under autocast, x and dX travel in the compute dtype and backward runs under the forward's
-    autocast."""
+    backward (Megatron-LM's ``LinearWithGradAccumulationAndAsyncCommunication``). Backward: the
+    re-gather of x runs during dX = dY·A, dX's reduce-scatter during dW = dYᵀ·X. Safe on NCCL, as
+    ``layers._AsyncColumnLinear`` is: the collectives start in autograd's order, no GEMM between
+    touches their tensors, each is awaited before its result is read. Autocast as there."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, group):
@@ -82,10 +77,8 @@ class _SequenceParallelLinear(torch.autograd.Function):
 
 @torch.no_grad()
 def sum_replicated_grads_(grads: list[torch.Tensor], group: CommGroup) -> None:
-    """Sequence parallelism's last step: each tp rank computed the gradients of the replicated
-    parameters from its own part of the sequence; their sum over tp is the whole gradient. One
-    all-reduce of them all, flattened. Call it after backward with those parameters' gradients
-    (none: nothing to do)."""
+    """Sum over tp, in one flat all-reduce after backward, the gradients of the replicated
+    parameters, which each tp rank computed from its own part of the sequence."""
     if not grads:
         return
     comm.all_reduce_(flat := torch.cat([g.flatten() for g in grads]), group, "sp replicated grads")

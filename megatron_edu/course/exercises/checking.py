@@ -23,8 +23,8 @@ import cloudpickle
 
 from megatron_edu.launch import DeadlockError, RankError, run
 
-__all__ = ["CheckResult", "Hint", "exercise", "check", "on_ranks", "EXERCISES", "REFERENCES",
-           "close", "DEADLOCK_AFTER"]
+__all__ = ["Hint", "exercise", "check", "on_ranks", "EXERCISES", "REFERENCES", "close",
+           "DEADLOCK_AFTER"]
 
 EXERCISES: dict[str, str] = {}                     # id -> title, in registration order
 REFERENCES: dict[str, tuple[Any, ...]] = {}        # id -> the package code its answer rewrites

@@ -34,7 +34,7 @@ from megatron_edu.data.bert import (
 from megatron_edu.model import GPT, GPTConfig
 from megatron_edu.model.transformer import Block
 
-__all__ = ["SAMPLES", "VOCAB", "WRONG"]  # the checkers register themselves (``@exercise``)
+__all__ = ["VOCAB", "WRONG"]  # the checkers register themselves (``@exercise``)
 
 # --- 11.1 ★ BERT's masking -----------------------------------------------------------------------
 

@@ -22,7 +22,7 @@ from megatron_edu.course.exercises.checking import Hint, exercise
 from megatron_edu.evaluate import lambada_correct, wikitext_result
 from megatron_edu.model.transformer import IGNORE_INDEX
 
-__all__ = ["NOTEBOOK_TEXT", "TEXTS"]  # the checkers register themselves (``@exercise``)
+__all__ = []  # the checkers register themselves (``@exercise``)
 
 # --- 14.1 ★ per-word perplexity ------------------------------------------------------------------
 

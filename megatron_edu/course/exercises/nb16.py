@@ -49,8 +49,7 @@ from megatron_edu.pipeline.simulate import Timeline, simulate
 from megatron_edu.ptdp import Parallelism
 
 __all__ = ["P1", "M1", "MAX_STAGES_HELD", "MAX_BUBBLE", "play", "stages_held", "schedule_space",
-           "MODEL_39B", "GPUS_39B", "BATCH_39B", "A100_40GB", "TARGET_TFLOPS", "ETHERNET_A100",
-           "LAYOUT_16_3", "M_SEARCH", "iteration_times", "interleaving_wins", "crossover",
+           "ETHERNET_A100", "LAYOUT_16_3", "iteration_times", "interleaving_wins", "crossover",
            "MODEL_76B", "PARALLELISM_76B", "BUDGET_GIB", "recompute_options"]
 
 

@@ -28,7 +28,7 @@ from matplotlib.patches import Patch
 from megatron_edu.perf.ring import RingTimeline, simulate_ring, step_pairs
 from megatron_edu.timing import RingInterval
 
-__all__ = ["fit_ring_costs", "simulate_ring_step", "draw_ring_timeline", "draw_ring_timelines"]
+__all__ = ["fit_ring_costs", "simulate_ring_step", "draw_ring_timelines"]
 
 Ranks = Sequence[Sequence[RingInterval]]   # ranks[r]: rank r's phases, measured or simulated
 COLOURS = {(False, "compute"): "#9ecae1", (True, "compute"): "#3182bd", "wait": "#de2d26"}

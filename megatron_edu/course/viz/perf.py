@@ -55,11 +55,11 @@ from megatron_edu.perf.bubble import bubble_formula
 from megatron_edu.pipeline.schedules import PipelineConfig
 from megatron_edu.ptdp import Parallelism
 
-__all__ = ["MIB", "PARTS", "HARDWARE", "draw_activation_memory", "draw_forwards_in_flight",
+__all__ = ["MIB", "PARTS", "draw_activation_memory", "draw_forwards_in_flight",
            "draw_memory_per_gpu", "draw_table1", "draw_advisor_vs_table1", "draw_split_sweep",
            "draw_bubble_vs_microbatches", "bubble_vs_dp", "draw_bubble_vs_dp", "draw_tp_sweep",
-           "draw_interleaving_speedup",
-           "draw_microbatch_tradeoff", "show_advice", "explore_advisor", "show_machine_mfu"]
+           "draw_interleaving_speedup", "draw_microbatch_tradeoff", "show_advice",
+           "explore_advisor", "show_machine_mfu"]
 
 MIB = 2**20
 PARTS = ("compute", "bubble", "tensor_parallel", "pipeline_p2p", "data_parallel", "optimizer")

@@ -38,9 +38,8 @@ from megatron_edu.pipeline.schedules import SCHEDULES, Schedule, make_schedule, 
 from megatron_edu.pipeline.simulate import Timeline, simulate, simulate_measured
 
 __all__ = ["format_plan", "draw_schedule", "draw_measured_vs_simulated", "draw_peak_activations",
-           "draw_bubble_vs_latency", "draw_memory_vs_bubble", "show_schedule", "explorer_setting",
-           "show_explored", "explore", "draw_measured_run", "draw_backward_split",
-           "draw_scatter_gather", "EXPLORER"]
+           "draw_bubble_vs_latency", "draw_memory_vs_bubble", "explorer_setting", "show_explored",
+           "explore", "draw_measured_run", "draw_backward_split", "draw_scatter_gather", "EXPLORER"]
 
 HATCHES = ["", "//", "..", "xx", "\\\\", "oo"]  # chunk 0, 1, 2, … (§2.2.2)
 LABEL_FONTSIZE = 7

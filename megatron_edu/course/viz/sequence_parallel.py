@@ -21,7 +21,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.patches import Circle, FancyArrowPatch, Patch, Rectangle
 
-__all__ = ["LAYER", "draw_sequence_parallel_layer"]
+__all__ = ["draw_sequence_parallel_layer"]
 
 # The layer of Figure 5, in order: (kind, name); kind "sp", "tp", a conjugate operator, or "+".
 LAYER = (("sp", "LayerNorm"), ("g", "g"), ("tp", "Self-\nattention"), ("ḡ", "ḡ"),

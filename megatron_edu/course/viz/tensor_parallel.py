@@ -27,9 +27,8 @@ from matplotlib.patches import Circle, Rectangle
 
 from megatron_edu.model.config import GPTConfig
 
-__all__ = ["rank_colour", "draw_mlp_split", "head_owners", "draw_attention_split",
-           "draw_qkv_layout", "draw_embedding_split", "draw_params_per_rank", "show_split",
-           "explore"]
+__all__ = ["draw_mlp_split", "draw_attention_split", "draw_qkv_layout", "draw_embedding_split",
+           "draw_params_per_rank", "show_split", "explore"]
 
 WHOLE = "#d9d9d9"       # a tensor every rank holds whole
 FONT = 8
