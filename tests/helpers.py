@@ -1,5 +1,6 @@
-"""Shared test helpers: a tiny model, a batch, comparisons of whole (gathered) tensors, and a
-world of one process for unit tests of collective code."""
+"""Shared test helpers: a tiny model, a batch, comparisons of whole (gathered) tensors, a world
+of one process for unit tests of collective code, and one launch per world size for a module's
+runs on several ranks."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_edu.launch import run
 from megatron_edu.model import GPTConfig, build_model
 
 TOL = 1e-5  # fp32, dropout 0: parallel and serial agree to rounding
@@ -77,3 +79,32 @@ def poisoned_checkpoint(source, out, value: float = float("nan"), position: int 
     meta["files"][shard.name] = shard.stat().st_size
     (out / "meta.json").write_text(json.dumps(meta))
     return out
+
+
+def each(cases):
+    """One rank's share of many cases, ``[(function, arguments), ...]``, run one after another in
+    the same processes."""
+    return [fn(*args) for fn, args in cases]
+
+
+class Launches:
+    """A test module's runs on several ranks, ``{name: (world size, function, arguments)}``: every
+    case of one world size runs in one launch, once a session (a launch costs each rank a process
+    start and a rendezvous); ``launches[name]`` is every rank's result of case ``name``. A launch
+    that failed fails each of its cases' tests with the same error, without running again."""
+
+    def __init__(self, cases: dict, timeout: float = 600.0) -> None:
+        self.cases, self.timeout, self._done = cases, timeout, {}
+
+    def __getitem__(self, name: str) -> list:
+        size = self.cases[name][0]
+        if size not in self._done:
+            names = [n for n, (s, *_) in self.cases.items() if s == size]
+            try:
+                ranks = run(each, size, [self.cases[n][1:] for n in names], timeout=self.timeout)
+                self._done[size] = {n: [rank[i] for rank in ranks] for i, n in enumerate(names)}
+            except Exception as error:   # kept: raised again for each case of the launch
+                self._done[size] = error
+        if isinstance(self._done[size], Exception):
+            raise self._done[size]
+        return self._done[size][name]

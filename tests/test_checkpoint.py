@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import world_of_one
+from helpers import Launches, world_of_one
 
 from megatron_edu import checkpoint
 from megatron_edu.checkpoint import MOMENTS, load_full_model_state
@@ -85,7 +85,9 @@ def _held(name, p, tp_rank):
 
 def _load(path, tp, pp, dp, zero):
     """In a rank: load into a trainer whose weights are NaN; what it read, what differs from
-    the whole-tensor path, and what it holds (ZeRO-3: gathered to be read and written)."""
+    the whole-tensor path, and what it holds (ZeRO-3: gathered to be read and written).
+    ``path``: the checkpoint, or the run folder that holds it."""
+    path = checkpoint.resolve_checkpoint(path)
     trainer = _trainer(tp, pp, dp, zero)
     with torch.no_grad(), trainer.gathered():
         for p in trainer.parameters():
@@ -107,29 +109,47 @@ def _load(path, tp, pp, dp, zero):
             "coords": (trainer.grid.tp_rank, trainer.grid.pp_rank)}
 
 
+TP2PP2 = (2, 2, 1, 0)
+RELOADS = [  # (saved layout, the layout that loads it); a layout is (tp, pp, dp, ZeRO stage)
+    (TP2PP2, (1, 4, 1, 0)),
+    (TP2PP2, (4, 1, 1, 0)),
+    (TP2PP2, (1, 1, 1, 0)),
+    ((1, 4, 1, 0), TP2PP2),
+    ((4, 1, 1, 0), (1, 2, 2, 1)),
+    ((2, 1, 2, 1), (4, 1, 1, 0)),
+    ((1, 1, 1, 0), TP2PP2),
+    ((1, 1, 4, 3), (2, 1, 2, 1)),           # ZeRO-3 at dp = 4 read as ZeRO-1 at dp = 2
+    ((2, 1, 2, 1), (2, 1, 2, 3)),
+]
+
+
+def _ranks(layout):
+    tp, pp, dp, _ = layout
+    return tp * pp * dp
+
+
 @pytest.fixture(scope="module")
 def layouts(tmp_path_factory):
     """saved(layout) -> checkpoint folder; loaded(saved layout, new layout) -> rank results.
-    A layout is (tp, pp, dp, ZeRO stage); each is saved and each pair loaded once."""
-    root, folders, results = tmp_path_factory.mktemp("checkpoints"), {}, {}
+    Each layout is saved once and each pair loaded once: every save of one world size in one
+    launch, then every load of one world size in another."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    pairs = [(TP2PP2, TP2PP2), *RELOADS]
+    folders = {layout: root / "_".join(map(str, layout)) for pair in pairs for layout in pair}
+    saves = Launches({layout: (_ranks(layout), _save, (folder, *layout))
+                      for layout, folder in folders.items()})
+    loads = Launches({(source, target): (_ranks(target), _load, (folders[source], *target))
+                      for source, target in pairs})
 
     def saved(layout):
-        if layout not in folders:
-            tp, pp, dp, _ = layout
-            folders[layout] = run(_save, tp * pp * dp, root / "_".join(map(str, layout)),
-                                  *layout)[0]
-        return folders[layout]
+        return saves[layout][0]
 
     def loaded(source, target):
-        if (source, target) not in results:
-            tp, pp, dp, _ = target
-            results[source, target] = run(_load, tp * pp * dp, saved(source), *target)
-        return results[source, target]
+        for layout in folders:                   # every checkpoint a load may read is written
+            saved(layout)
+        return loads[source, target]
 
     return saved, loaded
-
-
-TP2PP2 = (2, 2, 1, 0)
 
 
 def _read(result):
@@ -181,17 +201,7 @@ def test_a_tp4_rank_reads_only_its_quarter_of_each_split_tensor(layouts):
     assert spans == [[("model_tp0_pp0.pt", (0, 128))], [("model_tp1_pp0.pt", (128, 200))], [], []]
 
 
-@pytest.mark.parametrize(("source", "target"), [
-    (TP2PP2, (1, 4, 1, 0)),
-    (TP2PP2, (4, 1, 1, 0)),
-    (TP2PP2, (1, 1, 1, 0)),
-    ((1, 4, 1, 0), TP2PP2),
-    ((4, 1, 1, 0), (1, 2, 2, 1)),
-    ((2, 1, 2, 1), (4, 1, 1, 0)),
-    ((1, 1, 1, 0), TP2PP2),
-    ((1, 1, 4, 3), (2, 1, 2, 1)),           # ZeRO-3 at dp = 4 read as ZeRO-1 at dp = 2
-    ((2, 1, 2, 1), (2, 1, 2, 3)),
-])
+@pytest.mark.parametrize(("source", "target"), RELOADS)
 def test_loaded_values_equal_the_whole_tensor_path(layouts, source, target):
     _, loaded = layouts
     results = loaded(source, target)

@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from helpers import Launches
 
 from megatron_edu import comm
-from megatron_edu.launch import run
 from megatron_edu.tensor_parallel.layers import serial_group
 
 WORLD_SIZES = [1, 2, 4]
@@ -37,7 +37,7 @@ def _collectives():
 def test_collectives_match_their_definitions(n):
     values = _all_values(n)
     total = sum(values)
-    for rank, out in enumerate(run(_collectives, n)):
+    for rank, out in enumerate(LAUNCHES[f"collectives-{n}"]):
         assert torch.equal(out["all_reduce"], total)
         assert torch.equal(out["all_gather"], torch.cat(values, dim=-1))
         assert torch.equal(out["all_gather0"], torch.cat(values, dim=0))
@@ -64,7 +64,7 @@ def _ring():
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_point_to_point_moves_tensors_between_neighbours(n):
-    out = run(_ring, n)
+    out = LAUNCHES[f"ring-{n}"]
     for r in range(n):
         assert torch.equal(out[r][0], torch.full((3,), float((r - 1) % n)))
     assert torch.equal(out[1][1], torch.full((3,), 10.0))
@@ -89,7 +89,7 @@ def _autograd(op_name):
 @pytest.mark.parametrize("n", WORLD_SIZES)
 def test_f_is_identity_forward_and_all_reduce_backward(n):
     xs = _all_values(n)
-    for rank, (y, grad, _) in enumerate(run(_autograd, n, "f")):
+    for rank, (y, grad, _) in enumerate(LAUNCHES[f"f-{n}"]):
         assert torch.equal(y, xs[rank])
         assert torch.allclose(grad, sum(x * 0.01 for x in xs))  # Σ of every rank's upstream grad
 
@@ -97,7 +97,7 @@ def test_f_is_identity_forward_and_all_reduce_backward(n):
 @pytest.mark.parametrize("n", WORLD_SIZES)
 def test_g_is_all_reduce_forward_and_identity_backward(n):
     xs = _all_values(n)
-    for y, grad, w in run(_autograd, n, "g"):
+    for y, grad, w in LAUNCHES[f"g-{n}"]:
         assert torch.equal(y, sum(xs))
         assert torch.equal(grad, w)
 
@@ -105,14 +105,14 @@ def test_g_is_all_reduce_forward_and_identity_backward(n):
 @pytest.mark.parametrize("n", WORLD_SIZES)
 def test_gather_concatenates_forward_and_keeps_own_slice_backward(n):
     xs = _all_values(n)
-    for rank, (y, grad, w) in enumerate(run(_autograd, n, "gather")):
+    for rank, (y, grad, w) in enumerate(LAUNCHES[f"gather-{n}"]):
         assert torch.equal(y, torch.cat(xs, -1))
         assert torch.equal(grad, w.chunk(n, -1)[rank])
 
 
 @pytest.mark.parametrize("n", [1, 2])  # 4 columns split into 1 or 2
 def test_scatter_keeps_own_slice_forward_and_gathers_backward(n):
-    out = run(_autograd, n, "scatter")
+    out = LAUNCHES[f"scatter-{n}"]
     for rank, (y, grad, _) in enumerate(out):
         assert torch.equal(y, _all_values(n)[rank].chunk(n, -1)[rank])
         assert torch.equal(grad, torch.cat([w for _, _, w in out], -1))
@@ -121,7 +121,7 @@ def test_scatter_keeps_own_slice_forward_and_gathers_backward(n):
 @pytest.mark.parametrize("n", WORLD_SIZES)
 def test_all_gather_seq_reduce_scatters_the_gradient(n):
     xs = _all_values(n)
-    out = run(_autograd, n, "all_gather_seq")
+    out = LAUNCHES[f"all_gather_seq-{n}"]
     total_upstream = sum(w for _, _, w in out)
     for rank, (y, grad, _) in enumerate(out):
         assert torch.equal(y, torch.cat(xs, -1))
@@ -131,7 +131,7 @@ def test_all_gather_seq_reduce_scatters_the_gradient(n):
 @pytest.mark.parametrize("n", [1, 2])
 def test_reduce_scatter_seq_sums_forward_and_gathers_backward(n):
     xs = _all_values(n)
-    out = run(_autograd, n, "reduce_scatter_seq")
+    out = LAUNCHES[f"reduce_scatter_seq-{n}"]
     for rank, (y, grad, _) in enumerate(out):
         assert torch.equal(y, sum(xs).chunk(n, -1)[rank])
         assert torch.equal(grad, torch.cat([w for _, _, w in out], -1))
@@ -151,7 +151,7 @@ def _recorded():
 
 @pytest.mark.parametrize("n", [1, 2, 4])
 def test_the_recorder_counts_calls_and_bytes(n):
-    log = run(_recorded, n)[0]
+    log = LAUNCHES[f"recorded-{n}"][0]
     if n == 1:
         assert log.events == []  # a group of one communicates nothing
         return
@@ -165,15 +165,30 @@ def test_the_recorder_counts_calls_and_bytes(n):
     assert ring == pytest.approx(2 * (n - 1) / n * 128)
 
 
-def test_nothing_is_recorded_outside_a_record_block():
-    def work():
-        with comm.record() as log:
-            pass
-        comm.all_reduce(torch.ones(1), comm.world())
-        return log.count()
+def _outside_a_record_block():
+    with comm.record() as log:
+        pass
+    comm.all_reduce(torch.ones(1), comm.world())
+    return log.count()
 
-    assert run(work, 2) == [0, 0]
+
+def test_nothing_is_recorded_outside_a_record_block():
+    assert LAUNCHES["outside-a-record-block"] == [0, 0]
 
 
 def test_a_group_of_one_is_rank_0_without_torch_distributed():
     assert serial_group().rank == comm.CommGroup("pp", (5,)).rank == 0
+
+
+# --- the runs above: one launch per world size --------------------------------------------------
+
+LAUNCHES = Launches({  # name -> (world size, function, arguments)
+    **{f"collectives-{n}": (n, _collectives, ()) for n in WORLD_SIZES},
+    **{f"ring-{n}": (n, _ring, ()) for n in (2, 4)},
+    **{f"{op}-{n}": (n, _autograd, (op,)) for op in ("f", "g", "gather", "all_gather_seq")
+       for n in WORLD_SIZES},
+    **{f"{op}-{n}": (n, _autograd, (op,)) for op in ("scatter", "reduce_scatter_seq")
+       for n in (1, 2)},   # 4 columns split into 1 or 2
+    **{f"recorded-{n}": (n, _recorded, ()) for n in WORLD_SIZES},
+    "outside-a-record-block": (2, _outside_a_record_block, ()),
+})

@@ -6,6 +6,7 @@ from itertools import pairwise
 
 import pytest
 import torch
+from helpers import Launches
 
 from megatron_edu import comm
 from megatron_edu.context_parallel import (
@@ -17,7 +18,6 @@ from megatron_edu.context_parallel import (
     split,
     unsplit,
 )
-from megatron_edu.launch import run
 from megatron_edu.perf.ring import simulate_ring, step_pairs
 from megatron_edu.tensor_parallel.random import Dropout, DropoutKey
 from megatron_edu.timing import record_ring
@@ -54,14 +54,16 @@ def _ring_rank(zigzag, p):
     return out.detach(), q.grad, k.grad, v.grad, sends, recvs
 
 
-@pytest.mark.parametrize(("cp", "zigzag", "p"),
-                         [(2, True, 0.0), (4, True, 0.0), (4, False, 0.0), (2, True, 0.3),
-                          (4, True, 0.3), (4, False, 0.3)])
+RINGS = [(2, True, 0.0), (4, True, 0.0), (4, False, 0.0), (2, True, 0.3), (4, True, 0.3),
+         (4, False, 0.3)]   # (cp, zigzag, dropout)
+
+
+@pytest.mark.parametrize(("cp", "zigzag", "p"), RINGS)
 def test_ring_attention_equals_serial_attention_and_its_gradients(cp, zigzag, p):
     q, k, v, grad = (x.requires_grad_() for x in _inputs())
     out = _serial(q, k, v, p)
     out.backward(grad.detach())
-    results = run(_ring_rank, cp, zigzag, p)
+    results = LAUNCHES[f"ring-{cp}-{zigzag}-{p}"]
     for i, expected in enumerate([out, q.grad, k.grad, v.grad]):
         got = unsplit([r[i] for r in results], zigzag, dim=2)
         torch.testing.assert_close(got, expected.detach(), rtol=0, atol=1e-5)
@@ -140,7 +142,7 @@ def _recorded_rank(zigzag):
 @pytest.mark.parametrize("zigzag", [True, False])
 def test_the_recorder_notes_each_step_of_both_passes_as_the_simulation_plays_them(zigzag):
     cp = 2
-    for rank, intervals in enumerate(run(_recorded_rank, cp, zigzag)):
+    for rank, intervals in enumerate(LAUNCHES[f"recorded-{zigzag}"]):
         for backward in (False, True):
             steps = {i.step for i in intervals if i.backward == backward}
             assert steps == set(range(cp))
@@ -197,16 +199,28 @@ def _gpt_rank(tp, cp, dropout, recompute, sp=False):
     return loss, model.full_state_dict(grads=True)
 
 
-@pytest.mark.parametrize(("tp", "cp", "dropout", "recompute", "sp"),
-                         [(1, 2, 0.0, "none", False), (1, 4, 0.1, "none", False),
-                          (2, 2, 0.1, "selective", True), (1, 2, 0.1, "full", False)])
+GPTS = [(1, 2, 0.0, "none", False), (1, 4, 0.1, "none", False), (2, 2, 0.1, "selective", True),
+        (1, 2, 0.1, "full", False)]   # (tp, cp, dropout, recompute, sequence parallel)
+
+
+@pytest.mark.parametrize(("tp", "cp", "dropout", "recompute", "sp"), GPTS)
 def test_a_context_parallel_gpt_equals_the_serial_gpt(tp, cp, dropout, recompute, sp):
     """Positions, the embedding's and residual dropouts of each rank's chunks (under sequence
     parallelism each tp rank's part of them), attention as a ring: the loss and every gradient
     equal the serial model's, dropout on (the same masks, at tp = 2 too)."""
-    serial = run(_gpt_rank, 1, 1, 1, dropout, "none")[0]
-    results = run(_gpt_rank, tp * cp, tp, cp, dropout, recompute, sp)
+    serial = LAUNCHES[f"gpt-serial-{dropout}"][0]
+    results = LAUNCHES[f"gpt-{tp}-{cp}-{dropout}-{recompute}-{sp}"]
     for loss, grads in results:
         torch.testing.assert_close(loss, serial[0], rtol=0, atol=1e-5)
         for name, grad in grads.items():
             torch.testing.assert_close(grad, serial[1][name], rtol=0, atol=1e-5, msg=name)
+
+
+# --- the runs above: one launch per world size --------------------------------------------------
+
+LAUNCHES = Launches({  # name -> (world size, function, arguments)
+    **{f"ring-{cp}-{zigzag}-{p}": (cp, _ring_rank, (zigzag, p)) for cp, zigzag, p in RINGS},
+    **{f"recorded-{zigzag}": (2, _recorded_rank, (zigzag,)) for zigzag in (True, False)},
+    **{f"gpt-serial-{dropout}": (1, _gpt_rank, (1, 1, dropout, "none")) for dropout in (0.0, 0.1)},
+    **{f"gpt-{'-'.join(map(str, case))}": (case[0] * case[1], _gpt_rank, case) for case in GPTS},
+})

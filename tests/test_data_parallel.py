@@ -1,19 +1,18 @@
 """Data parallelism against the serial model: averaged gradients, buckets, accumulation, ZeRO's
 three stages, and the global gradient norm under tp × pp (small MLPs defined here, fp32, gloo)."""
 
-import functools
 import math
 import time
 
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import Launches
 from torch import nn
 
 from megatron_edu import comm
 from megatron_edu.data_parallel import STAGES, DataParallel
 from megatron_edu.grid import ParallelGrid
-from megatron_edu.launch import run
 from megatron_edu.optim import (
     build_param_groups,
     clip_grad_norm_,
@@ -94,9 +93,9 @@ def _every_training(dp):
             **{f"zero{stage}": _zero_vs_plain(grid, stage) for stage in ZERO_STAGES}}
 
 
-@functools.cache
 def _trainings(dp) -> list[dict]:
-    return run(_every_training, dp, dp)
+    """Every rank's results of ``_every_training`` at ``dp``."""
+    return LAUNCHES[f"trainings-dp{dp}"]
 
 
 # --- 1. dp equals serial on the whole batch -----------------------------------------------------
@@ -148,19 +147,19 @@ def _serial_grads() -> torch.Tensor:
 
 
 def test_buckets_follow_reverse_registration_order_one_layer_each():
-    names, _, _ = run(_accumulated_step, 2, 2, 2, LAYER_MB)[0]
+    names, _, _ = LAUNCHES["accumulated-dp2"][0]
     assert names == [["chunk1.6.bias", "chunk1.6.weight"], ["chunk1.4.bias", "chunk1.4.weight"],
                      ["chunk0.2.bias", "chunk0.2.weight"], ["chunk0.0.bias", "chunk0.0.weight"]]
 
 
 def test_a_bucket_never_spans_two_model_chunks():
-    names, _, _ = run(_accumulated_step, 2, 2, 2, 1000.0)[0]
+    names, _, _ = LAUNCHES["accumulated-dp2-big-buckets"][0]
     assert [len(b) for b in names] == [4, 4]
 
 
 @pytest.mark.parametrize("dp", [2, 4])
 def test_accumulation_all_reduces_each_bucket_once_per_step(dp):
-    for names, all_reduces, _ in run(_accumulated_step, dp, dp, 2, LAYER_MB):
+    for names, all_reduces, _ in LAUNCHES[f"accumulated-dp{dp}"]:
         assert all_reduces == len(names) == 4
 
 
@@ -169,14 +168,14 @@ def test_zero_reduce_scatters_once_a_step_or_once_a_microbatch(zero, per_microba
     """ZeRO-1 keeps whole gradients and reduce-scatters each bucket once per step; ZeRO-2 and 3
     hold none between backwards: each of the 2 microbatches' backward reduce-scatters every
     bucket, exactly once (the last one's left to finish_grad_sync)."""
-    for buckets, reduce_scatters in run(_accumulated_step, 2, 2, 2, LAYER_MB, zero):
+    for buckets, reduce_scatters in LAUNCHES[f"accumulated-dp2-zero{zero}"]:
         assert reduce_scatters == buckets * (2 if per_microbatch else 1)
 
 
 @pytest.mark.parametrize("dp", [2, 4])
 def test_accumulated_gradients_equal_the_serial_global_batch_gradient(dp):
     serial = _serial_grads()
-    for _, _, grads in run(_accumulated_step, dp, dp, 2, LAYER_MB):
+    for _, _, grads in LAUNCHES[f"accumulated-dp{dp}"]:
         assert (grads - serial).abs().max().item() < TOL
 
 
@@ -212,7 +211,7 @@ def _early_sync():
 
 
 def test_a_gradient_for_a_bucket_in_flight_is_an_error_naming_the_fix():
-    assert all("ddp.sync(False)" in message for message in run(_early_sync, 2))
+    assert all("ddp.sync(False)" in message for message in LAUNCHES["early-sync"])
 
 
 # --- 3. overlapped buckets equal one bucket after backward ---------------------------------------
@@ -271,9 +270,8 @@ def _unused_params():
     return plain.sometimes.weight.grad, plain.never.weight.grad, sharded
 
 
-@functools.cache
 def _unused_runs():
-    return run(_unused_params, 2, timeout=60)
+    return LAUNCHES["unused-params"]
 
 
 def test_a_parameter_unused_on_some_ranks_gets_the_same_average_everywhere():
@@ -405,8 +403,8 @@ def _state_of_a_tiny_model(dp, sharded):
 
 
 def test_zero1_state_assembles_on_every_rank_even_one_without_a_piece():
-    plain, _ = run(_state_of_a_tiny_model, 1, 1, False)[0]
-    out = run(_state_of_a_tiny_model, 4, 4, True)
+    plain, _ = LAUNCHES["tiny-model-serial"][0]
+    out = LAUNCHES["tiny-model-zero1-dp4"]
     assert min(pieces for _, pieces in out) == 0   # a rank with no state took part
     for states, _ in out:
         for mine, reference in zip(states, plain, strict=True):
@@ -434,7 +432,7 @@ def test_clip_grad_norm_equals_torch_on_the_serial_model():
     F.mse_loss(model(x), y).backward()
     serial_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1).item()
     serial_grads = _flat(p.grad for p in model.parameters())
-    for norm, grads in run(_clipped, 2, 2):
+    for norm, grads in LAUNCHES["clipped-dp2"]:
         assert norm == pytest.approx(serial_norm, rel=TOL)
         assert (grads - serial_grads).abs().max().item() < TOL
 
@@ -467,7 +465,7 @@ def _tp_pp_norm():
 
 def test_global_norm_counts_tp_replicas_and_the_pipeline_embedding_copy_once():
     expected = math.sqrt(sum(g.pow(2).sum().item() for g in _whole_model_grads().values()))
-    assert run(_tp_pp_norm, 4) == pytest.approx([expected] * 4, rel=TOL)
+    assert LAUNCHES["norm-tp2-pp2"] == pytest.approx([expected] * 4, rel=TOL)
 
 
 # --- 7. weight-decay groups and the learning-rate schedule ---------------------------------------
@@ -508,3 +506,20 @@ def test_zero3_gathers_each_unit_twice_and_prefetches_the_next():
         for unit, nxt in zip(order, order[1:], strict=False):
             current = next(e for e in passes[kind] if e.unit == unit)
             assert gathers[nxt][which] < current.end, (kind, unit)   # not after it: prefetched
+
+
+# --- the runs on several ranks above: one launch per world size ---------------------------------
+
+LAUNCHES = Launches({  # name -> (world size, function, arguments)
+    **{f"trainings-dp{dp}": (dp, _every_training, (dp,)) for dp in (1, 2, 4)},
+    **{f"accumulated-dp{dp}": (dp, _accumulated_step, (dp, 2, LAYER_MB)) for dp in (2, 4)},
+    "accumulated-dp2-big-buckets": (2, _accumulated_step, (2, 2, 1000.0)),
+    **{f"accumulated-dp2-zero{zero}": (2, _accumulated_step, (2, 2, LAYER_MB, zero))
+       for zero in (1, 2, 3)},
+    "early-sync": (2, _early_sync, ()),
+    "unused-params": (2, _unused_params, ()),
+    "tiny-model-serial": (1, _state_of_a_tiny_model, (1, False)),
+    "tiny-model-zero1-dp4": (4, _state_of_a_tiny_model, (4, True)),
+    "clipped-dp2": (2, _clipped, (2,)),
+    "norm-tp2-pp2": (4, _tp_pp_norm, ()),
+})

@@ -2,7 +2,9 @@
 the hint that names their mistake; a stub is "not done yet"; a deadlock is said to be one."""
 
 import dataclasses
+import sys
 
+import cloudpickle
 import pytest
 import torch
 
@@ -11,6 +13,10 @@ from megatron_edu.course.exercises import check, nb07
 from megatron_edu.grid import Layout
 from megatron_edu.perf import parameters_per_rank
 from megatron_edu.ptdp import Parallelism
+
+# The answers below travel to the ranks by value, as a notebook cell's functions do (by
+# reference, each rank would import this module, and the whole course with it: ~1 s).
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 def _verdict(exercise_id, fn, *expected):

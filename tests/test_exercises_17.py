@@ -3,6 +3,9 @@ each typical mistake gets the hint that names it, a stub gets "not done yet". Th
 run in one launch (``nb17.build_verdicts``), the wrong steps in another (``nb17.step_verdicts``),
 each step from a fresh PTDP's parts."""
 
+import sys
+
+import cloudpickle
 import torch
 
 from megatron_edu import comm
@@ -12,6 +15,10 @@ from megatron_edu.model import GPT
 from megatron_edu.model.gpt import IGNORE_INDEX
 from megatron_edu.optim import build_param_groups, clip_grad_norm_
 from megatron_edu.pipeline.engine import Batch, RunSettings, build_chunks, run_schedule
+
+# The answers below travel to the ranks by value, as a notebook cell's functions do (by
+# reference, each rank would import this module, and the whole course with it: ~1 s).
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 def stub(*args):

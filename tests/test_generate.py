@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import TOL, poisoned_checkpoint, tiny_config
+from helpers import TOL, Launches, poisoned_checkpoint, tiny_config
 
 from megatron_edu import comm
 from megatron_edu import generate as generate_module
@@ -189,7 +189,7 @@ def _tensor_parallel_cache():
 
 
 def test_cached_decoding_under_tp2_gives_the_full_forwards_logits():
-    assert max(run(_tensor_parallel_cache, 2)) < TOL
+    assert max(LAUNCHES["tp2-cache"]) < TOL
 
 
 # --- every layout of 4 ranks generates the serial text --------------------------------------------
@@ -250,8 +250,12 @@ def _chunks_without_their_stage_map():
     return None
 
 
+LAUNCHES = Launches({"tp2-cache": (2, _tensor_parallel_cache, ()),   # one launch of 2 ranks
+                    "no-stage-map": (2, _chunks_without_their_stage_map, ())})
+
+
 def test_interleaved_chunks_need_the_stage_map_they_were_built_on():
-    messages = run(_chunks_without_their_stage_map, 2)
+    messages = LAUNCHES["no-stage-map"]
     assert messages == ["2 chunks on this rank, but the stage map places 1 per rank (StageMap("
                         "p=2, v=1, kind='interleaved')): pass generate the stage map that "
                         "build_chunks(config, grid, stages) built them on"] * 2

@@ -2,8 +2,11 @@
 groups, and every impossible split — of the mesh, of the pipeline, of the model — refused with
 its numbers before any process starts."""
 
+import functools
+
 import pytest
 import torch.distributed as dist
+from helpers import Launches
 
 from megatron_edu.grid import Layout, ParallelGrid, all_layouts
 from megatron_edu.launch import RankError, run
@@ -68,8 +71,8 @@ def _cp_grid():
 
 
 def test_a_grid_builds_its_cp_groups():
-    assert run(_cp_grid, 4) == [(0, (0, 2), (0, 2), (0, 1)), (0, (1, 3), (1, 3), (0, 1)),
-                                (1, (0, 2), (0, 2), (2, 3)), (1, (1, 3), (1, 3), (2, 3))]
+    assert LAUNCHES["cp-groups"] == [(0, (0, 2), (0, 2), (0, 1)), (0, (1, 3), (1, 3), (0, 1)),
+                                     (1, (0, 2), (0, 2), (2, 3)), (1, (1, 3), (1, 3), (2, 3))]
 
 
 def test_the_embedding_groups_follow_the_stage_map():
@@ -120,16 +123,19 @@ def test_bad_splits_name_the_numbers(build, message):
         build()
 
 
+FACTS = [(2, 2, 1), (1, 2, 2), (2, 1, 2), (4, 1, 1)]  # layouts of 4 ranks
+
+
 def _grid_facts(tp, pp, dp):
     grid = ParallelGrid(tp=tp, pp=pp, dp=dp)
     return (grid.tp_rank, grid.pp_rank, grid.dp_rank, grid.tp_group.ranks, grid.pp_group.ranks,
             grid.dp_group.ranks, grid.embedding_group.ranks)
 
 
-@pytest.mark.parametrize(("tp", "pp", "dp"), [(2, 2, 1), (1, 2, 2), (2, 1, 2), (4, 1, 1)])
+@pytest.mark.parametrize(("tp", "pp", "dp"), FACTS)
 def test_each_rank_sees_its_coordinates_and_groups(tp, pp, dp):
     layout = Layout(tp, pp, dp)
-    for rank, facts in enumerate(run(_grid_facts, 4, tp, pp, dp)):
+    for rank, facts in enumerate(LAUNCHES[f"facts-tp{tp}-pp{pp}-dp{dp}"]):
         t, p, d = layout.coords(rank)
         assert facts[:3] == (t, p, d)
         assert rank in facts[3] and rank in facts[4] and rank in facts[5]
@@ -148,7 +154,7 @@ def _sum_over_each_group(tp, pp, dp):
 
 
 def test_groups_really_communicate_among_their_members():
-    assert run(_sum_over_each_group, 8, 2, 2, 2) == [[2.0, 2.0, 2.0, 4.0]] * 8
+    assert LAUNCHES["sums-tp2-pp2-dp2"] == [[2.0, 2.0, 2.0, 4.0]] * 8
 
 
 def _mismatched_grid():
@@ -167,13 +173,27 @@ def _sizes_of(*args, **kwargs):
 
 
 def test_a_grid_is_made_from_sizes_or_from_a_layout():
-    assert run(_sizes_of, 4, 2, 2, 1)[0] == (2, 2, 1, (0, 2))
-    assert run(_sizes_of, 4, tp=2, dp=2)[0] == (2, 1, 2, (0,))
-    assert run(_sizes_of, 4, Layout(pp=4))[3] == (1, 4, 1, (0, 3))
+    assert LAUNCHES["sizes-by-position"][0] == (2, 2, 1, (0, 2))
+    assert LAUNCHES["sizes-by-name"][0] == (2, 1, 2, (0,))
+    assert LAUNCHES["layout"][3] == (1, 4, 1, (0, 3))
 
 
 def test_a_grid_puts_the_embedding_group_on_the_stage_maps_ends():
     """ZB-V's V: the first and the last stage on pipeline rank 0, each rank a group of itself."""
-    ends = PipelineConfig("zb-v", num_microbatches=8).stages(4).ends
-    embedding = [facts[3] for facts in run(_sizes_of, 4, Layout(pp=4), embedding_ranks=ends)]
+    embedding = [facts[3] for facts in LAUNCHES["layout-zb-v"]]
     assert embedding == [(0,), (1,), (2,), (3,)]
+
+
+# --- the runs above: one launch per world size --------------------------------------------------
+
+LAUNCHES = Launches({  # name -> (world size, function, arguments)
+    "cp-groups": (4, _cp_grid, ()),
+    **{f"facts-tp{tp}-pp{pp}-dp{dp}": (4, _grid_facts, (tp, pp, dp)) for tp, pp, dp in FACTS},
+    "sums-tp2-pp2-dp2": (8, _sum_over_each_group, (2, 2, 2)),
+    "sizes-by-position": (4, _sizes_of, (2, 2, 1)),
+    "sizes-by-name": (4, functools.partial(_sizes_of, tp=2, dp=2), ()),
+    "layout": (4, _sizes_of, (Layout(pp=4),)),
+    "layout-zb-v": (4, functools.partial(   # ZB-V's stage map: the ends on pipeline rank 0
+        _sizes_of, embedding_ranks=PipelineConfig("zb-v", num_microbatches=8).stages(4).ends),
+        (Layout(pp=4),)),
+})

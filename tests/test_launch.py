@@ -150,23 +150,29 @@ TORCHRUN_LAUNCHES = 4  # a rank aborted at exit in ~1/3 of launches: 4 catch tha
 
 def test_under_torchrun_it_initialises_gathers_and_exits_cleanly(tmp_path):
     script = tmp_path / "job.py"
-    script.write_text(textwrap.dedent(f"""
-        import os, pathlib
+    script.write_text(textwrap.dedent("""
+        import os, pathlib, sys
         import torch.distributed as dist
         from megatron_edu.launch import run
         def work(x):
             return dist.get_rank() * x
         results = run(work, 2, 10)
         assert not dist.is_initialized()  # run destroyed the group it made
-        pathlib.Path(r"{tmp_path}", f"rank{{os.environ['RANK']}}.txt").write_text(str(results))
+        pathlib.Path(sys.argv[1], f"rank{os.environ['RANK']}.txt").write_text(str(results))
     """))
-    for launch in range(TORCHRUN_LAUNCHES):  # every exit must be clean, not most of them
-        proc = subprocess.run(
+    outs = [tmp_path / f"launch{launch}" for launch in range(TORCHRUN_LAUNCHES)]
+    launches = []
+    for out in outs:   # side by side: each torchrun is mostly three processes importing torch
+        out.mkdir()
+        launches.append(subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-             "2", str(script)], capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 0, f"launch {launch}: {proc.stderr}"
+             "2", str(script), str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            text=True))
+    for launch, (proc, out) in enumerate(zip(launches, outs, strict=True)):
+        _, stderr = proc.communicate(timeout=120)
+        assert proc.returncode == 0, f"launch {launch}: {stderr}"  # every exit clean, not most
         for rank in (0, 1):  # every rank gets every rank's result
-            assert (tmp_path / f"rank{rank}.txt").read_text() == "[0, 10]"
+            assert (out / f"rank{rank}.txt").read_text() == "[0, 10]"
 
 
 def test_a_failed_rendezvous_is_retried_then_reported_without_running_fn(tmp_path):

@@ -7,11 +7,10 @@ import math
 
 import pytest
 import torch
-from helpers import tiny_config
+from helpers import Launches, tiny_config
 
 from megatron_edu import comm
 from megatron_edu.grid import Layout, ParallelGrid
-from megatron_edu.launch import run
 from megatron_edu.model import GPT, GPTConfig
 from megatron_edu.optim import DynamicLossScale
 from megatron_edu.perf import activation_bytes_per_layer, megatron_core_activation_bytes
@@ -49,25 +48,19 @@ def _same(a, b, atol=1e-6):
         torch.testing.assert_close(a[1][name], b[1][name], atol=atol, rtol=0, msg=name)
 
 
-@pytest.fixture(scope="module")
-def plain_tp2():
-    return run(_step, 2, DROPOUT, 2)[0]
-
-
 @pytest.mark.parametrize("recompute", ["selective", "full"])
-def test_recomputation_gives_the_same_loss_and_gradients_with_dropout_on(plain_tp2, recompute):
-    _same(run(_step, 2, dataclasses.replace(DROPOUT, recompute=recompute), 2)[0], plain_tp2)
+def test_recomputation_gives_the_same_loss_and_gradients_with_dropout_on(recompute):
+    _same(LAUNCHES[f"tp2-{recompute}"][0], LAUNCHES["tp2-none"][0])
 
 
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
-def test_sequence_parallel_equals_plain_tensor_parallel_with_dropout_on(plain_tp2, recompute):
-    config = dataclasses.replace(DROPOUT, sequence_parallel=True, recompute=recompute)
-    _same(run(_step, 2, config, 2)[0], plain_tp2, atol=1e-5)
+def test_sequence_parallel_equals_plain_tensor_parallel_with_dropout_on(recompute):
+    _same(LAUNCHES[f"sp-{recompute}"][0], LAUNCHES["tp2-none"][0], atol=1e-5)
 
 
 def test_sequence_parallel_turns_each_all_reduce_into_an_all_gather_and_a_reduce_scatter():
-    _, _, plain = run(_step, 2, DROPOUT, 2)[0]
-    _, _, split = run(_step, 2, dataclasses.replace(DROPOUT, sequence_parallel=True), 2)[0]
+    _, _, plain = LAUNCHES["tp2-none"][0]
+    _, _, split = LAUNCHES["sp-none"][0]
     layers, bsh = DROPOUT.num_layers, 4 * 16 * 32 * 4          # b·s·h fp32 bytes
     # per layer: g after attention and after the MLP → reduce-scatters; f before them →
     # all-gathers; plus the embedding's g and the output layer's f
@@ -97,10 +90,7 @@ def _ptdp_losses(config, tp, pp, steps=3):
 
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
 def test_sequence_parallel_and_recompute_in_a_pipeline_take_the_plain_steps(recompute):
-    config = dataclasses.replace(DROPOUT, num_layers=4)
-    plain = run(_ptdp_losses, 4, config, 2, 2)
-    mine = run(_ptdp_losses, 4, dataclasses.replace(config, sequence_parallel=True,
-                                                    recompute=recompute), 2, 2)
+    plain, mine = LAUNCHES["pipeline-plain"], LAUNCHES[f"pipeline-sp-{recompute}"]
     for (losses, params), (ref_losses, ref_params) in zip(mine, plain, strict=True):
         assert losses == pytest.approx(ref_losses, abs=1e-5)
         for name, value in params.items():
@@ -115,7 +105,7 @@ MEGATRON_CORE_TP2 = megatron_core_activation_bytes()  # docs/papers, measured at
 
 
 def _measured():
-    grid = ParallelGrid(tp=torch.distributed.get_world_size())
+    grid = ParallelGrid(tp=torch.distributed.get_world_size())   # at tp = every rank
     return {(rc, sp): layer_activation_bytes(
         dataclasses.replace(SHAPE, recompute=rc, sequence_parallel=sp), grid.tp_group, 2)
         for rc in ("none", "selective", "full") for sp in (False, True)}
@@ -123,7 +113,7 @@ def _measured():
 
 @pytest.fixture(scope="module")
 def measured():
-    return {tp: run(_measured, tp)[0] for tp in (1, 2, 4)}
+    return {tp: LAUNCHES[f"measured-tp{tp}"][0] for tp in (1, 2, 4)}
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
@@ -154,7 +144,7 @@ def test_a_context_parallel_layer_saves_exactly_what_the_formula_says():
     one more) — plus what the paper rounds away: each layer norm's per-token mean and 1/std
     (2 fp32). Selective recomputation keeps the same (the ring keeps no scores to drop)."""
     b, stats = 2, 2 * 2 * 2 * (SHAPE.seq_len // 2) * 4
-    for ranks in run(_context_parallel_measured, 2):
+    for ranks in LAUNCHES["measured-cp2"]:
         for (rc, p), got in ranks.items():
             config = dataclasses.replace(SHAPE, recompute=rc, dropout=p)
             formula = activation_bytes_per_layer(config, b, cp=2, bytes_per_value=4)
@@ -203,10 +193,33 @@ def _fp16_steps(bad_rank):
 
 
 def test_an_fp16_overflow_on_one_rank_skips_the_step_everywhere_and_halves_the_scale():
-    for results in run(_fp16_steps, 4, 3):
+    for results in LAUNCHES["fp16-overflow-on-rank-3"]:
         assert results == [(False, 65536.0, True), (True, 65536.0, True),
                            (False, 32768.0, True), (False, 32768.0, True),
                            (False, 65536.0, True)]
+
+
+# --- the runs on several ranks above: one launch per world size ---------------------------------
+
+RECOMPUTE = ("none", "selective", "full")
+PIPELINE = dataclasses.replace(DROPOUT, num_layers=4)
+
+
+def _with(config, **changes):
+    return dataclasses.replace(config, **changes)
+
+
+LAUNCHES = Launches({  # name -> (world size, function, arguments)
+    **{f"tp2-{rc}": (2, _step, (_with(DROPOUT, recompute=rc), 2)) for rc in RECOMPUTE},
+    **{f"sp-{rc}": (2, _step, (_with(DROPOUT, sequence_parallel=True, recompute=rc), 2))
+       for rc in RECOMPUTE},
+    "pipeline-plain": (4, _ptdp_losses, (PIPELINE, 2, 2)),
+    **{f"pipeline-sp-{rc}": (4, _ptdp_losses, (_with(PIPELINE, sequence_parallel=True,
+                                                     recompute=rc), 2, 2)) for rc in RECOMPUTE},
+    **{f"measured-tp{tp}": (tp, _measured, ()) for tp in (1, 2, 4)},
+    "measured-cp2": (2, _context_parallel_measured, ()),
+    "fp16-overflow-on-rank-3": (4, _fp16_steps, (3,)),
+})
 
 
 # --- fused operations -----------------------------------------------------------------------------

@@ -2,10 +2,10 @@
 
 import pytest
 import torch
+from helpers import Launches
 
 from megatron_edu import comm
 from megatron_edu.grid import ParallelGrid
-from megatron_edu.launch import run
 from megatron_edu.model import GPT, GPTConfig
 from megatron_edu.pipeline.engine import Batch, RunSettings, build_chunks, run_schedule
 from megatron_edu.pipeline.p2p import LABELS
@@ -39,9 +39,42 @@ def _pipelined(name, tp, pp, v, scatter_gather=False, transport="auto"):
     return result.loss, grads, result.timeline, log
 
 
+def _bytes_per_activation_element(autocast: bool, param_dtype: torch.dtype) -> float:
+    grid = ParallelGrid(pp=2)
+    chunks = [c.to(param_dtype) for c in build_chunks(CONFIG, grid)]
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), comm.record() as log:
+        result = run_schedule(make_schedule("1f1b", 2, MICROBATCHES), chunks, grid,
+                              Batch(*_batch()))
+    assert torch.isfinite(result.loss)
+    send = log.select("send")[0]
+    return send.bytes / (BATCH // MICROBATCHES * CONFIG.seq_len * CONFIG.hidden)
+
+
+LAYOUTS = [  # (schedule, tp, pp, v)
+    ("gpipe", 1, 2, 1), ("1f1b", 1, 2, 1), ("interleaved", 1, 2, 2),
+    ("gpipe", 1, 4, 1), ("1f1b", 1, 4, 1), ("interleaved", 1, 4, 2),
+    ("1f1b", 2, 2, 1), ("interleaved", 2, 2, 2),
+    ("zb-h1", 1, 2, 1), ("zb-h2", 1, 2, 1), ("zb-v", 1, 2, 2),
+    ("zb-h1", 1, 4, 1), ("zb-h2", 1, 4, 1), ("zb-v", 1, 4, 2),
+    ("zb-h1", 2, 2, 1), ("zb-h2", 2, 2, 1), ("zb-v", 2, 2, 2),
+]
+DTYPES = {"fp32": (False, torch.float32), "bf16-autocast": (True, torch.float32),  # (autocast,
+          "bf16-weights": (False, torch.bfloat16)}                       # the weights' dtype)
+LAUNCHES = Launches({  # name -> (world size, function, arguments): one launch per world size
+    "serial": (1, _serial, ()),
+    **{"-".join(map(str, layout)): (layout[1] * layout[2], _pipelined, layout)
+       for layout in LAYOUTS},
+    **{transport: (4, _pipelined, ("interleaved", 1, 4, 2, False, transport))
+       for transport in ("mailbox", "batched")},
+    "1f1b-2-2-1-scatter-gather": (4, _pipelined, ("1f1b", 2, 2, 1, True)),
+    **{f"bytes-{name}": (2, _bytes_per_activation_element, dtypes)
+       for name, dtypes in DTYPES.items()},
+})
+
+
 @pytest.fixture(scope="module")
 def serial():
-    return run(_serial, 1)[0]
+    return LAUNCHES["serial"][0]
 
 
 def _merge_stage_grads(per_rank, tp):
@@ -56,17 +89,10 @@ def _merge_stage_grads(per_rank, tp):
     return merged
 
 
-@pytest.mark.parametrize(("name", "tp", "pp", "v"), [
-    ("gpipe", 1, 2, 1), ("1f1b", 1, 2, 1), ("interleaved", 1, 2, 2),
-    ("gpipe", 1, 4, 1), ("1f1b", 1, 4, 1), ("interleaved", 1, 4, 2),
-    ("1f1b", 2, 2, 1), ("interleaved", 2, 2, 2),
-    ("zb-h1", 1, 2, 1), ("zb-h2", 1, 2, 1), ("zb-v", 1, 2, 2),
-    ("zb-h1", 1, 4, 1), ("zb-h2", 1, 4, 1), ("zb-v", 1, 4, 2),
-    ("zb-h1", 2, 2, 1), ("zb-h2", 2, 2, 1), ("zb-v", 2, 2, 2),
-])
+@pytest.mark.parametrize(("name", "tp", "pp", "v"), LAYOUTS)
 def test_pipeline_equals_serial(serial, name, tp, pp, v):
     serial_loss, serial_grads = serial
-    out = run(_pipelined, tp * pp, name, tp, pp, v)
+    out = LAUNCHES[f"{name}-{tp}-{pp}-{v}"]
     for loss, *_ in out:
         torch.testing.assert_close(loss, serial_loss, atol=1e-5, rtol=0)
     merged = _merge_stage_grads(out, tp)
@@ -80,7 +106,7 @@ def test_each_rank_sends_what_its_schedule_produces_in_its_order(transport):
     """Per rank, the sends on the wire are its actions' outputs (messages_of), in its order."""
     p, v = 4, 2
     schedule = make_schedule("interleaved", p, MICROBATCHES, v)
-    out = run(_pipelined, p, "interleaved", 1, p, v, transport=transport)
+    out = LAUNCHES[transport]
     for rank, (_, _, _, log) in enumerate(out):
         expected = [(schedule.stages.receiver(m), LABELS[m.kind]) for a in schedule[rank]
                     if (m := messages_of(a, rank, schedule.stages)[1]) is not None]
@@ -88,9 +114,8 @@ def test_each_rank_sends_what_its_schedule_produces_in_its_order(transport):
         assert len(expected) == MICROBATCHES * (2 * v - (rank == 0) - (rank == p - 1))
 
 
-def test_scatter_gather_sends_a_tp_th_of_the_bytes_with_the_same_result(serial):
-    plain = run(_pipelined, 4, "1f1b", 2, 2, 1)
-    split = run(_pipelined, 4, "1f1b", 2, 2, 1, True)
+def test_scatter_gather_sends_a_tp_th_of_the_bytes_with_the_same_result():
+    plain, split = LAUNCHES["1f1b-2-2-1"], LAUNCHES["1f1b-2-2-1-scatter-gather"]
     for (loss_a, [grads_a], _, log_a), (loss_b, [grads_b], _, log_b) in zip(plain, split,
                                                                             strict=True):
         torch.testing.assert_close(loss_a, loss_b, atol=1e-6, rtol=0)
@@ -100,20 +125,8 @@ def test_scatter_gather_sends_a_tp_th_of_the_bytes_with_the_same_result(serial):
         assert log_b.count("send") == log_a.count("send") == MICROBATCHES  # act or grad each mb
 
 
-def _bytes_per_activation_element(autocast: bool, param_dtype: torch.dtype) -> float:
-    grid = ParallelGrid(pp=2)
-    chunks = [c.to(param_dtype) for c in build_chunks(CONFIG, grid)]
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), comm.record() as log:
-        result = run_schedule(make_schedule("1f1b", 2, MICROBATCHES), chunks, grid,
-                              Batch(*_batch()))
-    assert torch.isfinite(result.loss)
-    send = log.select("send")[0]
-    return send.bytes / (BATCH // MICROBATCHES * CONFIG.seq_len * CONFIG.hidden)
-
-
-@pytest.mark.parametrize(("autocast", "param_dtype", "expected"), [
-    (False, torch.float32, 4), (True, torch.float32, 4), (False, torch.bfloat16, 2)],
-    ids=["fp32", "bf16-autocast", "bf16-weights"])
-def test_messages_travel_in_the_activations_own_dtype(autocast, param_dtype, expected):
+@pytest.mark.parametrize(("dtypes", "expected"), [("fp32", 4), ("bf16-autocast", 4),
+                                                  ("bf16-weights", 2)])
+def test_messages_travel_in_the_activations_own_dtype(dtypes, expected):
     # under autocast the matmuls run in bf16 but the residual stream they add into stays fp32
-    assert run(_bytes_per_activation_element, 2, autocast, param_dtype) == [expected] * 2
+    assert LAUNCHES[f"bytes-{dtypes}"] == [expected] * 2

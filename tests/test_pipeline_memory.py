@@ -80,16 +80,20 @@ def _held_by_schedule(actions, per_microbatch, after_b):
     return peak
 
 
-def _every_schedule(transport):
+def _every_schedule():
     grid = ParallelGrid(pp=P)
-    return {name: _memory(grid, name, transport) for name in SCHEDULES}
+    return {(transport, name): _memory(grid, name, transport)
+            for transport in TRANSPORTS for name in SCHEDULES}
+
+
+def _measure(transport):
+    """{schedule: every rank's measurement}, all schedules of both transports in one launch."""
+    return {name: [rank[transport, name] for rank in _every_rank()] for name in SCHEDULES}
 
 
 @functools.cache
-def _measure(transport):
-    """{schedule: every rank's measurement}, all schedules in one launch."""
-    ranks = run(_every_schedule, P, transport)
-    return {name: [rank[name] for rank in ranks] for name in SCHEDULES}
+def _every_rank():
+    return run(_every_schedule, P)
 
 
 @pytest.fixture(scope="module", params=TRANSPORTS)

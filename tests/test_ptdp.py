@@ -1,14 +1,13 @@
 """PTD-P: every layout of the grid takes the serial model's optimizer steps (2104.04473 §3)."""
 
 import dataclasses
-import functools
 
 import pytest
 import torch
+from helpers import Launches
 
 from megatron_edu import comm
 from megatron_edu.grid import Layout, ParallelGrid, all_layouts
-from megatron_edu.launch import run
 from megatron_edu.model import GPT, GPTConfig
 from megatron_edu.model.transformer import IGNORE_INDEX
 from megatron_edu.optim import build_param_groups
@@ -74,7 +73,7 @@ def _ptdp(layout, options, split, config=CONFIG, masked=False):
 
 @pytest.fixture(scope="module")
 def serial():
-    losses, norms, params = run(_serial, 1)[0]
+    losses, norms, params = LAUNCHES["serial"][0]
     assert max(norms) > CLIP  # the clipping path is really exercised
     return losses, norms, params
 
@@ -147,6 +146,9 @@ def _training(tp, pp, dp, config=CONFIG, masked=False, **overrides):
 
 SP = dataclasses.replace(CONFIG, sequence_parallel=True)
 CASES = {  # name -> (world size, function, arguments); every case of one size in one launch
+    "serial": (1, _serial, ()),
+    "serial-dropout": (1, _serial, (DROPOUT,)),
+    "serial-masked": (1, _serial, (CONFIG, True)),
     "interleaved": _training(1, 2, 2, schedule="interleaved", chunks=2),
     "gpipe-tp": _training(2, 2, 1, schedule="gpipe"),
     "zero1-tp2": _training(2, 1, 2, zero=1),
@@ -187,36 +189,18 @@ CASES = {  # name -> (world size, function, arguments); every case of one size i
     "masked-tp2-dp2": _training(2, 1, 2, masked=True),
     "masked-dp4": _training(1, 1, 4, masked=True),
     "masked-dp2-cp2": _training(1, 1, 2, masked=True, cp=2),
-    "embedding-bytes-zero1": _training(1, 2, 2, zero=1),
-    "embedding-bytes-plain": _training(1, 2, 2),
     "inf-pp2-dp2": (4, _inf_on_one_rank, (1, 2, 2, False, 3)),
     "inf-tp2-dp2-zero1": (4, _inf_on_one_rank, (2, 1, 2, True, 1)),
     "inf-dp4": (4, _inf_on_one_rank, (1, 1, 4, False, 2)),
     "every-layout-of-8": (8, _every_layout_of_8, ()),
 }
-
-
-def _each(cases):
-    """One rank's share of many cases, run one after another (processes started once)."""
-    return [fn(*args) for fn, args in cases]
-
-
-@functools.cache
-def _launch(world_size):
-    names = [name for name, (size, *_) in CASES.items() if size == world_size]
-    ranks = run(_each, world_size, [CASES[name][1:] for name in names], timeout=600)
-    return {name: [rank[i] for rank in ranks] for i, name in enumerate(names)}
-
-
-def _result(name):
-    """Every rank's result of case ``name`` (its world size's launch runs once per session)."""
-    return _launch(CASES[name][0])[name]
+LAUNCHES = Launches(CASES)  # LAUNCHES[name]: every rank's result of case name
 
 
 @pytest.mark.parametrize("index", range(len(all_layouts(8))),
                          ids=[f"tp{g.tp}-pp{g.pp}-dp{g.dp}" for g in all_layouts(8)])
 def test_every_layout_of_8_ranks_takes_the_serial_steps(serial, index):
-    _check_equal_to_serial(serial, [rank[index] for rank in _result("every-layout-of-8")])
+    _check_equal_to_serial(serial, [rank[index] for rank in LAUNCHES["every-layout-of-8"]])
 
 
 @pytest.mark.parametrize("name", ["interleaved", "gpipe-tp", "zero1-tp2", "zero1-buckets",
@@ -225,7 +209,7 @@ def test_every_layout_of_8_ranks_takes_the_serial_steps(serial, index):
 def test_schedules_zero_stages_and_buckets_take_the_serial_steps(serial, name):
     """Two microbatches a step (gradient accumulation: ZeRO-2 and 3 reduce-scatter both) and
     clipping; ZeRO-3 gathers every block for its forward and again for its backward."""
-    _check_equal_to_serial(serial, _result(name))
+    _check_equal_to_serial(serial, LAUNCHES[name])
 
 
 @pytest.mark.parametrize("name", ["cp2", "tp2-cp2", "pp2-cp2", "dp2-cp2", "pp2-cp2-zero1",
@@ -235,25 +219,25 @@ def test_context_parallel_layouts_take_the_serial_steps(serial, name):
     loss and the gradients are summed over dp × cp, ZeRO-1 shards over dp × cp (here over the
     two cp ranks, the tied embedding's shard included), and sequence parallelism splits each cp
     rank's chunks over tp."""
-    _check_equal_to_serial(serial, _result(name))
+    _check_equal_to_serial(serial, LAUNCHES[name])
 
 
 @pytest.mark.parametrize("name", ["zero3-full-recompute", "zero3-sp-selective"])
 def test_zero3_with_recomputation_and_sequence_parallelism_takes_the_serial_steps(serial, name):
     """Full recomputation runs a block's forward again inside backward: ZeRO-3 must keep it
     gathered there; sequence parallelism sums the layer norms' gradient shards over tp."""
-    _check_equal_to_serial(serial, _result(name))
+    _check_equal_to_serial(serial, LAUNCHES[name])
 
 
 def test_dp_gradients_are_all_reduced_once_per_step_not_per_microbatch():
-    for _, _, params, log in _result("accumulate-4"):
+    for _, _, params, log in LAUNCHES["accumulate-4"]:
         buckets = 2 if "embedding.word.weight" in params else 1   # the tied embedding: its own
         assert log.count("all_reduce", group="dp", label="dp grads") == buckets * STEPS
         assert log.count(label="embedding grads") == STEPS  # pp=2: both stages hold a copy
 
 
 def test_scatter_gather_divides_the_bytes_between_stages_by_tp():
-    plain, split = _result("scatter-gather-off"), _result("scatter-gather-on")
+    plain, split = LAUNCHES["scatter-gather-off"], LAUNCHES["scatter-gather-on"]
     for (losses_a, *_, log_a), (losses_b, *_, log_b) in zip(plain, split, strict=True):
         assert losses_a == pytest.approx(losses_b, abs=1e-6)
         assert log_a.total_bytes("send") == 2 * log_b.total_bytes("send") > 0
@@ -263,7 +247,7 @@ def test_scatter_gather_divides_the_bytes_between_stages_by_tp():
 
 @pytest.fixture(scope="module")
 def serial_with_dropout():
-    return run(_serial, 1, DROPOUT)[0]
+    return LAUNCHES["serial-dropout"][0]
 
 
 @pytest.mark.parametrize("name", ["serial-ptdp", "pp2", "pp4", "interleaved", "dp2", "dp4",
@@ -271,7 +255,7 @@ def serial_with_dropout():
                                   "tp2-pp2-dp2", "tp2-cp2-sp"])
 def test_with_dropout_every_layout_takes_the_serial_steps(serial_with_dropout, name):
     """Each tp rank draws its heads' part of the serial attention masks (``random.py``)."""
-    _check_equal_to_serial(serial_with_dropout, _result(f"dropout-{name}"))
+    _check_equal_to_serial(serial_with_dropout, LAUNCHES[f"dropout-{name}"])
 
 
 def test_dropout_changes_the_steps(serial, serial_with_dropout):
@@ -282,27 +266,28 @@ def test_dropout_changes_the_steps(serial, serial_with_dropout):
 
 @pytest.fixture(scope="module")
 def serial_masked():
-    return run(_serial, 1, CONFIG, True)[0]
+    return LAUNCHES["serial-masked"][0]
 
 
 @pytest.mark.parametrize("name", ["pp2-dp2", "tp2-dp2", "dp4", "dp2-cp2"])
 def test_a_masked_batch_gives_the_global_token_mean_on_every_layout(serial_masked, name):
     """cp = 2: each cp rank's chunks hold different numbers of target tokens."""
-    _check_equal_to_serial(serial_masked, _result(f"masked-{name}"))
+    _check_equal_to_serial(serial_masked, LAUNCHES[f"masked-{name}"])
 
 
 # --- a non-finite gradient skips the step on every rank -----------------------------------------
 
 @pytest.mark.parametrize("name", ["pp2-dp2", "tp2-dp2-zero1", "dp4"])
 def test_an_inf_gradient_on_one_rank_skips_the_step_on_every_rank(name):
-    for skipped, unchanged, next_skipped, iteration in _result(f"inf-{name}"):
+    for skipped, unchanged, next_skipped, iteration in LAUNCHES[f"inf-{name}"]:
         assert skipped and unchanged and not next_skipped and iteration == 2
 
 
 # --- ZeRO-1 sums only the shard of the tied embedding it updates --------------------------------
 
 def test_zero1_sums_a_dp_th_of_the_tied_embedding():
-    def embedding_bytes(kind):
-        return _result(f"embedding-bytes-{kind}")[0][3].total_bytes(label="embedding grads")
+    """pp = 2 × dp = 2, the tied embedding in a bucket of its own either way."""
+    def embedding_bytes(name):
+        return LAUNCHES[name][0][3].total_bytes(label="embedding grads")
 
-    assert embedding_bytes("zero1") * 2 == embedding_bytes("plain") > 0
+    assert embedding_bytes("zero1-buckets") * 2 == embedding_bytes("one-bucket") > 0

@@ -7,33 +7,13 @@ import dataclasses
 
 import pytest
 import torch
+from helpers import Launches
 from test_memory_techniques import DROPOUT, _batch
-from test_ptdp import STEPS, _check_equal_to_serial, _ptdp, _split, serial  # noqa: F401
+from test_ptdp import STEPS, _check_equal_to_serial, _training, serial  # noqa: F401
 
 from megatron_edu.grid import Layout, ParallelGrid
-from megatron_edu.launch import run
 from megatron_edu.pipeline import PipelineConfig
 from megatron_edu.ptdp import PTDP, PTDPOptions
-
-
-@pytest.mark.parametrize(("tp", "pp", "dp", "overrides"), [
-    (1, 2, 2, dict(schedule="zb-h1", num_microbatches=4)),
-    (2, 2, 1, dict(schedule="zb-h2", num_microbatches=4)),
-    (1, 2, 2, dict(schedule="zb-h1", zero=1, bucket_mb=0.01)),
-    (2, 2, 1, dict(schedule="zb-v", num_microbatches=4)),
-    (1, 2, 2, dict(schedule="zb-v", num_microbatches=4, zero=1)),
-], ids=["zb-h1-dp2", "zb-h2-tp2", "zb-h1-zero1-buckets", "zb-v-tp2", "zb-v-zero1"])
-def test_zero_bubble_schedules_take_the_serial_steps(serial, tp, pp, dp, overrides):  # noqa: F811
-    out = run(_ptdp, tp * pp * dp, *_split(tp, pp, dp, **overrides))
-    _check_equal_to_serial(serial, out)
-
-
-def test_dp_gradients_are_all_reduced_once_per_step_after_the_last_w():
-    # grad_sync wraps each W; the chunk's last W launches the bucket's all-reduce
-    out = run(_ptdp, 4, *_split(1, 2, 2, schedule="zb-h1", num_microbatches=4, bucket_mb=1e6))
-    for _, _, params, log in out:
-        buckets = 2 if "embedding.word.weight" in params else 1   # the tied embedding: its own
-        assert log.count("all_reduce", group="dp", label="dp grads") == buckets * STEPS
 
 
 def _sequence_parallel_steps(config, schedule, steps=2):
@@ -47,15 +27,43 @@ def _sequence_parallel_steps(config, schedule, steps=2):
     return losses, params
 
 
+def _sequence_parallel(recompute, schedule):
+    config = dataclasses.replace(DROPOUT, num_layers=4, sequence_parallel=True,
+                                 recompute=recompute)
+    return 4, _sequence_parallel_steps, (config, schedule)
+
+
+LAUNCHES = Launches({  # every case on 4 ranks: one launch
+    "zb-h1-dp2": _training(1, 2, 2, schedule="zb-h1", num_microbatches=4),
+    "zb-h2-tp2": _training(2, 2, 1, schedule="zb-h2", num_microbatches=4),
+    "zb-h1-zero1-buckets": _training(1, 2, 2, schedule="zb-h1", zero=1, bucket_mb=0.01),
+    "zb-v-tp2": _training(2, 2, 1, schedule="zb-v", num_microbatches=4),
+    "zb-v-zero1": _training(1, 2, 2, schedule="zb-v", num_microbatches=4, zero=1),
+    **{f"sp-{recompute}-{schedule}": _sequence_parallel(recompute, schedule)
+       for recompute in ("none", "full") for schedule in ("1f1b", "zb-h1")},
+})
+
+
+@pytest.mark.parametrize("name", ["zb-h1-dp2", "zb-h2-tp2", "zb-h1-zero1-buckets", "zb-v-tp2",
+                                  "zb-v-zero1"])
+def test_zero_bubble_schedules_take_the_serial_steps(serial, name):  # noqa: F811
+    _check_equal_to_serial(serial, LAUNCHES[name])
+
+
+def test_dp_gradients_are_all_reduced_once_per_step_after_the_last_w():
+    # grad_sync wraps each W; the chunk's last W launches the bucket's all-reduce (the default
+    # 25 MiB bucket holds the whole chunk; the tied embedding has a bucket of its own)
+    for _, _, params, log in LAUNCHES["zb-h1-dp2"]:
+        buckets = 2 if "embedding.word.weight" in params else 1
+        assert log.count("all_reduce", group="dp", label="dp grads") == buckets * STEPS
+
+
 @pytest.mark.parametrize("recompute", ["none", "full"])
 def test_sequence_parallel_and_recompute_under_zb_h1_take_1f1bs_steps(recompute):
     """Sequence parallelism's all-gather linear and full recomputation compute several gradients
     in one node: ``backward.py`` runs such a node whole in B and again in W — correct, if not
     split. Dropout on: the masks depend on neither the schedule nor the split."""
-    config = dataclasses.replace(DROPOUT, num_layers=4, sequence_parallel=True,
-                                 recompute=recompute)
-    plain = run(_sequence_parallel_steps, 4, config, "1f1b")
-    mine = run(_sequence_parallel_steps, 4, config, "zb-h1")
+    plain, mine = LAUNCHES[f"sp-{recompute}-1f1b"], LAUNCHES[f"sp-{recompute}-zb-h1"]
     for (losses, params), (ref_losses, ref_params) in zip(mine, plain, strict=True):
         assert losses == pytest.approx(ref_losses, abs=1e-5)
         for name, value in params.items():

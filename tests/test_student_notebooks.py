@@ -71,12 +71,16 @@ def test_every_exercise_is_checked_in_a_notebook_and_every_solution_is_stubbed(s
 
 
 def _exercise_cells(notebook):
-    """The first code cell (the imports) and everything from the '## Exercises' heading on."""
+    """The first code cell (the imports) and the code of the '## Exercises' section, up to the
+    next heading of its level (an appendix after it is the solution notebook's, which nbval
+    runs, and no exercise needs it)."""
     cells = notebook.cells
     start = next(i for i, c in enumerate(cells)
                  if c.cell_type == "markdown" and c.source.startswith("## Exercises"))
+    end = next((i for i, c in enumerate(cells[start + 1:], start + 1)
+                if c.cell_type == "markdown" and c.source.startswith("## ")), len(cells))
     first = next(c for c in cells if c.cell_type == "code")
-    return [first] + [c for c in cells[start:] if c.cell_type == "code"]
+    return [first] + [c for c in cells[start:end] if c.cell_type == "code"]
 
 
 def test_the_student_exercises_run_and_each_check_says_not_done_yet(students):

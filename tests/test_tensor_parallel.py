@@ -11,12 +11,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from helpers import TOL, tiny_config
+from helpers import TOL, Launches, tiny_config
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_edu import comm
 from megatron_edu.grid import ParallelGrid
-from megatron_edu.launch import run
 from megatron_edu.model import GPT
 from megatron_edu.model.transformer import Block
 from megatron_edu.tensor_parallel import (
@@ -142,7 +141,7 @@ def _check_layers():
 
 @pytest.fixture(scope="module", params=[1, 2, 4], ids=lambda tp: f"tp{tp}")
 def layers(request):
-    return request.param, run(_check_layers, request.param)
+    return request.param, LAUNCHES[f"layers-tp{request.param}"]
 
 
 def _events(tp, *counts):
@@ -267,7 +266,7 @@ def _wire_and_overlap():
 
 @pytest.fixture(scope="module")
 def wire_and_overlap():
-    return run(_wire_and_overlap, 2)
+    return LAUNCHES["wire-and-overlap"]
 
 
 PER_LAYER = {  # (op, label) -> calls of one block, forward and backward, at tp = 2
@@ -324,9 +323,16 @@ def _check_dropout():
             "default_untouched": untouched}
 
 
+LAUNCHES = Launches({  # name -> (world size, function, arguments): one launch per world size
+    **{f"layers-tp{tp}": (tp, _check_layers, ()) for tp in (1, 2, 4)},
+    "wire-and-overlap": (2, _wire_and_overlap, ()),
+    "dropout": (2, _check_dropout, ()),
+})
+
+
 @pytest.fixture(scope="module")
 def dropout():
-    return run(_check_dropout, 2)
+    return LAUNCHES["dropout"]
 
 
 def test_dropout_outside_split_regions_is_the_same_on_every_tp_rank(dropout):

@@ -39,6 +39,19 @@ def _losses(records):
     return {r["step"]: r["loss"] for r in records if "loss" in r}
 
 
+@pytest.fixture(scope="module")
+def two_steps(tmp_path_factory, cache):
+    """A run folder of 2 steps on one rank, its checkpoint at step 2: read by the tests below, a
+    test that writes to it works on a copy (``_copy``)."""
+    out = tmp_path_factory.mktemp("two_steps") / "run"
+    _train(out, cache, "--nproc", "1", "--steps", "2")
+    return out
+
+
+def _copy(run_dir, tmp_path):
+    return shutil.copytree(run_dir, tmp_path / run_dir.name)
+
+
 def test_loss_decreases_and_everything_is_written(tmp_path, cache):
     records = _train(tmp_path, cache, "--nproc", "2", "--tp", "2", "--steps", "12",
                      "--eval-interval", "6", "--save-interval", "6")
@@ -106,8 +119,7 @@ def test_a_non_finite_step_is_skipped_and_counted_in_the_log(tmp_path, cache):
 def test_resume_continues_bit_for_bit(tmp_path, cache):
     whole = _losses(_train(tmp_path / "a", cache, "--nproc", "2", "--pp", "2", "--steps", "6",
                            "--save-interval", "3", "--dropout", "0.1"))
-    _train(tmp_path / "b", cache, "--nproc", "2", "--pp", "2", "--steps", "6",
-           "--save-interval", "3", "--dropout", "0.1")
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
     shutil.rmtree(tmp_path / "b" / "checkpoints" / "step_000006")   # as if stopped after 3
     (tmp_path / "b" / "checkpoints" / "latest").write_text("step_000003")
     resumed = _losses(_train(tmp_path / "b", cache, "--nproc", "2", "--pp", "2", "--steps", "6",
@@ -160,16 +172,16 @@ def test_a_zero3_run_resumes_as_zero1_at_another_dp(tmp_path, cache):
     assert resumed[4] == pytest.approx(whole[4], abs=1e-5)
 
 
-def test_a_corrupt_checkpoint_is_named(tmp_path, cache, capsys):
-    _train(tmp_path, cache, "--nproc", "1", "--steps", "1")
-    shard = tmp_path / "checkpoints" / "step_000001" / "model_tp0_pp0.pt"
+def test_a_corrupt_checkpoint_is_named(two_steps, tmp_path, cache, capsys):
+    run_dir = _copy(two_steps, tmp_path)
+    shard = run_dir / "checkpoints" / "step_000002" / "model_tp0_pp0.pt"
     data = shard.read_bytes()
     shard.write_bytes(data[: len(data) // 2])
     with pytest.raises(CheckpointError, match="model_tp0_pp0.pt has .* bytes"):
-        read_metadata(tmp_path)
+        read_metadata(run_dir)
     shard.write_bytes(b"x" * len(data))          # right size, wrong content: found on loading
-    argv = [*TINY, "--out", str(tmp_path), "--cache-dir", str(cache), "--nproc", "1",
-            "--steps", "2", "--resume"]
+    argv = [*TINY, "--out", str(run_dir), "--cache-dir", str(cache), "--nproc", "1",
+            "--steps", "3", "--resume"]
     assert main(argv) == 1
     assert "corrupt checkpoint file" in capsys.readouterr().err
 
@@ -298,9 +310,8 @@ def test_bad_steps_in_a_row_are_counted_and_fp16_settling_is_not(tmp_path):
 
 
 def test_a_diverging_run_stops_on_every_rank_and_keeps_the_last_good_checkpoint(
-        tmp_path, cache, capsys):
-    _train(tmp_path, cache, "--nproc", "1", "--steps", "2")      # a good checkpoint at step 2
-    capsys.readouterr()
+        two_steps, tmp_path, cache, capsys):
+    tmp_path = _copy(two_steps, tmp_path)                       # a good checkpoint at step 2
     # resumed at pp = 2 with an absurd learning rate: step 3 (good weights) still has a finite
     # loss, and is saved; its update breaks the weights: from step 4 the loss is NaN
     argv = [*TINY, "--out", str(tmp_path), "--cache-dir", str(cache), "--nproc", "2", "--pp", "2",
@@ -342,21 +353,18 @@ def test_a_checkpoint_exports_to_hugging_face(tmp_path, cache):
     assert (tmp_path / "hf" / "tokenizer.model").exists()
 
 
-def test_resuming_another_model_fails_before_launch(tmp_path, cache):
-    _train(tmp_path, cache, "--nproc", "1", "--steps", "1")
-    args = parse_args([*TINY, "--hidden", "32", "--resume", str(tmp_path)])
+def test_resuming_another_model_fails_before_launch(two_steps):
+    args = parse_args([*TINY, "--hidden", "32", "--resume", str(two_steps)])
     with pytest.raises(CheckpointError, match="hidden 64 in the checkpoint vs 32 here"):
         validate(args)
 
 
-def test_evaluate_gives_the_same_perplexity_on_any_layout(tmp_path, cache, capsys):
+def test_evaluate_gives_the_same_perplexity_on_any_layout(two_steps, cache, capsys):
     from megatron_edu import evaluate
 
-    _train(tmp_path, cache, "--nproc", "1", "--steps", "2")
-    capsys.readouterr()
     printed = []
     for layout in (["--nproc", "1"], ["--nproc", "4", "--tp", "2", "--pp", "2"]):
-        assert evaluate.main(["--checkpoint", str(tmp_path), "--cache-dir", str(cache),
+        assert evaluate.main(["--checkpoint", str(two_steps), "--cache-dir", str(cache),
                               "--batches", "2", *layout]) == 0
         printed.append(capsys.readouterr().out.strip().splitlines()[-1])
     assert printed[0].startswith("step 2: validation loss")
