@@ -14,8 +14,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_edu import comm
-from megatron_edu.course.exercises import EXERCISES, Hint, check
-from megatron_edu.course.exercises.checking import on_ranks
+from megatron_edu.course.exercises import EXERCISES, Hint, check, checking
+from megatron_edu.course.exercises.checking import _stub_message, on_ranks
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -273,6 +273,23 @@ class FStub(MyF):
     @staticmethod
     def forward(ctx, x, group):
         raise NotImplementedError("exercise 01.2: your code here")
+
+
+class GStub(MyG):
+    @staticmethod
+    def forward(ctx, x, group):
+        raise NotImplementedError("exercise 01.2: your code here")
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise NotImplementedError("exercise 01.2: your code here")
+
+
+def test_a_stub_class_or_pair_is_not_done_without_starting_ranks(monkeypatch):
+    monkeypatch.setattr(checking, "run", None)          # a launch would raise: none may start
+    result = check("01.2", (GStub, GStub))             # as the student notebook's stubs are
+    assert not result.passed and "not done yet" in result.message
+    assert _stub_message((FStub, MyG)) is None          # half done: the checker runs it
 
 
 def test_01_2_the_solution_passes_with_one_all_reduce_each_way():

@@ -90,11 +90,18 @@ def check(exercise_id: str, fn: Callable) -> CheckResult:
                                                f"{err}")
 
 
-def _stub_message(fn: Callable) -> str | None:
-    """The message of ``raise NotImplementedError("…")`` if that (after a docstring) is all
-    ``fn`` does; None for anything else, or where its source cannot be read."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+def _stub_message(answer: Any) -> str | None:
+    """The message of ``raise NotImplementedError("…")`` if that (after a docstring) is all the
+    ``answer`` does: a function, a class whose every own method is such a stub, or a tuple of
+    them; None for anything else, or where a source cannot be read."""
+    if isinstance(answer, tuple | list | type):
+        parts = answer if not isinstance(answer, type) else [
+            getattr(m, "__func__", m) for m in vars(answer).values()   # staticmethods unwrapped
+            if inspect.isfunction(getattr(m, "__func__", m))]
+        messages = [_stub_message(part) for part in parts]
+        return messages[0] if messages and None not in messages else None
+    try:   # a function's source: a class's is not kept for a notebook cell (before Python 3.13)
+        tree = ast.parse(textwrap.dedent(inspect.getsource(answer)))
     except (OSError, TypeError, SyntaxError):
         return None
     node = tree.body[0] if tree.body else None
