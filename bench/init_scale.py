@@ -1,9 +1,9 @@
 """(f) Building GPT-2 XL at tp = 5: each rank's memory and time against its own shard.
 
-DESIGN: "Nothing whole on one rank at scale" — initialisation produces each rank's shard with
-memory bounded by the shard. Five CPU ranks, one thread each (gloo), build GPT-2 XL (Radford et
-al. 2019: 48 layers, hidden 1600, 25 heads, so tp = 5; 1.56 B parameters with the padded
-vocabulary) at tp = 5, pp = 1, and each measures
+"Nothing whole on one rank at scale" (docs/principles.md): initialisation produces each rank's
+shard with memory bounded by the shard. Five CPU ranks, one thread each (gloo), build GPT-2 XL
+(Radford et al. 2019: 48 layers, hidden 1600, 25 heads, so tp = 5; 1.56 B parameters with the
+padded vocabulary) at tp = 5, pp = 1, and each measures
 
 * the peak resident memory the build added (VmHWM, reset to VmRSS just before, minus VmRSS),
   over the bytes of the rank's own parameters: target ≤ 1.5;

@@ -3,7 +3,7 @@
 Both models hold the same weights (copied in by name), see the same batch and take an AdamW
 step; the benchmark alternates their training steps and reports the overhead of megatron-edu's,
     overhead = t(megatron-edu) / t(plain) − 1,     target ≤ 3 %.
-At size 1 every parallel layer should *be* the plain layer (DESIGN principle 1), so what is left
+At size 1 every parallel layer should *be* the plain layer (docs/principles.md, 1), so what is left
 is the price of the abstractions: the no-op f/g calls, the layout-independent dropout masks
 (hashed, where the plain GPT calls ``F.dropout``; ``--dropout 0`` leaves them out), the
 vocabulary-parallel cross entropy at one rank. Like with like: ``--attention explicit`` (the CPU's

@@ -229,24 +229,16 @@ def reduce_scatter(x: torch.Tensor, group: CommGroup, dim: int = -1, label: str 
 
 def broadcast(x: torch.Tensor, src: int, group: CommGroup, label: str = "") -> torch.Tensor:
     """Every rank gets global rank ``src``'s ``x`` (in place; returned for convenience)."""
-    _broadcast(x, group, src, label)
+    if group.size > 1:
+        dist.broadcast(x, src=src, group=group.pg)
+        _note("broadcast", group, x, label)
     return x
-
-
-@_alone_does_nothing
-def _broadcast(x: torch.Tensor, group: CommGroup, src: int, label: str) -> None:
-    dist.broadcast(x, src=src, group=group.pg)
-    _note("broadcast", group, x, label)
 
 
 def barrier(group: CommGroup) -> None:
     """Wait until every rank of the group is here (not recorded: it moves no data)."""
-    _barrier(torch.empty(0), group)
-
-
-@_alone_does_nothing
-def _barrier(_: torch.Tensor, group: CommGroup) -> None:
-    dist.barrier(group=group.pg)
+    if group.size > 1:
+        dist.barrier(group=group.pg)
 
 
 def send(x: torch.Tensor, dst: int, label: str = "") -> None:

@@ -314,7 +314,7 @@ def _tokenizer_path(args: argparse.Namespace, meta: dict) -> str:
 
 
 def _prepare(args: argparse.Namespace) -> tuple[Path, GPTConfig, Tokenizer, list[int], Sampling]:
-    """Every check before launching (DESIGN principle 7): raises a ValueError naming the numbers."""
+    """Every check before launching (docs/principles.md, 7): a ValueError naming the numbers."""
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.greedy)
     if args.nproc != args.tp * args.pp:
         raise ValueError(f"--nproc {args.nproc} ≠ tp·pp = {args.tp}·{args.pp} = "

@@ -26,9 +26,8 @@ from torch import nn
 from megatron_edu import comm
 from megatron_edu.grid import ParallelGrid
 
-__all__ = ["clip_grad_norm_", "global_grad_norm", "counted_in_norm", "scale_grads",
-           "build_param_groups", "warmup_cosine", "optimizer_state_bytes", "FixedLossScale",
-           "DynamicLossScale"]
+__all__ = ["clip_grad_norm_", "clip_held_grads_", "build_param_groups", "warmup_cosine",
+           "optimizer_state_bytes", "FixedLossScale", "DynamicLossScale"]
 
 EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_: max_norm / (norm + 1e-6)
 
@@ -67,12 +66,20 @@ def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float,
                     tied_copies: Iterable[torch.Tensor] = ()) -> float:
     """Scale the gradients so that the global norm is at most ``max_norm``; return that norm.
     A collective (``grid`` None: one serial process); ``tied_copies`` are not counted."""
-    params = list({id(p): p for p in params if p.grad is not None}.values())
+    params = {id(p): p for p in params if p.grad is not None}.values()
+    return clip_held_grads_([(p, p.grad) for p in params], max_norm, grid, tied_copies)
+
+
+def clip_held_grads_(held: Iterable[tuple[torch.Tensor, torch.Tensor]], max_norm: float,
+                     grid: ParallelGrid | None = None, tied_copies: Iterable[torch.Tensor] = (),
+                     sum_over: Sequence[comm.CommGroup] = ()) -> float:
+    """``clip_grad_norm_`` of what this rank holds, (parameter, gradient) pairs: whole gradients,
+    or under ZeRO its shard's pieces, whose squares are summed over ``sum_over`` too."""
+    held, copies = list(held), {id(p) for p in tied_copies}
     tp_rank = grid.tp_rank if grid is not None else 0
-    copies = {id(p) for p in tied_copies}
-    norm = global_grad_norm([p.grad for p in params
-                             if counted_in_norm(p, tp_rank) and id(p) not in copies], grid)
-    scale_grads([p.grad for p in params], norm, max_norm)
+    counted = [g for p, g in held if counted_in_norm(p, tp_rank) and id(p) not in copies]
+    norm = global_grad_norm(counted, grid, sum_over)
+    scale_grads([g for _, g in held], norm, max_norm)
     return norm
 
 

@@ -33,6 +33,7 @@ from numbers import Real
 import torch
 
 from megatron_edu import comm, context_parallel
+from megatron_edu.data_parallel.zero3 import in_backward
 
 __all__ = ["Clock", "TimedLog", "BucketTiming", "BucketTimer", "UnitEvent", "UnitTimer",
            "RingInterval", "RingLog", "record_ring"]
@@ -196,7 +197,7 @@ class UnitTimer:
             module.register_forward_hook(lambda m, args, out, i=i: self._after_forward(i, out))
 
     def _begin(self, kind: str, i: int) -> None:
-        if not _in_backward():
+        if not in_backward():
             self._began[kind, i] = self.clock.stamp()
 
     def _after_forward(self, i: int, output) -> None:
@@ -225,11 +226,6 @@ class UnitTimer:
             began = self._began.pop(("backward", unit), None)
             if began is not None:
                 self.events.append(UnitEvent(unit, "backward", seconds(began), launched))
-
-
-def _in_backward() -> bool:
-    """Is autograd running a backward pass right now (a recomputed forward)?"""
-    return torch._C._current_graph_task_id() != -1
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
-"""pyproject.toml and environment.yml install the same packages."""
+"""The package installs what it needs, and the repository stands on its own."""
 
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -40,3 +41,14 @@ def test_environment_yml_installs_the_package_itself():
 def test_ci_runs_the_readme_test_command():
     assert "make test" in (ROOT / ".ci/run").read_text()
     assert "make test" in (ROOT / "README.md").read_text()
+
+
+def test_no_tracked_file_names_a_file_outside_the_repository():
+    """The repository stands alone: no "../shared" path, no design notes that users do not have."""
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
+                             check=True).stdout.split()
+    outside = re.compile(r"\.\./shared|DESIGN\.md|DESIGN principle")
+    named = [path for path in tracked if path != "tests/test_packaging.py"
+             and (ROOT / path).is_file()
+             and outside.search((ROOT / path).read_text(errors="ignore"))]
+    assert named == []

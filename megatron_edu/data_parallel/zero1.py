@@ -22,7 +22,7 @@ from megatron_edu import comm
 from megatron_edu.data_parallel.buckets import Bucket
 from megatron_edu.data_parallel.ddp import DataParallel, Launched
 from megatron_edu.grid import ParallelGrid
-from megatron_edu.optim import counted_in_norm, global_grad_norm, scale_grads
+from megatron_edu.optim import clip_held_grads_
 
 __all__ = ["ZeRO1", "DistributedOptimizer"]
 
@@ -73,14 +73,9 @@ class ZeRO1(DataParallel):
 
     def clip_grad_norm_(self, max_norm: float, grid: ParallelGrid,
                         tied_copies: Iterable[nn.Parameter] = ()) -> float:
-        """Clip by the global norm, the squares summed over dp (× cp) too; ``tied_copies``: the
-        parameters whose original another stage holds (counted there)."""
-        copies = {id(p) for p in tied_copies}
-        counted = [piece.tensor.grad for piece in self.pieces
-                   if counted_in_norm(piece.param, grid.tp_rank) and id(piece.param) not in copies]
-        norm = global_grad_norm(counted, grid, sum_over=(self.group,))
-        scale_grads([piece.tensor.grad for piece in self.pieces], norm, max_norm)
-        return norm
+        """Clip by the global norm from this rank's pieces, the squares summed over dp (× cp)."""
+        return clip_held_grads_([(piece.param, piece.tensor.grad) for piece in self.pieces],
+                                max_norm, grid, tied_copies, sum_over=(self.group,))
 
     def optimizer(self, param_groups: list[dict], optimizer_cls: type[torch.optim.Optimizer],
                   **defaults) -> DistributedOptimizer:

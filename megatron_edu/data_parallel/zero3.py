@@ -17,7 +17,7 @@ refuses ZeRO-2/3 inside a pipeline.
 An emptied parameter stays a view of its unit's flat buffer, whose storage is resized to nothing
 at rest and back when gathered (``_fill``, ``_free``; FSDP's mechanism): shapes stay intact, and
 what autograd saved reads the refilled storage. Under full recomputation a block's forward runs
-again inside backward; its hooks see that (``_in_backward``) and neither free nor prefetch.
+again inside backward; its hooks see that (``in_backward``) and neither free nor prefetch.
 Gathers are tagged with their bucket (``comm.record``) for ``timing.UnitTimer``.
 """
 
@@ -35,13 +35,17 @@ from megatron_edu.comm import CommGroup
 from megatron_edu.data_parallel.buckets import Bucket, make_buckets
 from megatron_edu.data_parallel.zero2 import ZeRO2
 
-__all__ = ["ZeRO3", "ParameterSharding"]
+__all__ = ["ZeRO3", "ParameterSharding", "in_backward"]
 
 
 class ZeRO3(ZeRO2):
     """``ZeRO2`` whose parameters are sharded too: one bucket per unit (each of ``units``, and
     the rest of each of ``modules``), gathered around its forward and backward by a
     ``ParameterSharding``."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.sharding = ParameterSharding(self.buckets, self.group, self.modules, self.units)
 
     def _make_buckets(self, bucket_bytes: float, alone: Iterable[nn.Parameter],
                       units: list[nn.Module]) -> list[Bucket]:
@@ -53,10 +57,6 @@ class ZeRO3(ZeRO2):
         super()._allocate(bucket)
         bucket.param_shard = bucket.param_shard.clone()      # the master copy, at rest
         _free(bucket)
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.sharding = ParameterSharding(self.buckets, self.group, self.modules, self.units)
 
     def _launch(self, bucket: Bucket) -> None:
         super()._launch(bucket)
@@ -75,8 +75,9 @@ class ZeRO3(ZeRO2):
         optimizer.step()
 
 
-def _in_backward() -> bool:
-    """Is autograd running a backward pass right now (a recomputed forward)?"""
+def in_backward() -> bool:
+    """Is autograd running a backward pass right now (a recomputed forward)? Observers of the
+    units (``timing.UnitTimer``) ask it too."""
     return torch._C._current_graph_task_id() != -1
 
 
@@ -134,11 +135,11 @@ class ParameterSharding:
     def _before_forward(self, module: nn.Module, args) -> None:
         i = self._index[id(module)]
         self._gather(i)
-        if not _in_backward():
+        if not in_backward():
             self._prefetch(i + 1)                        # the next unit, during this one
 
     def _after_forward(self, module: nn.Module, args, output) -> None:
-        if _in_backward():                               # recomputed: backward needs it now
+        if in_backward():                                # recomputed: backward needs it now
             return
         i = self._index[id(module)]
         training = torch.is_grad_enabled()

@@ -87,18 +87,25 @@ def causal_mask(s: int, t: int, keys: torch.Tensor | None,
     return allowed if keys is None else allowed & keys[:, None, None, :]
 
 
-def padding_mask(s: int, t: int, keys: torch.Tensor | None,
-                 device: torch.device) -> torch.Tensor | None:
+def bidirectional_mask(s: int, t: int, keys: torch.Tensor | None,
+                       device: torch.device) -> torch.Tensor | None:
     """Bidirectional attention (BERT): every query sees every key but padding; None: all."""
     return None if keys is None else keys[:, None, None, :]
 
 
 def mask_of(config: GPTConfig):
     """The mask ``config``'s attention applies: causal (GPT) or padding only (BERT)."""
-    return causal_mask if config.causal else padding_mask
+    return causal_mask if config.causal else bidirectional_mask
 
 
 # --- the cores ------------------------------------------------------------------------------------
+
+def _probs_dropout(config: GPTConfig, group: CommGroup, layer: int) -> Dropout:
+    """Dropout on the attention probabilities: the serial model's masks, of which this rank's
+    heads are part r of t (keyed by the global head, so any tp draws the serial ones)."""
+    return Dropout(config.dropout, config.seed, layer, "attention probs",
+                   parts=((group.rank, group.size),))
+
 
 class EagerCore(nn.Module):
     """softmax(q·kᵀ/√d + masks)·v op by op, dropout on the probabilities: the serial model's
@@ -108,8 +115,7 @@ class EagerCore(nn.Module):
         super().__init__()
         self.scale = 1.0 / math.sqrt(config.head_dim)
         self.mask = mask_of(config)
-        self.dropout = Dropout(config.dropout, config.seed, layer, "attention probs",
-                               parts=((group.rank, group.size),))       # this rank's heads
+        self.dropout = _probs_dropout(config, group, layer)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 dropout_key: DropoutKey | None, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -128,8 +134,8 @@ class FusedCore(nn.Module):
 
     def __init__(self, config: GPTConfig, group: CommGroup, layer: int) -> None:
         super().__init__()
-        self.p, self.seed, self.layer, self.tp_rank = config.dropout, config.seed, layer, \
-            group.rank
+        self.p, self.seed, self.layer = config.dropout, config.seed, layer
+        self.tp_rank = group.rank
         self.causal, self.mask = config.causal, mask_of(config)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -174,8 +180,7 @@ class RingCore(nn.Module):
                  cp_group: CommGroup) -> None:
         super().__init__()
         self.cp_group = cp_group
-        self.dropout = Dropout(config.dropout, config.seed, layer, "attention probs",
-                               parts=((group.rank, group.size),))
+        self.dropout = _probs_dropout(config, group, layer)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 dropout_key: DropoutKey | None, mask: torch.Tensor | None = None) -> torch.Tensor:
