@@ -2,8 +2,10 @@
 
 Plain collectives (``all_reduce``, ``all_gather``, ``reduce_scatter``, ``broadcast``, ``send``,
 ``recv``, ``batch_isend_irecv``, ...) wrap ``torch.distributed``, take a ``CommGroup`` and note
-each call. The papers' autograd operators (1909.08053 §3, Figure 3): ``f``, identity forward and
-all-reduce backward, and its conjugate ``g``, all-reduce forward and identity backward;
+each call; all-gathers and reduce-scatters move one contiguous buffer (a data-parallel bucket:
+in place), as Megatron-LM and FSDP2. The papers' autograd operators (1909.08053 §3, Figure 3):
+``f``, identity forward and all-reduce backward, and its conjugate ``g``, all-reduce forward and
+identity backward;
 ``gather``/``scatter`` (last dimension) and ``all_gather_seq``/``reduce_scatter_seq`` (sequence)
 are conjugate pairs too. On a group of size 1 every operation is the identity and records
 nothing: a parallel layer at size 1 *is* the serial layer.
@@ -147,11 +149,11 @@ def record(log: CommLog | None = None) -> Iterator[CommLog]:
 
 
 def _note(op: str, group: CommGroup | str, x: torch.Tensor, label: str,
-          work: dist.Work | None = None, times: int = 1, peer: int | None = None,
+          work: dist.Work | None = None, peer: int | None = None,
           batch: int | None = None, tag: int | None = None) -> dist.Work | None:
     """Note the call just made with each active log; return its work."""
     name, size = (group.name, group.size) if isinstance(group, CommGroup) else (group, 2)
-    event = CommEvent(op, name, size, x.numel() * x.element_size() * times, label or op,
+    event = CommEvent(op, name, size, x.numel() * x.element_size(), label or op,
                       peer=peer, batch=batch, dtype=x.dtype, tag=tag)
     for log in _active_logs:
         work = log.add(event, work)
@@ -170,11 +172,13 @@ DONE = _Done()
 
 
 def _alone_is_identity(collective: Callable) -> Callable:
-    """On a group of one, ``collective(x, group, …)`` is ``x`` ((DONE, x) under ``async_op``)."""
+    """On a group of one, ``collective(x, group, …)`` is ``x``, copied into ``out`` if given (torch
+    skips a copy onto itself); (DONE, it) under ``async_op``."""
     @functools.wraps(collective)
     def call(x: torch.Tensor, group: CommGroup, *args, **kwargs):
         if group.size > 1:
             return collective(x, group, *args, **kwargs)
+        x = x if kwargs.get("out") is None else kwargs["out"].copy_(x.detach())
         return (DONE, x) if kwargs.get("async_op") else x
     return call
 
@@ -203,28 +207,41 @@ def all_reduce(x: torch.Tensor, group: CommGroup, label: str = "") -> torch.Tens
     return y
 
 
+# torch 2.13 renamed all_gather_into_tensor and reduce_scatter_tensor (the old names now warn)
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 @_alone_is_identity
 def all_gather(x: torch.Tensor, group: CommGroup, dim: int = -1, label: str = "", *,
-               async_op: bool = False, tag: int | None = None
+               out: torch.Tensor | None = None, async_op: bool = False, tag: int | None = None
                ) -> torch.Tensor | tuple[dist.Work, torch.Tensor]:
-    """Every rank's ``x`` in group order along ``dim`` (``async_op``: (work, it), done on wait)."""
-    out = x.new_empty([n * group.size if d == dim % x.dim() else n for d, n in enumerate(x.shape)])
-    parts = list(out.chunk(group.size, dim))     # each rank's x lands in its slice of out
-    work = dist.all_gather(parts, x.contiguous(), group=group.pg, async_op=async_op)
-    work = _note("all_gather", group, x, label, work, group.size, tag=tag)
-    return (work, out) if async_op else out
+    """Every rank's ``x`` in group order along ``dim`` (``async_op``: (work, it), done on wait).
+    One all-gather into one buffer along its first dimension, ``dim`` moved there (a copy of ``x``
+    unless it is the first: Megatron-LM keeps the sequence first, [s, b, h]): ``out`` if given, of
+    which ``x`` may be this rank's chunk (in place: a ZeRO bucket), else a new one. NCCL: one
+    ``ncclAllGather`` into it, as Megatron-LM and FSDP2; gloo: an all-gather into its chunks."""
+    x = x.detach().movedim(dim, 0).contiguous()      # each rank's part one block; no autograd
+    out = x.new_empty((group.size * x.shape[0], *x.shape[1:])) if out is None else out
+    work = _note("all_gather", group, out, label,
+                 _all_gather_single(out, x, group=group.pg, async_op=async_op), tag=tag)
+    return (work, out.movedim(0, dim)) if async_op else out.movedim(0, dim)
 
 
 @_alone_is_identity
 def reduce_scatter(x: torch.Tensor, group: CommGroup, dim: int = -1, label: str = "", *,
-                   async_op: bool = False, tag: int | None = None
+                   out: torch.Tensor | None = None, async_op: bool = False, tag: int | None = None
                    ) -> torch.Tensor | tuple[dist.Work, torch.Tensor]:
-    """Sum ``x`` over the group; keep this rank's 1/size slice on ``dim`` (async_op: as above)."""
-    parts = [p.contiguous() for p in _split(x, group.size, dim)]
-    out = torch.empty_like(parts[0])
-    work = dist.reduce_scatter(out, parts, group=group.pg, async_op=async_op)
-    work = _note("reduce_scatter", group, x, label, work, tag=tag)
-    return (work, out) if async_op else out
+    """Sum ``x`` over the group; keep this rank's 1/size slice on ``dim`` — into ``out`` if given,
+    which may be that slice of ``x`` (in place: Megatron-LM's gradient buckets). As ``all_gather``:
+    NCCL, one ``ncclReduceScatter``; gloo all-reduces a copy of ``x``, then copies the slice when
+    waited — the same sum, twice the traffic (recorded as the reduce-scatter it stands for)."""
+    _split(x, group.size, dim)                       # a clear error if dim does not divide
+    x = x.detach().movedim(dim, 0).contiguous()
+    out = x.new_empty((x.shape[0] // group.size, *x.shape[1:])) if out is None else out
+    work = _note("reduce_scatter", group, x, label,
+                 _reduce_scatter_single(out, x, group=group.pg, async_op=async_op), tag=tag)
+    return (work, out.movedim(0, dim)) if async_op else out.movedim(0, dim)
 
 
 def broadcast(x: torch.Tensor, src: int, group: CommGroup, label: str = "") -> torch.Tensor:

@@ -39,26 +39,29 @@ def counted_in_norm(param: torch.Tensor, tp_rank: int) -> bool:
 
 @torch.no_grad()
 def global_grad_norm(grads: Iterable[torch.Tensor], grid: ParallelGrid | None = None,
-                     sum_over: Sequence[comm.CommGroup] = ()) -> float:
+                     sum_over: Sequence[comm.CommGroup] = ()) -> torch.Tensor:
     """The whole model's gradient norm from the gradients this rank counts, summed over
-    ``grid.mp_group`` and ``sum_over``; the replicas agree on a non-finite one. A collective."""
+    ``grid.mp_group`` and ``sum_over``; the replicas agree on a non-finite one (inf). A collective.
+    A 0-d tensor on the device, as torch's: reading it is the caller's one host sync."""
     device, grads = grid.device if grid is not None else torch.device("cpu"), list(grads)
     squares = (torch.stack(torch._foreach_norm(grads, dtype=torch.float32)).square().sum()
                if grads else torch.zeros((), device=device))  # one foreach, not 4 kernels a tensor
     if grid is None:
-        return squares.sqrt().item()
+        return squares.sqrt()
     for group in (grid.mp_group, *sum_over):
         squares = comm.all_reduce(squares, group, "grad norm")
     bad = comm.all_reduce((~squares.isfinite()).float(), grid.dp_cp_group, "grad norm")
-    return torch.where(bad > 0, math.inf, squares.sqrt()).item()   # one host sync
+    return torch.where(bad > 0, math.inf, squares.sqrt())
 
 
 @torch.no_grad()
-def scale_grads(grads: Iterable[torch.Tensor], norm: float, max_norm: float) -> None:
-    """Scale by ``max_norm / (norm + 1e-6)`` if below 1, as torch; a non-finite norm: untouched."""
-    grads, scale = list(grads), max_norm / (norm + EPS)
-    if math.isfinite(norm) and scale < 1.0 and grads:
-        torch._foreach_mul_(grads, scale)
+def scale_grads(grads: Iterable[torch.Tensor], norm: torch.Tensor, max_norm: float) -> None:
+    """Scale by ``max_norm / (norm + 1e-6)`` if below 1, as torch; a non-finite norm: untouched.
+    The factor stays on the device (torch's ``clip_grad_norm_`` too): no host sync."""
+    grads = list(grads)
+    factor = (max_norm / (norm + EPS)).clamp(max=1.0)
+    if grads:
+        torch._foreach_mul_(grads, torch.where(norm.isfinite(), factor, 1.0))
 
 
 def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float,
@@ -67,14 +70,15 @@ def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float,
     """Scale the gradients so that the global norm is at most ``max_norm``; return that norm.
     A collective (``grid`` None: one serial process); ``tied_copies`` are not counted."""
     params = {id(p): p for p in params if p.grad is not None}.values()
-    return clip_held_grads_([(p, p.grad) for p in params], max_norm, grid, tied_copies)
+    return clip_held_grads_([(p, p.grad) for p in params], max_norm, grid, tied_copies).item()
 
 
 def clip_held_grads_(held: Iterable[tuple[torch.Tensor, torch.Tensor]], max_norm: float,
                      grid: ParallelGrid | None = None, tied_copies: Iterable[torch.Tensor] = (),
-                     sum_over: Sequence[comm.CommGroup] = ()) -> float:
+                     sum_over: Sequence[comm.CommGroup] = ()) -> torch.Tensor:
     """``clip_grad_norm_`` of what this rank holds, (parameter, gradient) pairs: whole gradients,
-    or under ZeRO its shard's pieces, whose squares are summed over ``sum_over`` too."""
+    or under ZeRO its shard's pieces, whose squares are summed over ``sum_over`` too. The norm
+    is returned on the device: a training step reads it with its loss, in one host sync."""
     held, copies = list(held), {id(p) for p in tied_copies}
     tp_rank = grid.tp_rank if grid is not None else 0
     counted = [g for p, g in held if counted_in_norm(p, tp_rank) and id(p) not in copies]

@@ -22,28 +22,42 @@ def _all_values(n):
 
 def _collectives():
     group = comm.world()
-    x = _rank_tensor()
+    x, seq = _rank_tensor(), _rank_tensor((2, 2 * group.size, 3))   # seq: [b, s, h]
+    flat, mine = x.flatten(), slice(8 * group.rank, 8 * group.rank + 8)
+    bucket = torch.cat([flat] * group.size)          # this rank's chunk of it: its own x
     return {
         "all_reduce": comm.all_reduce(x, group),
         "all_gather": comm.all_gather(x, group, dim=-1),
         "all_gather0": comm.all_gather(x, group, dim=0),
         "reduce_scatter": comm.reduce_scatter(torch.cat([x] * group.size, dim=-1), group),
+        "all_gather_seq": comm.all_gather(seq, group, dim=1),
+        "reduce_scatter_seq": comm.reduce_scatter(seq, group, dim=1),
+        "all_gather_in_place": comm.all_gather(bucket[mine], group, 0, out=bucket).clone(),
+        "reduce_scatter_out": comm.reduce_scatter(bucket, group, 0, out=torch.empty(8)),
         "broadcast": comm.broadcast(x.clone(), src=0, group=group),
-        "input_unchanged": x,
+        "input_unchanged": (x, seq),
     }
 
 
 @pytest.mark.parametrize("n", WORLD_SIZES)
 def test_collectives_match_their_definitions(n):
+    """Along any dimension (the sequence's, 1, of [b, s, h] too), and into a given buffer: a
+    bucket gathered in place (each rank's chunk its own x), then reduce-scattered into another."""
     values = _all_values(n)
     total = sum(values)
+    seqs = [torch.arange(12.0 * n).view(2, 2 * n, 3) + 100 * r for r in range(n)]
     for rank, out in enumerate(LAUNCHES[f"collectives-{n}"]):
         assert torch.equal(out["all_reduce"], total)
         assert torch.equal(out["all_gather"], torch.cat(values, dim=-1))
         assert torch.equal(out["all_gather0"], torch.cat(values, dim=0))
         assert torch.equal(out["reduce_scatter"], total)  # rank r's slice of cat([Σx]*n) is Σx
+        assert torch.equal(out["all_gather_seq"], torch.cat(seqs, dim=1))
+        assert torch.equal(out["reduce_scatter_seq"], sum(seqs).chunk(n, dim=1)[rank])
+        assert torch.equal(out["all_gather_in_place"], torch.cat(values).flatten())
+        assert torch.equal(out["reduce_scatter_out"], n * values[rank].flatten())  # Σ of n gathered
         assert torch.equal(out["broadcast"], values[0])
-        assert torch.equal(out["input_unchanged"], values[rank])
+        assert torch.equal(out["input_unchanged"][0], values[rank])
+        assert torch.equal(out["input_unchanged"][1], seqs[rank])
 
 
 def _ring():

@@ -1,14 +1,18 @@
 """Data parallelism against the serial model: averaged gradients, buckets, accumulation, ZeRO's
-three stages, and the global gradient norm under tp × pp (small MLPs defined here, fp32, gloo)."""
+three stages (their collectives in place in the buckets; ZeRO-3 under bf16 autocast), and the
+global gradient norm under tp × pp (small MLPs defined here, fp32, gloo)."""
 
 import math
 import time
+import weakref
 
 import pytest
 import torch
 import torch.nn.functional as F
 from helpers import Launches
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from megatron_edu import comm
 from megatron_edu.data_parallel import STAGES, DataParallel
@@ -301,7 +305,8 @@ def _zero_vs_plain(grid, zero):
     """3 steps of AdamW with decay groups, warm-up/cosine lr and clipping, plain DP or ZeRO-1–3
     (ZeRO-3: each Linear a unit). Returns the parameters, the global norm of each step, the
     optimizer state bytes, the number of buckets, the bytes each rank holds between steps of
-    parameters and gradients, the comm log and ZeRO-3's unit timeline of the last step."""
+    parameters and gradients, and of the last step the comm log, ZeRO-3's unit timeline and
+    the all-gathers and reduce-scatters that reached torch.distributed."""
     model = _mlp(ODD)
     ddp = STAGES[zero](model, grid.dp_group, bucket_mb=ODD_BUCKET_MB,
                        units=[m for m in model if isinstance(m, nn.Linear)])
@@ -313,10 +318,10 @@ def _zero_vs_plain(grid, zero):
         for group in opt.param_groups:
             group["lr"] = warmup_cosine(step, warmup=1, total=STEPS, lr=3e-3, min_lr=3e-4)
         x, y = _batch(step, ODD[0], ODD[-1])
-        with comm.record() as log, timer.step():
+        with comm.record() as log, timer.step(), _BufferCollectives(ddp) as collectives:
             F.mse_loss(model(_my_slice(x, grid)), _my_slice(y, grid)).backward()
             ddp.finish_grad_sync()
-            norms.append(ddp.clip_grad_norm_(MAX_NORM, grid))
+            norms.append(ddp.clip_grad_norm_(MAX_NORM, grid).item())
             opt.step()
         ddp.zero_grad()
     held = {"params": _storage_bytes([*model.parameters(),
@@ -325,7 +330,32 @@ def _zero_vs_plain(grid, zero):
     with ddp.gathered():
         params = _flat(model.parameters())
     return (params, norms, optimizer_state_bytes(opt), len(ddp.buckets), held, log,
-            getattr(timer, "events", None))
+            getattr(timer, "events", None), collectives.calls)
+
+
+class _BufferCollectives(TorchDispatchMode):
+    """The all-gathers and reduce-scatters that reach torch.distributed inside the block, each as
+    (op, on a bucket's buffer?, in place?): an all-gather whose output is a bucket's
+    ``param_data`` and whose input is this rank's own chunk of it; a reduce-scatter whose input is
+    a bucket's ``grad_data`` and whose output is this rank's own chunk of it."""
+
+    OPS = {"_allgather_base_": "all_gather", "_reduce_scatter_base_": "reduce_scatter"}
+
+    def __init__(self, ddp: DataParallel) -> None:
+        super().__init__()
+        self.ddp, self.calls = ddp, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        op = self.OPS.get(func.overloadpacket.__name__)
+        if op is not None:
+            out, x = args[:2]
+            whole, part = (out, x) if op == "all_gather" else (x, out)
+            buffers = [b.param_data if op == "all_gather" else b.grad_data
+                       for b in self.ddp.buckets]
+            own = whole.data_ptr() + self.ddp.group.rank * part.numel() * part.element_size()
+            self.calls.append((op, any(b is not None and b.data_ptr() == whole.data_ptr()
+                                       for b in buffers), part.data_ptr() == own))
+        return func(*args, **(kwargs or {}))
 
 
 def _storage_bytes(tensors) -> int:
@@ -384,6 +414,20 @@ def test_each_stage_sends_what_the_zero_paper_says(dp):
             assert {e.op for e in events} == ops, zero
             wire = sum(e.wire_bytes for e in events)
             assert wire == pytest.approx(factor * (dp - 1) / dp * psi, rel=0.01), zero
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+def test_zero_collectives_work_in_place_in_the_bucket_buffers(dp):
+    """Each all-gather of the last step wrote straight into its bucket's flat buffer, its input
+    this rank's own chunk of it (ZeRO-3: the unit's storage itself, no copy of the unit); each
+    reduce-scatter reduced a bucket's gradient buffer into this rank's own chunk of it
+    (Megatron-LM's buckets) — one torch.distributed call per recorded collective, no other."""
+    for ranks in _trainings(dp):
+        for zero in (1, 2, 3):
+            log, calls = ranks[f"zero{zero}"][5], ranks[f"zero{zero}"][7]
+            recorded = [e.op for e in log.events if e.op in ("all_gather", "reduce_scatter")]
+            assert calls == [(op, True, True) for op in recorded], zero
+            assert {"all_gather", "reduce_scatter"} <= set(recorded), zero
 
 
 def _state_of_a_tiny_model(dp, sharded):
@@ -508,6 +552,86 @@ def test_zero3_gathers_each_unit_twice_and_prefetches_the_next():
             assert gathers[nxt][which] < current.end, (kind, unit)   # not after it: prefetched
 
 
+# --- 8. ZeRO-3 under bf16 autocast -------------------------------------------------------------
+
+WIDE = 128   # six Linear(128, 128) units: their weights dwarf the activations of 4 rows
+
+
+class _Held(TorchDispatchMode):
+    """What a ZeRO-3 rank holds, in bytes, now: its shards, its units' flat buffers (resized in
+    place, which no operation allocates) and every storage an operation made inside the block —
+    autocast's casts and what autograd keeps of them included — each at its size now."""
+
+    def __init__(self, ddp: DataParallel) -> None:
+        super().__init__()
+        self.ddp, self.made = ddp, {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                known = self.made.get(id(storage))
+                if known is None or known() is None:     # new (or a dead one's id reused)
+                    self.made[id(storage)] = weakref.ref(storage)
+        return out
+
+    def bytes(self) -> int:
+        storages = [r() for r in self.made.values()] + [
+            t.untyped_storage() for b in self.ddp.buckets for t in (b.param_data, b.param_shard)
+            if t is not None]
+        return sum(s.nbytes() for s in {id(s): s for s in storages if s is not None}.values())
+
+
+def _trained_under_autocast(zero: int):
+    """Two AdamW steps of six units under bf16 autocast, as ``train.py`` runs a step, the weights
+    read whole after each (a checkpoint's ``gathered``). Returns those weights and, for ZeRO-3,
+    the bytes held after each unit's forward in the second step."""
+    grid = ParallelGrid(dp=2)
+    model = _mlp((WIDE,) * 7)
+    ddp = STAGES[zero](model, grid.dp_group, units=[m for m in model if isinstance(m, nn.Linear)])
+    opt = ddp.optimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
+    meter, held, weights = None, [], []
+    for m in model[::2]:                        # after ZeRO-3's own hook: the unit is freed
+        m.register_forward_hook(lambda *_: held.append(meter.bytes()))
+    for step in range(2):
+        x, y = (_my_slice(t, grid) for t in _batch(step, WIDE, WIDE))
+        meter, held[:] = _Held(ddp), []         # what the step makes, not the first's Adam state
+        with torch.autocast("cpu", dtype=torch.bfloat16), meter:
+            F.mse_loss(model(x), y).backward()
+            ddp.finish_grad_sync()
+            opt.step()
+        ddp.zero_grad()
+        with ddp.gathered():
+            weights.append(_flat(model.parameters()))
+    return weights, held
+
+
+def _zero3_under_autocast():
+    unit = (WIDE * WIDE + WIDE) * 4
+    return _trained_under_autocast(0)[0], *_trained_under_autocast(3), unit
+
+
+def test_zero3_under_bf16_autocast_trains_as_plain_dp_under_it():
+    """Gathered in bf16, a unit's weights are autocast's casts of the fp32 master weights: the
+    same forward, the same gradients (reduce-scattered in fp32), the same steps."""
+    for plain, zero3, *_ in LAUNCHES["zero3-autocast"]:
+        for a, b in zip(plain, zero3, strict=True):
+            assert (a - b).abs().max().item() < TOL
+
+
+def test_zero3_under_bf16_autocast_holds_its_shards_and_one_unit_between_units():
+    """Between units a ZeRO-3 rank holds its shards, Ψ/dp, and at most the next unit (prefetched):
+    each unit is gathered in bf16 (FSDP2's param_dtype) and freed after its forward, and what
+    autograd keeps of it is a view of the freed storage. Gathered in fp32, autocast's bf16 casts
+    would stay alive for backward, whatever its cache: 3 units more here by the last unit, a
+    bf16 copy of the whole model."""
+    for _, _, held, unit in LAUNCHES["zero3-autocast"]:
+        psi = 6 * unit
+        assert len(held) == 6
+        assert max(held) <= psi / 2 + unit
+
+
 # --- the runs on several ranks above: one launch per world size ---------------------------------
 
 LAUNCHES = Launches({  # name -> (world size, function, arguments)
@@ -522,4 +646,5 @@ LAUNCHES = Launches({  # name -> (world size, function, arguments)
     "tiny-model-zero1-dp4": (4, _state_of_a_tiny_model, (4, True)),
     "clipped-dp2": (2, _clipped, (2,)),
     "norm-tp2-pp2": (4, _tp_pp_norm, ()),
+    "zero3-autocast": (2, _zero3_under_autocast, ()),
 })

@@ -53,10 +53,6 @@ class Bucket:
         """A buffer of ``n`` zeros (default: the whole bucket) in its dtype, on its device."""
         return torch.zeros(self.numel if n is None else n, dtype=self.dtype, device=self.device)
 
-    @property
-    def bytes(self) -> int:
-        return self.numel * self.params[0].element_size()
-
     def views(self, flat: torch.Tensor) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:
         """Each parameter with its slice of ``flat``, shaped like it."""
         for p, start in zip(self.params, self.offsets, strict=False):

@@ -27,7 +27,7 @@ from megatron_edu import comm
 from megatron_edu.comm import CommGroup
 from megatron_edu.data_parallel.buckets import Bucket, make_buckets
 from megatron_edu.grid import ParallelGrid
-from megatron_edu.optim import clip_grad_norm_
+from megatron_edu.optim import clip_held_grads_
 
 __all__ = ["DataParallel"]
 
@@ -146,9 +146,11 @@ class DataParallel:
         return self.params
 
     def clip_grad_norm_(self, max_norm: float, grid: ParallelGrid,
-                        tied_copies: Iterable[nn.Parameter] = ()) -> float:
-        """Clip by the global norm of the whole model's gradient (``optim.clip_grad_norm_``)."""
-        return clip_grad_norm_(self.params, max_norm, grid, tied_copies)
+                        tied_copies: Iterable[nn.Parameter] = ()) -> torch.Tensor:
+        """Clip by the global norm of the whole model's gradient (``optim.clip_grad_norm_``);
+        the norm, a 0-d tensor on the device (as torch's)."""
+        return clip_held_grads_([(p, p.grad) for p in self.params if p.grad is not None],
+                                max_norm, grid, tied_copies)
 
     def optimizer(self, param_groups: list[dict], optimizer_cls: type[torch.optim.Optimizer],
                   **defaults) -> torch.optim.Optimizer:

@@ -58,10 +58,15 @@ class ZeRO1(DataParallel):
         bucket.flatten_params()
 
     def _reduce(self, bucket: Bucket) -> Launched:
-        """Start the reduce-scatter: only this rank's shard's sum comes back."""
-        work, mine = comm.reduce_scatter(bucket.grad_data, self.group, dim=0, label="dp grads",
-                                         async_op=True, tag=bucket.index)
-        return work, lambda: bucket.grad_shard.copy_(mine)
+        """Start the reduce-scatter, in place: the sum of this rank's shard lands in its own slice
+        of the bucket's buffer (Megatron-LM's distributed optimizer), here ``grad_shard``."""
+        work, mine = comm.reduce_scatter(bucket.grad_data, self.group, 0, "dp grads", async_op=True,
+                                         out=bucket.grad_data[bucket.start:bucket.end],
+                                         tag=bucket.index)
+        return work, lambda: self._keep(bucket, mine)
+
+    def _keep(self, bucket: Bucket, mine: torch.Tensor) -> None:
+        """Keep the reduced shard ``mine``: it is ``grad_shard`` already."""
 
     def local_grads(self, params: Iterable[nn.Parameter]) -> list[torch.Tensor]:
         """The gradients this rank holds of ``params``: their pieces in its shards."""
@@ -72,7 +77,7 @@ class ZeRO1(DataParallel):
         return [b.grad_shard for b in self.buckets]
 
     def clip_grad_norm_(self, max_norm: float, grid: ParallelGrid,
-                        tied_copies: Iterable[nn.Parameter] = ()) -> float:
+                        tied_copies: Iterable[nn.Parameter] = ()) -> torch.Tensor:
         """Clip by the global norm from this rank's pieces, the squares summed over dp (× cp)."""
         return clip_held_grads_([(piece.param, piece.tensor.grad) for piece in self.pieces],
                                 max_norm, grid, tied_copies, sum_over=(self.group,))
@@ -85,9 +90,8 @@ class ZeRO1(DataParallel):
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """Step this rank's pieces, then give every rank every updated shard."""
         optimizer.step()
-        for bucket in self.buckets:
-            bucket.param_data.copy_(comm.all_gather(bucket.param_shard, self.group, dim=0,
-                                                    label="dp params"))
+        for bucket in self.buckets:          # in place: the shards are param_data's own slices
+            comm.all_gather(bucket.param_shard, self.group, 0, "dp params", out=bucket.param_data)
 
 
 class DistributedOptimizer:

@@ -15,9 +15,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from megatron_edu import comm
 from megatron_edu.data_parallel.buckets import Bucket
-from megatron_edu.data_parallel.ddp import Launched
 from megatron_edu.data_parallel.zero1 import ZeRO1
 
 __all__ = ["ZeRO2"]
@@ -60,14 +58,10 @@ class ZeRO2(ZeRO1):
         self._wait_launched()
         self._open(bucket)
 
-    def _reduce(self, bucket: Bucket) -> Launched:
-        """Reduce-scatter; once done, add the sum into the shard and free the whole buffer."""
-        work, mine = comm.reduce_scatter(bucket.grad_data, self.group, dim=0, label="dp grads",
-                                         async_op=True, tag=bucket.index)
-        return work, lambda: self._keep(bucket, mine)
-
     @torch.no_grad()
     def _keep(self, bucket: Bucket, mine: torch.Tensor) -> None:
+        """Once reduce-scattered (``ZeRO1._reduce``): add the sum into the shard, free the whole
+        buffer."""
         bucket.grad_shard.add_(mine)
         bucket.grad_data = None
 

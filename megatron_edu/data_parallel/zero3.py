@@ -16,9 +16,17 @@ refuses ZeRO-2/3 inside a pipeline.
 
 An emptied parameter stays a view of its unit's flat buffer, whose storage is resized to nothing
 at rest and back when gathered (``_fill``, ``_free``; FSDP's mechanism): shapes stay intact, and
-what autograd saved reads the refilled storage. Under full recomputation a block's forward runs
-again inside backward; its hooks see that (``in_backward``) and neither free nor prefetch.
-Gathers are tagged with their bucket (``comm.record``) for ``timing.UnitTimer``.
+what autograd saved reads the refilled storage. The all-gather writes into that buffer, its
+input this rank's own slice of it (FSDP2's copy-in): no other copy of the unit. Under full
+recomputation a block's forward runs again inside backward; its hooks see that (``in_backward``)
+and neither free nor prefetch. Gathers are tagged with their bucket for ``timing.UnitTimer``.
+
+Under autocast a forward gathers its units in the compute dtype, bf16, as FSDP2's
+``MixedPrecisionPolicy(param_dtype)``: gathered in fp32, each matmul's bf16 cast of its weight
+would be kept for backward, a bf16 copy of the whole model by the end of forward — which
+autocast's ``cache_enabled=False`` cannot prevent. The fp32 shards stay the master weights and
+gradients are reduce-scattered in fp32; matmuls read the casts autocast would make, embeddings
+and layer norms bf16 weights (as in FSDP2's and Megatron-LM's bf16 models).
 """
 
 from __future__ import annotations
@@ -82,20 +90,27 @@ def in_backward() -> bool:
 
 
 def _gathered(bucket: Bucket) -> bool:
-    """Is ``param_data`` whole now (else its storage is empty)?"""
+    """Does ``param_data`` hold its storage (gathered, or its all-gather on the way)?"""
     return bucket.param_data.untyped_storage().nbytes() > 0
 
 
 @torch.no_grad()
-def _fill(bucket: Bucket, whole: torch.Tensor) -> None:
-    """Give ``param_data`` its storage back and the gathered values."""
-    bucket.param_data.untyped_storage().resize_(bucket.bytes)
-    bucket.param_data.copy_(whole)
+def _fill(bucket: Bucket, dtype: torch.dtype) -> None:
+    """Give ``param_data`` its storage back, in ``dtype``, with this rank's shard in its own slice:
+    the all-gather's input. Another dtype (autocast turned on or off) is a new flat buffer, which
+    the parameters then view."""
+    if bucket.param_data.dtype == dtype:
+        bucket.param_data.untyped_storage().resize_(bucket.numel * dtype.itemsize)
+    else:
+        bucket.param_data = torch.empty(bucket.numel, dtype=dtype, device=bucket.device)
+        for p, view in bucket.views(bucket.param_data):
+            p.data = view
+    bucket.param_data[bucket.start:bucket.end].copy_(bucket.param_shard)
 
 
 def _free(bucket: Bucket) -> None:
     """Empty ``param_data``'s storage; the parameters, and what autograd saved of them, stay its
-    views, their values gone until ``_fill`` (FSDP's storage resize)."""
+    views, their values gone until ``_fill``."""
     bucket.param_data.untyped_storage().resize_(0)
 
 
@@ -105,7 +120,7 @@ class ParameterSharding:
 
     def __init__(self, buckets: list[Bucket], group: CommGroup, roots: list[nn.Module],
                  modules: list[nn.Module]) -> None:
-        self.group = group
+        self.group, self.device, self.master = group, buckets[0].device, buckets[0].dtype  # fp32
         self._roots = roots = {id(m) for m in roots}      # kept gathered forward → backward
         owner: dict[int, nn.Module] = {}                 # each parameter's innermost unit
         for module in modules:
@@ -123,7 +138,7 @@ class ParameterSharding:
         starts = [i for i, (m, _) in enumerate(self.units) if id(m) in roots]
         for start, end in zip(starts, [*starts[1:], len(self.units)], strict=False):
             self._backward_next[start] = end - 1 if end - 1 > start else -1
-        self._pending: dict[int, tuple[torch.distributed.Work, torch.Tensor]] = {}
+        self._pending: dict[int, torch.distributed.Work] = {}      # bucket index -> its gather
         self.unit_of = {b.index: i for i, (_, bs) in enumerate(self.units) for b in bs}
         self._pinned = False                                 # inside ``gathered``
         for module, _ in self.units:
@@ -134,9 +149,13 @@ class ParameterSharding:
 
     def _before_forward(self, module: nn.Module, args) -> None:
         i = self._index[id(module)]
-        self._gather(i)
-        if not in_backward():
-            self._prefetch(i + 1)                        # the next unit, during this one
+        if in_backward():                                # recomputed: backward gathered it
+            self._gather(i)
+            return
+        kind = self.device.type                          # autocast's dtype: FSDP2's param_dtype
+        dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else self.master
+        self._gather(i, dtype)
+        self._prefetch(i + 1, dtype)                     # the next unit, during this one
 
     def _after_forward(self, module: nn.Module, args, output) -> None:
         if in_backward():                                # recomputed: backward needs it now
@@ -149,7 +168,7 @@ class ParameterSharding:
             output.register_hook(lambda grad, i=i: self._before_backward(i))
 
     def _before_backward(self, i: int) -> None:
-        self._gather(i)
+        self._gather(i)                                  # in the dtype its forward used
         self._prefetch(self._backward_next[i])           # backward runs the units in reverse
 
     # --- called by ZeRO3 -------------------------------------------------------------------
@@ -160,18 +179,16 @@ class ParameterSharding:
 
     def free_all(self) -> None:
         """Free every gathered unit (before an optimizer step: no stale copy survives it)."""
-        for work, _ in self._pending.values():
-            work.wait()
-        self._pending.clear()
         for i in range(len(self.units)):
             self._free(i)
 
     @contextmanager
     def gathered(self) -> Iterator[None]:
-        """Inside, every parameter is whole, to read, save or load (a collective). What is
-        written into them stays: each rank keeps its shard of it on leaving."""
+        """Inside, every parameter is whole, in the master dtype, to read, save or load (a
+        collective). What is written into them stays: each rank keeps its shard of it on leaving."""
+        self.free_all()                                  # what a forward left, maybe bf16
         for i in range(len(self.units)):
-            self._gather(i)
+            self._gather(i, self.master)
         self._pinned = True                              # the hooks inside free nothing
         try:
             yield
@@ -185,29 +202,29 @@ class ParameterSharding:
 
     # --- gathering -------------------------------------------------------------------------
 
-    def _prefetch(self, i: int) -> None:
+    def _prefetch(self, i: int, dtype: torch.dtype | None = None) -> None:
         if 0 <= i < len(self.units):
             for bucket in self.units[i][1]:
-                self._start(bucket)
+                self._start(bucket, dtype)
 
-    def _start(self, bucket: Bucket) -> None:
-        """Launch the all-gather of ``bucket``'s shards, unless it is gathered or on its way."""
-        if _gathered(bucket) or bucket.index in self._pending:
+    def _start(self, bucket: Bucket, dtype: torch.dtype | None = None) -> None:
+        """Launch the all-gather of ``bucket``'s shards into its own buffer, in ``dtype`` (None:
+        the buffer's, as the forward left it), unless it is gathered or on its way."""
+        if _gathered(bucket):
             return
-        self._pending[bucket.index] = comm.all_gather(bucket.param_shard, self.group, dim=0,
-                                                      label="dp params gather", async_op=True,
-                                                      tag=bucket.index)
+        _fill(bucket, dtype or bucket.param_data.dtype)
+        self._pending[bucket.index], _ = comm.all_gather(
+            bucket.param_data[bucket.start:bucket.end], self.group, 0, "dp params gather",
+            out=bucket.param_data, async_op=True, tag=bucket.index)
 
-    def _gather(self, i: int) -> None:
+    def _gather(self, i: int, dtype: torch.dtype | None = None) -> None:
         for bucket in self.units[i][1]:
-            self._start(bucket)
-            if bucket.index in self._pending:
-                work, whole = self._pending.pop(bucket.index)
-                work.wait()
-                _fill(bucket, whole)
+            self._start(bucket, dtype)
+            self._pending.pop(bucket.index, comm.DONE).wait()
 
     def _free(self, i: int, only: Bucket | None = None) -> None:
         """Free unit ``i``'s buckets (``only`` one of them), unless ``gathered`` pins them."""
         for bucket in self.units[i][1] if only is None else [only]:
             if _gathered(bucket) and not self._pinned:
+                self._pending.pop(bucket.index, comm.DONE).wait()   # never under a gather
                 _free(bucket)
