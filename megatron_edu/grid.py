@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from megatron_edu.comm import CommGroup
 
-__all__ = ["Layout", "ParallelGrid", "all_layouts"]
+__all__ = ["Layout", "ParallelGrid", "all_layouts", "to_device"]
 
 
 @dataclass(frozen=True)
@@ -176,6 +176,16 @@ class ParallelGrid:
     def __repr__(self) -> str:
         return (f"ParallelGrid(tp={self.tp}, pp={self.pp}, dp={self.dp}; rank {self.rank} = "
                 f"tp {self.tp_rank}, pp {self.pp_rank}, dp {self.dp_rank})")
+
+
+def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``x``, a host tensor, on ``device`` without a host sync: a GPU gets it from pinned memory,
+    non-blocking (a pageable copy waits for the stream). Safe to let go of the pinned copy at
+    once: PyTorch's pinned-memory allocator reuses a block only after the copies queued from it
+    have run (the pattern of ``DataLoader(pin_memory=True)`` with ``.to(non_blocking=True)``)."""
+    if device.type != "cuda" or x.device.type != "cpu":
+        return x.to(device)
+    return x.pin_memory().to(device, non_blocking=True)
 
 
 def all_layouts(world_size: int) -> list[Layout]:

@@ -36,12 +36,12 @@ import torch
 from megatron_edu import comm
 from megatron_edu.context_parallel import split
 from megatron_edu.data_parallel import STAGES
-from megatron_edu.grid import Layout, ParallelGrid
+from megatron_edu.grid import Layout, ParallelGrid, to_device
 from megatron_edu.model import GPTConfig
 from megatron_edu.model.gpt import IGNORE_INDEX
 from megatron_edu.optim import DynamicLossScale, FixedLossScale, build_param_groups
 from megatron_edu.pipeline.engine import Batch, RunSettings, build_chunks, run_schedule
-from megatron_edu.pipeline.schedules import Action, PipelineConfig, forward_only
+from megatron_edu.pipeline.schedules import PipelineConfig, forward_only
 from megatron_edu.pipeline.stages import StageMap
 from megatron_edu.tensor_parallel.sequence_parallel import sum_replicated_grads_
 
@@ -126,7 +126,6 @@ class StepResult:
     grad_norm: float                 # the global norm before clipping (inf: not finite)
     skipped: bool = False            # the norm was not finite: no rank updated its weights
     loss_scale: float = 1.0          # the loss scale this step used (fp16)
-    timeline: list[tuple[Action, float, float]] = field(default_factory=list)
 
 
 class PTDP:
@@ -183,32 +182,33 @@ class PTDP:
         # 2205.05198 §4.2.2: sum the replicated parameters' gradients over tp
         sum_replicated_grads_(self.ddp.local_grads(self.replicated), self.grid.tp_group)
         torch._foreach_mul_(self.ddp.held_grads(), 1.0 / scale)  # all live in buckets
-        grad_norm = self._clip()
+        # the step's one host sync: the loss and the norm (inf: a replica's gradient was not)
+        loss, grad_norm = torch.stack((self._dp_sum(result.loss), self._clip())).tolist()
         skipped = not math.isfinite(grad_norm)
         if not skipped:
             self.optimizer.step()
         self.loss_scale.update(overflow=skipped)
         self.ddp.zero_grad()
         self.iteration += 1
-        return StepResult(self._dp_sum(result.loss), grad_norm, skipped, scale, result.timeline)
+        return StepResult(loss, grad_norm, skipped, scale)
 
     @torch.no_grad()
     def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor) -> float:
         """The mean loss over the target tokens of a global batch, forward passes only."""
         result = self._run(forward_only(self.schedule), input_ids, labels)
-        return self._dp_sum(result.loss)
+        return self._dp_sum(result.loss).item()
 
     def _run(self, schedule, input_ids, labels, loss_scale=1.0, grad_sync=None):
         device, b = self.grid.device, input_ids.shape[0]
         if self.grid.cp > 1:                               # this rank's chunks of each sequence
             input_ids, labels = (split(x, self.grid.cp_rank, self.grid.cp)
                                  for x in (input_ids, labels))
-        input_ids, labels = input_ids.to(device), labels.to(device)
-        tokens = comm.all_reduce(torch.tensor(float((labels != IGNORE_INDEX).sum()),
-                                              device=device), self.grid.dp_cp_group, "dp tokens")
-        batch = Batch(input_ids, labels, self.iteration, self.grid.dp_rank * b, int(tokens.item()))
+        input_ids, labels = to_device(input_ids, device), to_device(labels, device)
+        tokens = comm.all_reduce((labels != IGNORE_INDEX).sum().float(), self.grid.dp_cp_group,
+                                 "dp tokens")                # stays on the device: no sync
+        batch = Batch(input_ids, labels, self.iteration, self.grid.dp_rank * b, tokens)
         settings = RunSettings(self.options.scatter_gather and not self.config.sequence_parallel,
-                               grad_sync=grad_sync, loss_scale=loss_scale)
+                               grad_sync=grad_sync, loss_scale=loss_scale, timeline=False)
         return run_schedule(schedule, self.chunks, self.grid, batch, settings)
 
     @torch.no_grad()
@@ -221,11 +221,11 @@ class PTDP:
             for grad in grads:
                 grad.copy_(total)
 
-    def _clip(self) -> float:
+    def _clip(self) -> torch.Tensor:
         """Clip by the global norm (``clip`` 0: never); return the norm (inf: not finite)."""
         max_norm = self.options.clip if self.options.clip > 0 else math.inf
         return self.ddp.clip_grad_norm_(max_norm, self.grid, self.tied_copies)
 
-    def _dp_sum(self, loss: torch.Tensor) -> float:
+    def _dp_sum(self, loss: torch.Tensor) -> torch.Tensor:
         """The replicas' (and cp ranks') shares of the token mean, added up: the global mean."""
-        return comm.all_reduce(loss, self.grid.dp_cp_group, "dp loss").item()
+        return comm.all_reduce(loss, self.grid.dp_cp_group, "dp loss")

@@ -2,6 +2,7 @@
 recomputation, sequence parallelism, fp16 loss scaling, fused operations — each equal to the plain
 model, each saving what the formula says (measured)."""
 
+import copy
 import dataclasses
 import math
 
@@ -11,7 +12,7 @@ from helpers import Launches, tiny_config
 
 from megatron_edu import comm
 from megatron_edu.grid import Layout, ParallelGrid
-from megatron_edu.model import GPT, GPTConfig
+from megatron_edu.model import GPT, GPTConfig, compile_blocks
 from megatron_edu.optim import DynamicLossScale
 from megatron_edu.perf import activation_bytes_per_layer, megatron_core_activation_bytes
 from megatron_edu.perf.measure import layer_activation_bytes
@@ -239,6 +240,56 @@ def test_fused_operations_equal_the_unfused_ones(dropout, attention):
         loss.backward()
     torch.testing.assert_close(losses[1], losses[0], atol=1e-6, rtol=0)
     for (name, a), (_, b) in zip(reference.named_parameters(), fused.named_parameters(),
+                                 strict=True):
+        torch.testing.assert_close(b.grad, a.grad, atol=1e-6, rtol=0, msg=name)
+
+
+def _saved_by_attention(attention):
+    """The shapes a GPT's forward saves for backward (dropout 0: the fused core's CPU kernel)."""
+    shapes = []
+
+    def pack(tensor):
+        shapes.append(tuple(tensor.shape))
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        GPT(tiny_config(attention=attention))(*_batch())
+    return shapes
+
+
+def test_the_fused_attention_core_saves_no_scores_matrix():
+    """The eager core keeps softmax(q·kᵀ) for backward, [b, a, s, s]: 2104.04473's 5as²b term,
+    ~25–30 MFU points on a GPU in fp32 softmax traffic. The fused one (flash attention) keeps q, k,
+    v, its output and a row statistic, and recomputes the rest in backward."""
+    b, s = 4, 16
+    scores = b * tiny_config().num_heads * s * s
+
+    def score_sized(shapes):
+        return [shape for shape in shapes if shape[-2:] == (s, s) and math.prod(shape) >= scores]
+
+    assert score_sized(_saved_by_attention("eager"))            # what the hook would catch
+    assert score_sized(_saved_by_attention("fused")) == []
+
+
+def test_compiled_blocks_equal_the_eager_ones_and_a_new_dropout_key_compiles_nothing():
+    """``--compile``: each block's forward through torch.compile (on CPU the aot_eager backend:
+    dynamo's capture and AOTAutograd's graph, without a C++ build), dropout on: the same losses
+    and gradients, and steps 2 and 3 (new keys, new samples) reuse step 1's graphs."""
+    from torch._dynamo.utils import counters
+
+    eager = GPT(DROPOUT)
+    compiled = copy.deepcopy(eager)
+    compile_blocks(compiled, backend="aot_eager")
+    for step in range(3):
+        key = DropoutKey(step, tuple(range(4 * step, 4 * step + 4)))
+        losses = [model(*_batch(seed=step), dropout_key=key) for model in (eager, compiled)]
+        for loss in losses:
+            loss.backward()
+        torch.testing.assert_close(losses[1], losses[0], atol=1e-6, rtol=0)
+        if step == 0:
+            graphs = counters["stats"]["unique_graphs"]
+    assert counters["stats"]["unique_graphs"] == graphs > 0
+    for (name, a), (_, b) in zip(eager.named_parameters(), compiled.named_parameters(),
                                  strict=True):
         torch.testing.assert_close(b.grad, a.grad, atol=1e-6, rtol=0, msg=name)
 

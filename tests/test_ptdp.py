@@ -1,6 +1,11 @@
 """PTD-P: every layout of the grid takes the serial model's optimizer steps (2104.04473 §3)."""
 
+import contextlib
 import dataclasses
+import sys
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -144,6 +149,49 @@ def _training(tp, pp, dp, config=CONFIG, masked=False, **overrides):
             (*_split(tp, pp, dp, **overrides), config, masked))
 
 
+HOST_SYNCS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "cpu", "numpy")
+
+
+@contextlib.contextmanager
+def _counting_host_syncs() -> Iterator[Counter]:
+    """Counts the package's calls that read a tensor back to the host (on a GPU each waits for
+    the stream): ``.item()``, ``.tolist()``, ``bool()``/``float()``/``int()`` of a tensor, ...
+    by patching ``torch.Tensor``; by method and the caller's file, when it is megatron_edu's."""
+    calls, methods = Counter(), {name: getattr(torch.Tensor, name) for name in HOST_SYNCS}
+
+    def counting(name, method):
+        def call(self, *args, **kwargs):
+            caller = sys._getframe(1).f_code
+            if "megatron_edu" in caller.co_filename:
+                calls[name, Path(caller.co_filename).name] += 1
+            return method(self, *args, **kwargs)
+        return call
+
+    for name, method in methods.items():
+        setattr(torch.Tensor, name, counting(name, method))
+    try:
+        yield calls
+    finally:
+        for name, method in methods.items():
+            setattr(torch.Tensor, name, method)
+
+
+def _a_bf16_step(tp, pp, dp, config, zero, schedule="1f1b", chunks=None):
+    """One PTD-P step under CPU bf16 autocast, dropout on, after a first one (warm-up): the host
+    syncs the package made during it, and its tp and pipeline traffic (op, label, dtype, bytes)."""
+    layout, options, split = _split(tp, pp, dp, zero=zero, schedule=schedule, chunks=chunks)
+    grid = ParallelGrid(layout, embedding_ranks=split["pipeline"].stages(pp).ends)
+    trainer = PTDP(config, grid, options, **split)
+    ids, labels = _batches()[0]
+    mine = slice(grid.dp_rank * GLOBAL_BATCH // dp, (grid.dp_rank + 1) * GLOBAL_BATCH // dp)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        trainer.train_step(ids[mine], labels[mine], LR)
+        with _counting_host_syncs() as syncs, comm.record() as log:
+            trainer.train_step(ids[mine], labels[mine], LR)
+    return dict(syncs), [(e.op, e.label, e.dtype, e.bytes) for e in log.events
+                         if e.group in ("tp", "p2p")]
+
+
 SP = dataclasses.replace(CONFIG, sequence_parallel=True)
 CASES = {  # name -> (world size, function, arguments); every case of one size in one launch
     "serial": (1, _serial, ()),
@@ -193,6 +241,9 @@ CASES = {  # name -> (world size, function, arguments); every case of one size i
     "inf-tp2-dp2-zero1": (4, _inf_on_one_rank, (2, 1, 2, True, 1)),
     "inf-dp4": (4, _inf_on_one_rank, (1, 1, 4, False, 2)),
     "every-layout-of-8": (8, _every_layout_of_8, ()),
+    "bf16-tp2-pp2-dp2": (8, _a_bf16_step, (2, 2, 2, DROPOUT, 1, "interleaved", 2)),
+    "bf16-sp-tp2-dp4-zero3": (8, _a_bf16_step, (2, 1, 4, dataclasses.replace(
+        DROPOUT, sequence_parallel=True), 3)),
 }
 LAUNCHES = Launches(CASES)  # LAUNCHES[name]: every rank's result of case name
 
@@ -291,3 +342,25 @@ def test_zero1_sums_a_dp_th_of_the_tied_embedding():
         return LAUNCHES[name][0][3].total_bytes(label="embedding grads")
 
     assert embedding_bytes("zero1-buckets") * 2 == embedding_bytes("one-bucket") > 0
+
+
+# --- on a GPU, fast by construction: checked here on CPU ------------------------------------------
+
+@pytest.mark.parametrize("name", ["bf16-tp2-pp2-dp2", "bf16-sp-tp2-dp4-zero3"])
+def test_a_step_reads_back_to_the_host_once(name):
+    """No host sync inside a microbatch, one a step: the loss and the gradient norm together
+    (``PTDP.train_step``), on every rank (ZeRO-1 and 3, dropout on, interleaved or 1F1B)."""
+    for rank, (syncs, _) in enumerate(LAUNCHES[name]):
+        assert syncs == {("tolist", "ptdp.py"): 1}, rank
+
+
+@pytest.mark.parametrize("name", ["bf16-tp2-pp2-dp2", "bf16-sp-tp2-dp4-zero3"])
+def test_under_bf16_every_activation_crosses_tp_and_pp_in_2_bytes(name):
+    """The embedding's reduction, each layer's f and g (or SP's gathers and scatters), the pipeline
+    messages: bf16, as Megatron-LM sends them. Only the vocabulary-parallel cross entropy's
+    [b, s] statistics stay fp32 (1909.08053 §3: it sends b·s values, not b·s·v), and, not
+    activations, the fp32 gradients of SP's replicated parameters summed over tp."""
+    for rank, (_, traffic) in enumerate(LAUNCHES[name]):
+        dtypes = Counter(dtype for op, label, dtype, _ in traffic
+                         if not label.startswith("ce ") and label != "sp replicated grads")
+        assert set(dtypes) == {torch.bfloat16} and dtypes.total() > 20, (rank, dtypes)

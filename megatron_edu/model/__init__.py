@@ -7,8 +7,10 @@ from megatron_edu.grid import ParallelGrid
 from megatron_edu.model.bert import BERT
 from megatron_edu.model.config import BertConfig, GPTConfig, config_from_dict
 from megatron_edu.model.gpt import GPT
+from megatron_edu.model.transformer import compile_blocks
 
-__all__ = ["GPTConfig", "BertConfig", "config_from_dict", "GPT", "BERT", "build_model"]
+__all__ = ["GPTConfig", "BertConfig", "config_from_dict", "GPT", "BERT", "build_model",
+           "compile_blocks"]
 
 MODELS = {GPTConfig: GPT, BertConfig: BERT}  # the model each configuration describes
 

@@ -48,13 +48,15 @@ from megatron_edu.tensor_parallel.layers import (
     RowParallelLinear,
     TensorParallel,
     VocabParallelEmbedding,
+    in_compute_dtype,
     serial_group,
 )
 from megatron_edu.tensor_parallel.random import Dropout, DropoutKey, checkpoint
 from megatron_edu.tensor_parallel.sequence_parallel import STYLES
 
 __all__ = ["WORD_EMBEDDING", "IGNORE_INDEX", "reduce_loss", "layer_norm", "sequence_parts",
-           "Embedding", "Attention", "KVCache", "MLP", "Block", "TransformerStage"]
+           "Embedding", "Attention", "KVCache", "MLP", "Block", "TransformerStage",
+           "compile_blocks"]
 
 WORD_EMBEDDING = "embedding.word.weight"  # the same name on the first and the last stage
 IGNORE_INDEX = -100                       # labels equal to this add nothing to the loss
@@ -129,7 +131,8 @@ class Embedding(nn.Module):
         seq = torch.arange(offset, offset + whole, device=ids.device)
         seq = torch.cat([seq.chunk(t)[r] for r, t in self.parts])        # this rank's positions
         x = self.word(ids) + self.position(seq)                          # [b, its part, h]
-        return self.dropout(x if extra is None else x + extra, dropout_key)
+        x = in_compute_dtype(x if extra is None else x + extra)          # the residual stream
+        return self.dropout(x, dropout_key)
 
 
 class MLP(nn.Module):
@@ -209,6 +212,17 @@ class Block(nn.Module):
         y = self.mlp(u, add_bias=False)
         return self.bias_dropout_add(y, self.mlp.proj.bias, self.mlp_dropout, dropout_key,
                                      self.placement.residual(x, u))     # [b, s, h]
+
+
+def compile_blocks(model: nn.Module, **options) -> None:
+    """``torch.compile`` each transformer block's forward, in place (``train --compile``): the
+    elementwise chains between matmuls fuse into a few kernels (2104.04473 §4.2's fusions,
+    generated). Only ``forward``: hooks on the block (ZeRO-3's gathers) stay eager, as do the
+    collectives and the dropout keys' host work, where the graph breaks. ``options`` go to
+    ``torch.compile`` (tests on CPU use ``backend="aot_eager"``: the same capture, no C++ build)."""
+    for module in model.modules():
+        if isinstance(module, Block):
+            module.forward = torch.compile(module.forward, **options)
 
 
 def _block(block: Block, h: torch.Tensor, dropout_key: DropoutKey | None,

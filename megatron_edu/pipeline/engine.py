@@ -63,13 +63,13 @@ class Batch:
     """One replica's [b, s] ids and labels of one step (only the first and last stage read them).
     ``step`` and the global index of ``first_sample`` key the dropout masks; ``num_tokens``: the
     target tokens the loss averages over, the global batch's under data parallelism (None: this
-    batch's)."""
+    batch's), a number or a tensor on the device (not read back: no host sync)."""
 
     input_ids: torch.Tensor
     labels: torch.Tensor
     step: int = 0
     first_sample: int = 0
-    num_tokens: int | None = None
+    num_tokens: int | torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -79,13 +79,16 @@ class RunSettings:
     or "mailbox" (``p2p.py``). ``grad_sync(chunk, is_last)`` wraps each pass that accumulates
     weight gradients (B, or W when split): data parallelism communicates in a chunk's last (§2.1).
     ``loss_scale``: fp16 loss scaling of backward (the reported loss is unscaled). ``messages``:
-    what each action receives and sends (exercise 05.2 passes the learner's)."""
+    what each action receives and sends (exercise 05.2 passes the learner's). ``timeline``: time
+    each action (on a GPU: a barrier, and events read back at the end: host syncs a training
+    step does without)."""
 
     scatter_gather: bool = False
     transport: str = "auto"
     grad_sync: Callable[[int, bool], AbstractContextManager] | None = None
     loss_scale: float = 1.0
     messages: MessagesOf = messages_of
+    timeline: bool = True
 
 
 @dataclass
@@ -114,10 +117,8 @@ def run_schedule(schedule: Schedule, chunks: Sequence[nn.Module], grid: Parallel
         raise ValueError(f"{len(chunks)} chunks on this rank, but the schedule runs "
                          f"{schedule.stages.v} per rank ({schedule.stages})")
     ids = batch.input_ids.chunk(m)
-    # between stages: the residual stream's dtype, the parameters' (fp32 under autocast)
-    dtype = next(chunks[0].parameters()).dtype
     wire = make_transport(settings.transport, schedule, grid, chunks[0].boundary_shape(
-        ids[0].shape), dtype, settings.scatter_gather, settings.messages)
+        ids[0].shape), residual_dtype(chunks[0]), settings.scatter_gather, settings.messages)
     return _Run(schedule, chunks, grid, batch, settings, wire).execute()
 
 
@@ -130,7 +131,7 @@ class _Run:
         self.batch, self.settings, self.stages = batch, settings, schedule.stages
         m = schedule.num_microbatches
         self.ids, self.targets = batch.input_ids.chunk(m), batch.labels.chunk(m)
-        self.num_tokens = (int((batch.labels != IGNORE_INDEX).sum()) if batch.num_tokens is None
+        self.num_tokens = ((batch.labels != IGNORE_INDEX).sum() if batch.num_tokens is None
                            else batch.num_tokens)
         self.split = schedule.splits_backward  # B is the input gradient only; W the weights'
         self.kept: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
@@ -141,9 +142,7 @@ class _Run:
 
     def execute(self) -> PipelineResult:
         actions = self.schedule[self.grid.pp_rank]
-        clock = Clock(self.grid.device)
-        comm.barrier(self.grid.pp_group)               # a common time origin for the timeline
-        origin, stamps = clock.stamp(), []
+        clock = _Stopwatch(self.grid) if self.settings.timeline else _NoStopwatch()
         for i, action in enumerate(actions):
             self.wire.at_point(i)
             receives, sends = self.settings.messages(action, self.grid.pp_rank, self.stages)
@@ -151,15 +150,13 @@ class _Run:
             start = clock.stamp()
             out = {"F": self._forward, "B": self._backward, "W": self._weights}[action.kind](
                 action, x)
-            stamps.append((action, start, clock.stamp()))
+            clock.note(action, start)
             if sends is not None:
                 self.wire.send(sends, out)
                 _free_output(out)
         self.wire.at_point(len(actions))
         self.wire.finish()
-        zero = clock.seconds(origin)
-        timeline = [(a, clock.seconds(s) - zero, clock.seconds(e) - zero) for a, s, e in stamps]
-        return PipelineResult(self._loss(), timeline, self.boundary.peak)
+        return PipelineResult(self._loss(), clock.timeline(), self.boundary.peak)
 
     def _forward(self, action: Action, x: torch.Tensor | None) -> torch.Tensor:
         mb, c = action.microbatch, action.chunk
@@ -218,6 +215,50 @@ class _Run:
         loss = (torch.stack(self.losses).sum().float() if self.losses else
                 torch.zeros((), dtype=torch.float32, device=self.grid.device))
         return comm.all_reduce(loss, self.grid.pp_group, label="pp loss")
+
+
+def residual_dtype(chunk: nn.Module) -> torch.dtype:
+    """The residual stream's dtype, so the messages' between stages: autocast's compute dtype
+    (bf16: half the bytes of fp32, as Megatron-LM sends), else the parameters'."""
+    device = next(chunk.parameters()).device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return next(chunk.parameters()).dtype
+
+
+class _Stopwatch:
+    """Each action's start and end on a common origin (a barrier of the pipeline ranks): for
+    the timelines of notebooks 04–05 and the bubble benchmark, not for training steps."""
+
+    def __init__(self, grid: ParallelGrid) -> None:
+        self.clock = Clock(grid.device)
+        comm.barrier(grid.pp_group)
+        self.origin, self.stamps = self.clock.stamp(), []
+
+    def stamp(self):
+        return self.clock.stamp()
+
+    def note(self, action: Action, start) -> None:
+        self.stamps.append((action, start, self.clock.stamp()))
+
+    def timeline(self) -> list[tuple[Action, float, float]]:
+        """(action, start, end) in seconds from the origin (reads a GPU's events back)."""
+        zero = self.clock.seconds(self.origin)
+        return [(a, self.clock.seconds(s) - zero, self.clock.seconds(e) - zero)
+                for a, s, e in self.stamps]
+
+
+class _NoStopwatch:
+    """No timeline asked for: nothing recorded, nothing synchronised."""
+
+    def stamp(self) -> None:
+        return None
+
+    def note(self, action: Action, start: None) -> None:
+        pass
+
+    def timeline(self) -> list[tuple[Action, float, float]]:
+        return []
 
 
 def _free_output(out: torch.Tensor) -> None:

@@ -19,7 +19,9 @@ created communicator deadlocks ranks that reach it in different orders. So, as M
 neighbours exchange in batches that match one to one: at a point of both schedules fixed by
 ``exchange_plan``, both issue one ``batch_isend_irecv`` (communicator made eagerly: ``device_id``
 in ``launch``) with the same messages in the same order, and wait for it. In 1F1B's steady state
-these are Megatron's ``send_forward_recv_backward`` / ``send_backward_recv_forward``. Both
+these are Megatron's ``send_forward_recv_backward`` / ``send_backward_recv_forward``. A batch
+of sends only is not waited for before the next compute (Megatron-LM's ``overlap_p2p_comm``), but
+at the next exchange or the end of the step. Both
 transports share the wire format (``Whole``, or 2104.04473 §4.1's ``ScatterGather``).
 """
 
@@ -258,6 +260,7 @@ class BatchedTransport(_Transport):
         self.points = exchange_plan(schedule, messages)[grid.pp_rank]
         self.outbox: dict[Message, torch.Tensor] = {}   # produced, not yet exchanged
         self.inbox: dict[Message, torch.Tensor] = {}    # exchanged, not yet consumed
+        self.sending: list[dist.Work] = []              # batches of sends only, not waited
 
     def send_remote(self, message: Message, tensor: torch.Tensor) -> None:
         self.outbox[message] = self.to_wire(tensor)
@@ -279,11 +282,24 @@ class BatchedTransport(_Transport):
                 received[m] = self.buffer()
                 ops.append(comm.P2POp("recv", received[m], self.global_rank(exchange.peer),
                                       LABELS[m.kind]))
-        for work in comm.batch_isend_irecv(ops, self.grid.pp_group):
-            work.wait()  # nothing stays posted while this rank computes
+        self._wait_for_sends()
+        works = comm.batch_isend_irecv(ops, self.grid.pp_group)
+        if received:                  # the next action reads them: wait (on NCCL, its stream)
+            for work in works:
+                work.wait()
+        else:                         # only sends: compute on, as Megatron's overlap_p2p_comm
+            self.sending += works
         self.inbox.update(received)
 
+    def _wait_for_sends(self) -> None:
+        """Wait for the send-only batches issued before: at the next exchange, in order, so
+        that at most one batch per peer is in flight, or at the end of the step."""
+        for work in self.sending:
+            work.wait()
+        self.sending.clear()
+
     def finish(self) -> None:
+        self._wait_for_sends()
         assert not self.outbox and not self.inbox and not self.handed_over, \
             "the exchange plan left a message behind"
 

@@ -33,7 +33,7 @@ from megatron_edu.comm import CommGroup
 from megatron_edu.tensor_parallel.init import check_initialised, normal, placeholder, zeros
 
 __all__ = ["serial_group", "TensorParallel", "AsyncTensorParallel", "ColumnParallelLinear",
-           "RowParallelLinear", "VocabParallelEmbedding"]
+           "RowParallelLinear", "VocabParallelEmbedding", "in_compute_dtype"]
 
 
 def serial_group(name: str = "tp") -> CommGroup:
@@ -117,6 +117,13 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None or not add_bias else y + self.bias.to(y.dtype)
 
 
+def in_compute_dtype(x: torch.Tensor) -> torch.Tensor:
+    """x in autocast's compute dtype where autocast is on (bf16: the residual stream, and what
+    crosses tp and pp, in Megatron-LM's 2 bytes an element), else unchanged."""
+    on, dtype = autocast_of(x)
+    return x.to(dtype) if on else x
+
+
 def autocast_of(x: torch.Tensor) -> tuple[bool, torch.dtype]:
     """Whether autocast is on for x's device, and its compute dtype: saved by a forward whose
     backward is written out, to run under the same autocast."""
@@ -169,7 +176,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [b, s] → their embeddings [b, s, h] ([b, s/t, h] under sequence parallelism)."""
-        return self.style.reduce(self.partial(ids))  # each id found on one rank, summed
+        return self.style.reduce(in_compute_dtype(self.partial(ids)))  # found on one rank
 
     def partial(self, ids: torch.Tensor) -> torch.Tensor:
         """This rank's share of the lookup, before g: its rows, zeros for the ids it lacks."""

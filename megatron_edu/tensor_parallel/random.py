@@ -40,6 +40,8 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
+from megatron_edu.grid import to_device
+
 __all__ = ["DropoutKey", "mask_seed", "keep_mask", "Dropout", "checkpoint"]
 
 _M32 = 2**32 - 1
@@ -135,12 +137,14 @@ class Dropout(nn.Module):
         mask = keep(self._keys(key, index.device), index.flatten(), self.p)
         return mask.view(len(key.samples), *index.shape)
 
+    @torch.compiler.disable       # host work (sha256): a compiled block calls it as it is
     def _keys(self, key: DropoutKey | None, device: torch.device) -> torch.Tensor:
         if key is None:
             raise ValueError("dropout in training needs a DropoutKey naming the samples")
         keys = [mask_seed(self.seed, key.step, sample, self.layer, self.site)
                 for sample in key.samples]
-        return torch.tensor([[k & _M32, k >> 32] for k in keys], device=device)  # [b, 2]
+        keys = torch.tensor([[k & _M32, k >> 32] for k in keys])       # [b, 2], on the host
+        return to_device(keys, device)               # a GPU's: queued, no host sync a site
 
     def forward(self, x: torch.Tensor, key: DropoutKey | None) -> torch.Tensor:
         """x with the mask of ``key`` applied and the kept values scaled by 1/(1 − p)."""
