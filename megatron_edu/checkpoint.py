@@ -4,12 +4,13 @@ A checkpoint is a folder ``OUT/checkpoints/step_000100/`` holding
 
 * ``model_tp{t}_pp{p}.pt`` — written by data-parallel rank 0 of each (tp, pp) position: that
   rank's parameter shards and their AdamW moments, by parameter name, with the dimension each is
-  split along (``tp_dim``). Under ZeRO-1 the moments are not in it: each rank d of the
-  dp (× cp) group that shares the optimizer writes ``optim_tp{t}_pp{p}_dp{d}.pt``, the pieces of
-  the moments it owns (each piece: a parameter
-  name, its offset in the flattened shard, the two moments' values) — no rank ever gathers
-  the whole state, and ZeRO-1's saving holds at every save. Everything is copied to the CPU one
-  tensor at a time: the device never holds a second copy of the weights or the state.
+  split along (``tp_dim``). Only that rank copies them to the host: its dp (and cp) peers
+  hold the same shards and copy nothing (else every GPU of a node copies the whole model). Under
+  ZeRO-1 the moments are not in it: each rank d of the dp (× cp) group that shares the optimizer
+  writes ``optim_tp{t}_pp{p}_dp{d}.pt``, the pieces of the moments it owns (each piece: a
+  parameter name, its offset in the flattened shard, the two moments' values) — no rank ever
+  gathers the whole state, and ZeRO-1's saving holds at every save. Everything is copied to the
+  CPU one tensor at a time: the device never holds a second copy of the weights or the state.
 * ``tokenizer.model`` — the sentencepiece model the run trained with, so that the folder
   stands on its own (generation, export).
 * ``meta.json`` — written last: step, model config, layout, training state (data sampler
@@ -20,6 +21,18 @@ A checkpoint is a folder ``OUT/checkpoints/step_000100/`` holding
 **Atomic.** Ranks write into ``step_000100.tmp/``; after a barrier rank 0 writes ``meta.json``,
 renames the folder in one step and then points ``OUT/checkpoints/latest`` at it (also by rename).
 A crash at any moment leaves the previous checkpoint and ``latest`` as they were.
+
+**Kept within bounds, written in the background.** ``keep_last=N``: once the new checkpoint is
+published, rank 0 deletes all but the N newest (by step) — never the one just written, never the
+one ``latest`` names — each renamed ``step_….deleted`` first, so that no half-deleted folder ever
+bears a checkpoint's name. A save is two parts: the *host copy* of what each rank writes, on every
+rank at once (``_snapshot``: the finiteness check, ZeRO-3's gather and ZeRO-1's step count are
+collectives), and the *write* (the phases below). ``Writer`` writes at once; ``BackgroundWriter``
+writes in a thread while training goes on, as torch.distributed.checkpoint's ``async_save``
+does: its phases meet on a gloo group of their own, never interleaved with the training's
+collectives. The next save, the end of training and a failure wait for it (``wait``); an error
+in the background raises there — a write failure as the same ``CheckpointError``, anything else
+with its traceback.
 
 **Truthful.** Nothing is written unless every rank's weights and AdamW moments are finite
 (``NonFiniteError``); a write that fails on any rank — a full disk, a quota — raises the same
@@ -48,9 +61,11 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 import sys
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,8 +82,8 @@ from megatron_edu.model.transformer import WORD_EMBEDDING
 from megatron_edu.perf.memory import parameters_per_rank
 from megatron_edu.ptdp import PTDP, Parallelism
 
-__all__ = ["save_checkpoint", "load_checkpoint", "load_model_chunks", "read_metadata",
-           "load_full_model_state",
+__all__ = ["save_checkpoint", "Writer", "BackgroundWriter", "load_checkpoint",
+           "load_model_chunks", "read_metadata", "load_full_model_state",
            "resolve_checkpoint", "check_model", "export_hf", "Read",
            "CheckpointError", "NonFiniteError", "checkpoint_bytes", "withdraw_checkpoint"]
 
@@ -84,11 +99,15 @@ class CheckpointError(ValueError):
 # --- saving --------------------------------------------------------------------------------------
 
 def save_checkpoint(out_dir: str | Path, step: int, trainer: PTDP,
-                    state: dict[str, Any] | None = None, tokenizer: Path | None = None) -> Path:
+                    state: dict[str, Any] | None = None, tokenizer: Path | None = None,
+                    keep_last: int | None = None, writer: Writer | None = None) -> Path:
     """Save ``trainer`` after ``step`` optimizer steps (a collective: every rank calls it).
 
     ``state``: anything else a resumed run needs (the data sampler's position, ...), JSON-able.
     ``tokenizer``: a sentencepiece model, copied in so that the checkpoint stands on its own.
+    ``keep_last``: then delete all but the newest so many checkpoints (module docstring).
+    ``writer``: a ``Writer`` (the default: returns once the checkpoint is published) or a
+    ``BackgroundWriter`` (returns once the host copy is taken; the same writer every save).
 
     Every rank agrees before anything is written that no weight or AdamW moment is NaN or inf
     (else a ``NonFiniteError``, nothing written), and after each phase that no rank's write
@@ -96,54 +115,148 @@ def save_checkpoint(out_dir: str | Path, step: int, trainer: PTDP,
     folder and the cause — instead of leaving the others waiting at a barrier. Either way the
     previous checkpoint and ``latest`` stay as they were.
     """
-    root = Path(out_dir) / "checkpoints"
-    final = root / f"step_{step:06d}"
-    staging = root / f"step_{step:06d}.tmp"
+    writer = writer or Writer()
+    writer.wait()                        # the previous save first: one host copy at a time
     grid = trainer.grid
+    final = Path(out_dir) / "checkpoints" / f"step_{step:06d}"
     if not _all_ranks(_finite(trainer), grid):
         raise NonFiniteError(f"checkpoint {final.name} not written: the weights or the "
                              f"optimizer state hold NaN or inf values")
-    phases = _Phases(root, final)
+    meta = {"format": FORMAT, "step": step, "config": dict(vars(trainer.config)),
+            "layout": {"tp": grid.tp, "pp": grid.pp, "dp": grid.dp,
+                       **({"cp": grid.cp} if grid.cp > 1 else {}),
+                       "num_chunks": trainer.parallelism.chunks,
+                       "zero": trainer.parallelism.zero},
+            "state": json.loads(json.dumps(state or {})),    # as it is now, JSON-able
+            "tokenizer": TOKENIZER if tokenizer is not None else None}
+    save = _Save(final, _snapshot(trainer), meta, tokenizer, keep_last, grid.rank == 0)
+    writer.start(save.write)
+    return final
 
-    def prepare() -> None:
-        shutil.rmtree(staging, ignore_errors=True)  # the leftovers of a crashed save
-        staging.mkdir(parents=True)
 
-    def publish() -> None:
-        if tokenizer is not None:
-            shutil.copyfile(tokenizer, staging / TOKENIZER)
-        meta = {"format": FORMAT, "step": step, "config": vars(trainer.config),
-                "layout": {"tp": grid.tp, "pp": grid.pp, "dp": grid.dp,
-                           **({"cp": grid.cp} if grid.cp > 1 else {}),
-                           "num_chunks": trainer.parallelism.chunks,
-                           "zero": trainer.parallelism.zero},
-                "state": state or {},
-                "tokenizer": TOKENIZER if tokenizer is not None else None,
-                **_describe(staging, grid.pp),
+class Writer:
+    """Writes a checkpoint at once: ``save_checkpoint`` returns when it is published."""
+
+    def start(self, write: Callable[[dist.ProcessGroup | None], None]) -> None:
+        write(None)                                      # its phases on the default group
+
+    def wait(self) -> None:
+        """Nothing is ever in flight."""
+
+
+class BackgroundWriter(Writer):
+    """Writes a checkpoint in a thread while training goes on (``--async-save``). Made on every
+    rank at the same point (its gloo group is a collective), used by every save of the run.
+    The thread is not a daemon: an interpreter that exits still finishes the write."""
+
+    def __init__(self) -> None:
+        self.group = dist.new_group(backend="gloo")     # the phases' own: never the training's
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    def start(self, write: Callable[[dist.ProcessGroup | None], None]) -> None:
+        self.wait()
+        self.thread = threading.Thread(target=self._run, args=(write,), name="checkpoint writer")
+        self.thread.start()
+
+    def _run(self, write: Callable[[dist.ProcessGroup | None], None]) -> None:
+        try:
+            write(self.group)
+        except BaseException as err:                     # raised again by wait()
+            self.error = err
+
+    def wait(self) -> None:
+        """Wait for the save in flight, if any; raise its error, with its traceback."""
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+
+
+@dataclass
+class _Save:
+    """One checkpoint's write, from its host copy: ``files`` (this rank's, by name) and ``meta``
+    (all but the index and the sizes); ``rank0`` prepares, publishes and prunes."""
+
+    final: Path
+    files: dict[str, Any]
+    meta: dict[str, Any]
+    tokenizer: Path | None
+    keep_last: int | None
+    rank0: bool
+
+    @property
+    def staging(self) -> Path:
+        return self.final.with_suffix(".tmp")
+
+    def write(self, group: dist.ProcessGroup | None) -> None:
+        """The phases (``_Phases``) on ``group``; on a failure the partial folder is removed."""
+        phases, staging = _Phases(self.final, group), self.staging
+        try:
+            phases.run(self._prepare, self.rank0)
+            phases.run(lambda: [torch.save(obj, staging / name)
+                                for name, obj in self.files.items()], bool(self.files))
+            phases.run(self._publish, self.rank0)
+        except CheckpointError:
+            if self.rank0:
+                shutil.rmtree(staging, ignore_errors=True)  # give the space back
+            raise
+
+    def _prepare(self) -> None:
+        shutil.rmtree(self.staging, ignore_errors=True)    # the leftovers of a crashed save
+        self.staging.mkdir(parents=True)
+
+    def _publish(self) -> None:
+        staging, root = self.staging, self.final.parent
+        if self.tokenizer is not None:
+            shutil.copyfile(self.tokenizer, staging / TOKENIZER)
+        meta = {**self.meta, **_describe(staging, self.meta["layout"]["pp"]),
                 "files": {f.name: f.stat().st_size for f in sorted(staging.iterdir())}}
         (staging / "meta.json").write_text(json.dumps(meta, indent=1))
-        if final.exists():                          # saving the same step again
-            shutil.rmtree(final)
-        os.replace(staging, final)
-        _write_atomically(root / "latest", final.name)
+        if self.final.exists():                            # saving the same step again
+            shutil.rmtree(self.final)
+        os.replace(staging, self.final)
+        _write_atomically(root / "latest", self.final.name)
+        if self.keep_last is not None:
+            _prune(root, self.keep_last, self.final)
 
-    try:
-        phases.run(prepare, grid.rank == 0)
-        place = f"tp{grid.tp_rank}_pp{grid.pp_rank}"
-        with trainer.gathered():                       # ZeRO-3: whole for a moment
-            shards = _local_shards(trainer)
-        phases.run(lambda: torch.save(shards, staging / f"model_{place}.pt"),
-                   grid.dp_rank == grid.cp_rank == 0)      # the cp ranks hold the same weights
-        if trainer.ddp.shards_optimizer:
-            pieces = _optimizer_pieces(trainer)
-            owner = grid.dp_cp_group.rank             # ZeRO-1 shards over dp × cp
-            phases.run(lambda: torch.save(pieces, staging / f"optim_{place}_dp{owner}.pt"), True)
-        phases.run(publish, grid.rank == 0)
-    except CheckpointError:
-        if grid.rank == 0:
-            shutil.rmtree(staging, ignore_errors=True)  # give the space back
-        raise
-    return final
+
+def _snapshot(trainer: PTDP) -> dict[str, Any]:
+    """This rank's files, by name, copied to the host: its model file if it writes one
+    (data-parallel rank 0 of its place; the cp ranks hold the same weights too), and under
+    ZeRO-1 its pieces of the moments. Every rank calls it: the step count (ZeRO-1) and the
+    gathering (ZeRO-3) are collectives."""
+    grid = trainer.grid
+    place = f"tp{grid.tp_rank}_pp{grid.pp_rank}"
+    adam_step, files = _adam_step(trainer), {}
+    with trainer.gathered():                              # ZeRO-3: whole for a moment
+        if grid.dp_rank == grid.cp_rank == 0:
+            files[f"model_{place}.pt"] = _local_shards(trainer, adam_step)
+    if trainer.ddp.shards_optimizer:                      # ZeRO-1 shards over dp × cp
+        files[f"optim_{place}_dp{grid.dp_cp_group.rank}.pt"] = _optimizer_pieces(trainer)
+    return files
+
+
+def _prune(root: Path, keep: int, written: Path) -> None:
+    """Delete all but the newest ``keep`` checkpoints of ``root`` by step, never ``written`` nor
+    the one ``latest`` names: each renamed ``….deleted`` (one step), then removed. A deletion
+    that fails is a warning: the new checkpoint is already safe."""
+    steps = sorted((p for p in root.iterdir() if re.fullmatch(r"step_\d+", p.name)),
+                   key=lambda p: int(p.name.removeprefix("step_")))
+    latest = (root / "latest").read_text().strip()
+    spared = {p.name for p in steps[len(steps) - keep:]} | {written.name, latest}
+    for old in [p for p in steps if p.name not in spared] + sorted(root.glob("step_*.deleted")):
+        gone = old if old.suffix == ".deleted" else old.with_name(f"{old.name}.deleted")
+        try:
+            if gone != old:
+                shutil.rmtree(gone, ignore_errors=True)
+                os.replace(old, gone)
+            shutil.rmtree(gone)
+        except OSError as err:
+            print(f"warning: cannot delete the old checkpoint {old}: {_write_failure(err)}",
+                  file=sys.stderr)
 
 
 class NonFiniteError(CheckpointError):
@@ -165,10 +278,10 @@ def _all_ranks(ok: bool, grid: ParallelGrid) -> bool:
 
 class _Phases:
     """A save's phases, each ended by every rank learning whether any rank's part failed (an
-    all-gather of the errors, which is also the barrier between phases)."""
+    all-gather of the errors over ``group``, which is also the barrier between phases)."""
 
-    def __init__(self, root: Path, final: Path) -> None:
-        self.root, self.final = root, final
+    def __init__(self, final: Path, group: dist.ProcessGroup | None = None) -> None:
+        self.root, self.final, self.group = final.parent, final, group
 
     def run(self, action, mine: bool) -> None:
         """``action()`` if ``mine``; then a CheckpointError on every rank if any rank failed."""
@@ -178,8 +291,8 @@ class _Phases:
                 action()
             except (OSError, RuntimeError) as err:
                 error = _write_failure(err)
-        errors = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
+        errors = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(errors, error, group=self.group)
         failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
         if failed:
             rank, cause = failed[0]
@@ -226,13 +339,14 @@ def withdraw_checkpoint(out_dir: str | Path, step: int, previous: Path | None) -
     kept = folder.with_name(f"{folder.name}.diverged")
     shutil.rmtree(kept, ignore_errors=True)
     os.replace(folder, kept)
-    if previous is not None and previous.resolve().parent == root.resolve():
+    if previous is not None and previous.resolve().parent == root.resolve() \
+            and previous.exists():                 # not deleted by keep_last
         _write_atomically(root / "latest", previous.name)
     else:
         (root / "latest").unlink(missing_ok=True)
 
 
-def _local_shards(trainer: PTDP) -> dict[str, Any]:
+def _local_shards(trainer: PTDP, adam_step: float) -> dict[str, Any]:
     """This rank's parameter shards by name (vocabulary padding included), and — unless ZeRO-1
     shards them over dp (``_optimizer_pieces``) — their AdamW moments, each copied to the CPU
     on its own."""
@@ -243,8 +357,7 @@ def _local_shards(trainer: PTDP) -> dict[str, Any]:
             params[name], tp_dims[name] = _on_cpu(p), p.tp_dim
             if p in states:
                 moments[name] = {k: _on_cpu(states[p][k]) for k in MOMENTS}
-    return {"params": params, "moments": moments, "tp_dim": tp_dims,
-            "adam_step": _adam_step(trainer)}
+    return {"params": params, "moments": moments, "tp_dim": tp_dims, "adam_step": adam_step}
 
 
 def _optimizer_pieces(trainer: PTDP) -> dict[str, Any]:

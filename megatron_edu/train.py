@@ -49,8 +49,10 @@ import torch
 
 from megatron_edu import cli, comm
 from megatron_edu.checkpoint import (
+    BackgroundWriter,
     CheckpointError,
     NonFiniteError,
+    Writer,
     check_model,
     checkpoint_bytes,
     load_checkpoint,
@@ -71,7 +73,7 @@ from megatron_edu.data import BatchSampler, TokenDataset, prepare_data, unigram_
 from megatron_edu.data.bert import prepare_bert_data
 from megatron_edu.grid import Layout, ParallelGrid
 from megatron_edu.launch import RankError, resolve_backend, run, under_torchrun
-from megatron_edu.model import BertConfig, GPTConfig
+from megatron_edu.model import BertConfig, GPTConfig, compile_blocks
 from megatron_edu.model.config import ATTENTION, LN_PLACEMENTS, PRESETS, RECOMPUTE
 from megatron_edu.optim import DynamicLossScale, warmup_cosine
 from megatron_edu.perf import model_flops_utilization, training_flops
@@ -83,6 +85,7 @@ from megatron_edu.run_folder import (
     RunFolderError,
     acquire_lock,
     check_space,
+    exit_on_sigterm,
     format_bytes,
     prepare_folder,
     refresh_lock,
@@ -147,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "masks at every layout) or fused (one kernel, flash attention on a GPU; "
                        "its dropout the device's); auto: fused on GPUs or with --fused, else "
                        "eager (context parallelism runs the ring)")
+    model.add_argument("--compile", action="store_true", help="torch.compile each transformer "
+                       "block (its elementwise chains fused into generated kernels; the first "
+                       "steps compile: MFU counts from later ones)")
     model.add_argument("--async-tp", action="store_true", help="overlap the backward's "
                        "tensor-parallel all-reduce (or reduce-scatter) of dX with dW, as "
                        "Megatron-LM does (not with the zero-bubble schedules)")
@@ -175,13 +181,21 @@ def build_parser() -> argparse.ArgumentParser:
     run_.add_argument("--eval-interval", type=positive_int, default=50)
     run_.add_argument("--eval-batches", type=positive_int, default=4)
     run_.add_argument("--save-interval", type=positive_int, default=100)
+    run_.add_argument("--keep-last", type=positive_int, metavar="N", help="keep only the N "
+                      "newest checkpoints (never the one just written nor the one latest names), "
+                      "deleting older ones once the new one is published; default: keep all")
+    run_.add_argument("--async-save", action="store_true", help="write each checkpoint in a "
+                      "background thread from a host copy while training goes on; the next "
+                      "save and the end of the run wait for it")
     run_.add_argument("--resume", nargs="?", const="auto", default=None,
-                      help="resume from OUT's latest checkpoint, or from the given one (any "
-                      "layout; the lr schedule follows this run's --steps)")
+                      help="resume from OUT's latest checkpoint (the flag alone, or 'auto'; "
+                      "none there yet: start afresh, so a requeued job can always pass it), or "
+                      "from the given one (any layout; the lr schedule follows this run's --steps)")
     run_.add_argument("--peak-tflops", type=_peak_tflops, help="per-rank peak for MFU: TFLOP/s, "
                       "or 'measured' (a matmul timed on every rank); default: the GPU's "
-                      "datasheet dense bf16 peak (A100, H100, H200), measured where none applies "
-                      "(a CPU)")
+                      "datasheet dense bf16 peak (perf.DATASHEET_BF16_PEAKS: Blackwell, Hopper, "
+                      "Ada, Ampere; V100 in fp16), measured where none applies (a CPU, a GPU not "
+                      "in the table)")
     run_.add_argument("--sample-tokens", type=nonnegative_int, default=60,
                       help="text to generate at the end")
     run_.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -293,9 +307,13 @@ def train(args: argparse.Namespace, plan: Plan) -> dict[str, Any]:
         scatter_gather=not args.no_scatter_gather, lr=args.lr, weight_decay=args.weight_decay,
         clip=args.clip, loss_scaling=args.dtype == "fp16"),
         pipeline=parallelism.pipeline, zero=parallelism.zero)
+    if args.compile:
+        for chunk in trainer.chunks:
+            compile_blocks(chunk)
     sampler = BatchSampler(len(train_set), args.global_batch, grid.dp_rank, grid.dp, args.seed)
     start, resumed_from = _resume(args, trainer, sampler)
     saved: list[Path] = []                               # the checkpoints this run wrote
+    writer = BackgroundWriter() if args.async_save else Writer()  # every rank: a collective
     log = _Log(args.out / "log.jsonl", grid.rank == 0, start)
     meter = _Meter(args, config, grid, log, start)
     autocast = cli.autocast(args.dtype, grid.device)
@@ -315,18 +333,23 @@ def train(args: argparse.Namespace, plan: Plan) -> dict[str, Any]:
                 meter.validation(step + 1, _validate(args, trainer, val_set, grid))
         if (step + 1) % args.save_interval == 0 or step + 1 == args.steps:
             try:
-                saved += _save(args, step + 1, trainer, sampler, tokenizer, streak, meter)
+                saved += _save(args, step + 1, trainer, sampler, tokenizer, streak, meter,
+                               writer)
             except CheckpointError as err:  # a write failed on some rank: every rank stops
                 meter.close()
                 return {"error": str(err)}
     meter.close()
+    try:
+        writer.wait()                           # --async-save: the last save is published
+    except CheckpointError as err:
+        return {"error": str(err)}
     if streak.count:
         return {"error": _diverged(args, streak, resumed_from, saved, grid.rank == 0)}
     return _finish(args, trainer, tokenizer, log, train_set)
 
 
 def _save(args, step: int, trainer: PTDP, sampler: BatchSampler, tokenizer, streak: _Streak,
-          meter: _Meter) -> list[Path]:
+          meter: _Meter, writer: Writer) -> list[Path]:
     """The checkpoint of ``step``, unless the step was bad or the weights are not finite (then
     it says so, and none): never a checkpoint of broken weights."""
     if streak.count:
@@ -336,7 +359,7 @@ def _save(args, step: int, trainer: PTDP, sampler: BatchSampler, tokenizer, stre
     try:
         return [save_checkpoint(args.out, step, trainer, {
             "sampler": sampler.state_dict(), "data": args.data, "loss_scale": scale},
-            tokenizer.path)]
+            tokenizer.path, args.keep_last, writer)]
     except NonFiniteError as err:
         meter.say(f"step {step}: {err}")
         return []
@@ -630,15 +653,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     try:
-        try:
-            _, train_set, _ = _data(args, plan.config)  # build the caches once, here
-            check_data(args, train_set)
-            if owner:
-                _check_space(args, plan)
-        except (ValueError, OSError, RuntimeError) as err:
-            print(f"error: {err}", file=sys.stderr)
-            return 2
-        return _launch(args, plan, torchrun)
+        with exit_on_sigterm():               # SIGTERM (SLURM, torchrun) reaches the finally too
+            try:
+                _, train_set, _ = _data(args, plan.config)  # build the caches once, here
+                check_data(args, train_set)
+                if owner:
+                    _check_space(args, plan)
+            except (ValueError, OSError, RuntimeError) as err:
+                print(f"error: {err}", file=sys.stderr)
+                return 2
+            return _launch(args, plan, torchrun)
     finally:
         if owner:
             release_lock(args.out)
@@ -649,6 +673,8 @@ def _check_space(args: argparse.Namespace, plan: Plan) -> None:
     one = checkpoint_bytes(plan.config, plan.parallelism)
     free = check_space(args.out, one, "one checkpoint (weights and AdamW state)")
     saves = len({*range(args.save_interval, args.steps + 1, args.save_interval), args.steps})
+    if args.keep_last is not None:           # at most N kept and one being written
+        saves = min(saves, args.keep_last + 1)
     if saves * one > free:
         print(f"warning: the {saves} checkpoints of this run take about "
               f"{format_bytes(saves * one)}, {format_bytes(free)} are free in {args.out}: the "
@@ -660,6 +686,11 @@ def _launch(args: argparse.Namespace, plan: Plan, torchrun: bool) -> int:
     """Run ``train`` on the ranks; report; the exit status."""
     if plan.config.attention == "fused" and (not torchrun or int(os.environ["RANK"]) == 0):
         print(_attention_line(plan), flush=True)        # not the default on a CPU: say so
+    if plan.config.async_tp:
+        # A GPU then runs kernels in launch order across streams, so dX's all-reduce starts
+        # before the dW GEMM fills the GPU and overlaps it (megatron-core requires it for async
+        # TP). Read when each rank creates its CUDA context, after this; the ranks inherit it.
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     try:
         summaries = run(train, plan.parallelism.world_size, args, plan, backend=args.backend,
                         timeout=None, collective_timeout=60 * args.collective_timeout,

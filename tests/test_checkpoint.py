@@ -1,18 +1,24 @@
 """Checkpoint loading that scales: each rank reads only the slices its new layout holds, and gets
-the values of the whole-tensor path (every shard joined, trimmed, cut again). Saving that tells
-the truth: a failed write names the folder and its cause, and leaves the previous checkpoint;
-non-finite weights are never written."""
+the values of the whole-tensor path (every shard joined, trimmed, cut again). Saving that scales:
+only a rank that writes a file copies it to the host; ``keep_last`` bounds the checkpoints kept;
+a background save writes the same files from its host copy while training goes on. Saving that
+tells the truth: a failed write names the folder and its cause, and leaves the previous
+checkpoint; non-finite weights are never written."""
 
 import errno
+import filecmp
 import json
 import shutil
+import threading
+import traceback
 from collections import Counter
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import Launches, world_of_one
+from helpers import Launches, batch, world_of_one
 
 from megatron_edu import checkpoint
 from megatron_edu.checkpoint import MOMENTS, load_full_model_state
@@ -33,13 +39,27 @@ def _trainer(tp, pp, dp=1, zero=0):
 
 
 def _save(out, tp, pp, dp, zero):
-    """In a rank: one optimizer step (so that there are moments), then a checkpoint."""
+    """In a rank: one optimizer step (so that there are moments), then a checkpoint; its folder,
+    the bytes this rank copied to the host and the tensor bytes of the files it wrote."""
     trainer = _trainer(tp, pp, dp, zero)
     ids = torch.randint(0, CONFIG.vocab_size, (4, CONFIG.seq_len + 1),
                         generator=torch.Generator().manual_seed(0))
     mine = slice(trainer.grid.dp_rank * 4 // dp, (trainer.grid.dp_rank + 1) * 4 // dp)
     trainer.train_step(ids[mine, :-1], ids[mine, 1:], 1e-2)
-    return checkpoint.save_checkpoint(out, 1, trainer)
+    copied, written = [], []
+    on_cpu, save = checkpoint._on_cpu, torch.save
+    with mock.patch.object(checkpoint, "_on_cpu", lambda t: copied.append(t) or on_cpu(t)), \
+            mock.patch.object(torch, "save", lambda obj, f: written.append(obj) or save(obj, f)):
+        folder = checkpoint.save_checkpoint(out, 1, trainer)
+    return folder, _bytes(copied), _bytes(written)
+
+
+def _bytes(obj) -> int:
+    """The bytes of every tensor in ``obj`` (nested dicts, lists and tuples)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    values = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, list | tuple) else []
+    return sum(map(_bytes, values))
 
 
 def _whole_path(path):
@@ -141,8 +161,8 @@ def layouts(tmp_path_factory):
     loads = Launches({(source, target): (_ranks(target), _load, (folders[source], *target))
                       for source, target in pairs})
 
-    def saved(layout):
-        return saves[layout][0]
+    def saved(layout, ranks=False):
+        return saves[layout] if ranks else saves[layout][0][0]
 
     def loaded(source, target):
         for layout in folders:                   # every checkpoint a load may read is written
@@ -223,6 +243,18 @@ def test_under_zero1_each_dp_rank_saves_its_own_shard_of_the_moments(layouts):
         assert abs(held[0] - held[1]) <= 0.1 * sum(held)
 
 
+def test_only_a_rank_that_writes_a_file_copies_it_to_the_host(layouts):
+    """dp rank 0 of each place copies its model file; its dp peers copy only the ZeRO-1 (or
+    ZeRO-3) pieces of the moments they write — before, every rank copied the whole shard."""
+    saved, _ = layouts
+    for layout in ((2, 1, 2, 1), (1, 2, 2, 1), (1, 1, 4, 3), TP2PP2):
+        ranks = saved(layout, ranks=True)
+        assert [copied for _, copied, _ in ranks] == [written for _, _, written in ranks], layout
+    ranks = saved((1, 1, 4, 3), ranks=True)                   # ZeRO-3 at dp = 4
+    model = _bytes(torch.load(ranks[0][0] / "model_tp0_pp0.pt")["params"])
+    assert ranks[0][1] > model and all(copied < model for _, copied, _ in ranks[1:])
+
+
 def _save_untrained_then_load(out):
     """In a rank: a checkpoint saved before the first step (no moments) loads too."""
     saved, trainer = _trainer(1, 1), _trainer(1, 1)
@@ -287,6 +319,86 @@ def test_a_failed_write_names_the_folder_and_leaves_the_previous_checkpoint(
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
         "latest", "step_000001"]                              # the half-written one removed
     assert checkpoint.read_metadata(tmp_path)["step"] == 1
+
+
+def _trained_tiny_trainer():
+    trainer = _tiny_trainer()
+    trainer.train_step(*batch(trainer.config, s=8), 1e-2)        # moments to save
+    return trainer
+
+
+def test_a_background_save_writes_its_host_copy_while_training_goes_on(tmp_path, monkeypatch):
+    """The same files, byte for byte, as a save at once; written by the writer's thread from
+    the values at the save (the weights change meanwhile), published only when it is done,
+    and waited for."""
+    release, threads, save = threading.Event(), [], torch.save
+
+    def held_back(obj, path):
+        threads.append(threading.current_thread().name)
+        assert release.wait(60)
+        save(obj, path)
+
+    with world_of_one(tmp_path / "store"):
+        trainer = _trained_tiny_trainer()
+        checkpoint.save_checkpoint(tmp_path / "now", 1, trainer, {"sampler": [1, 2]})
+        writer = checkpoint.BackgroundWriter()
+        monkeypatch.setattr(torch, "save", held_back)
+        final = checkpoint.save_checkpoint(tmp_path / "later", 1, trainer, {"sampler": [1, 2]},
+                                           writer=writer)
+        with torch.no_grad():
+            for p in trainer.parameters():                    # training goes on
+                p.add_(1.0)
+        assert not final.exists()                             # not published yet
+        release.set()
+        writer.wait()
+    assert threads == ["checkpoint writer"]
+    now = tmp_path / "now" / "checkpoints" / "step_000001"
+    names = sorted(p.name for p in now.iterdir())
+    assert names == sorted(p.name for p in final.iterdir())
+    assert filecmp.cmpfiles(now, final, names, shallow=False)[0] == names
+    assert (final.parent / "latest").read_text() == final.name
+
+
+def test_a_background_save_that_fails_raises_at_the_wait(tmp_path, monkeypatch):
+    """A write failure: the same one-line CheckpointError as a save at once, the previous
+    checkpoint left; anything else: the error itself, with its traceback from the thread."""
+    def full_disk(obj, path):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def bug(obj, path):
+        raise ValueError("a bug in the writer")
+
+    with world_of_one(tmp_path / "store"):
+        trainer, writer = _tiny_trainer(), checkpoint.BackgroundWriter()
+        checkpoint.save_checkpoint(tmp_path, 1, trainer, writer=writer)
+        writer.wait()
+        monkeypatch.setattr(torch, "save", full_disk)
+        checkpoint.save_checkpoint(tmp_path, 2, trainer, writer=writer)
+        with pytest.raises(checkpoint.CheckpointError, match="cannot write checkpoint "
+                           "step_000002 .*: no space left on the device .* the previous "
+                           "checkpoint step_000001 is intact"):
+            writer.wait()
+        monkeypatch.setattr(torch, "save", bug)
+        checkpoint.save_checkpoint(tmp_path, 3, trainer, writer=writer)
+        with pytest.raises(ValueError, match="a bug in the writer") as raised:
+            checkpoint.save_checkpoint(tmp_path, 4, trainer, writer=writer)  # waits first
+    assert "bug" in [frame.name for frame in traceback.extract_tb(raised.value.__traceback__)]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "latest", "step_000001", "step_000003.tmp"]     # a bug's leftovers, removed on retry
+
+
+def test_keep_last_deletes_the_oldest_but_never_the_one_just_written(tmp_path):
+    root = tmp_path / "checkpoints"
+    with world_of_one(tmp_path / "store"):
+        trainer = _tiny_trainer()
+        for step in (1, 2, 3):
+            checkpoint.save_checkpoint(tmp_path, step, trainer, keep_last=2)
+        assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000002", "step_000003"]
+        checkpoint.save_checkpoint(tmp_path, 9, trainer)     # a run that went further, then
+        (root / "step_000005.deleted").mkdir()                # a deletion cut short by a crash
+        checkpoint.save_checkpoint(tmp_path, 4, trainer, keep_last=1)   # resumed at step 3
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000004", "step_000009"]
+    assert checkpoint.read_metadata(tmp_path)["step"] == 4
 
 
 def test_non_finite_weights_are_never_saved(tmp_path):

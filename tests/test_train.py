@@ -99,7 +99,7 @@ def _train_with_an_overflow_at_step_2(args, plan):
     from megatron_edu.ptdp import PTDP
 
     clip = PTDP._clip
-    PTDP._clip = lambda self: float("inf") if self.iteration == 1 else clip(self)
+    PTDP._clip = lambda self: torch.tensor(math.inf) if self.iteration == 1 else clip(self)
     return train(args, plan)
 
 
@@ -379,3 +379,143 @@ def test_evaluate_checks_its_arguments_before_launch(tmp_path):
         evaluate.main(["--checkpoint", str(tmp_path), "--nproc", "3", "--tp", "2"])
     with pytest.raises(SystemExit):
         evaluate.main(["--checkpoint", str(tmp_path / "missing")])
+
+
+@pytest.mark.parametrize(("flag", "connections"), [([], None), (["--async-tp"], "1")])
+def test_async_tp_starts_its_ranks_with_one_cuda_connection(flag, connections, tmp_path, cache,
+                                                             monkeypatch):
+    """megatron-core's rule for overlapping dX's all-reduce with dW: CUDA_DEVICE_MAX_CONNECTIONS=1
+    in every rank's environment before its CUDA context exists (inherited from the launcher)."""
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    seen = []
+
+    def ranks(*args, **kwargs):
+        seen.append(train_module.os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"))
+        return [{"error": "not started"}]
+
+    monkeypatch.setattr(train_module, "run", ranks)
+    assert main([*TINY, "--nproc", "2", "--tp", "2", *flag, "--out", str(tmp_path),
+                 "--cache-dir", str(cache)]) == 1
+    assert seen == [connections]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank0_of_a_job(argv, env, log):
+    """In a process of its own: the run as torchrun starts its rank 0 in SLURM job ``env``."""
+    import os
+
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.environ.update(env)
+    torch.set_num_threads(1)
+    main(argv)
+
+
+def test_a_job_killed_hard_and_requeued_on_another_node_resumes_in_its_folder(
+        tmp_path, cache, capsys, monkeypatch):
+    """SLURM's requeue (issue 32): a run killed with SIGKILL leaves its lock; the job starts
+    again with the same SLURM_JOB_ID on another node (here: the lock's host rewritten) and
+    --resume. It takes the lock over with a line, resumes from the latest checkpoint, and the
+    log runs on without a gap or a repeat; --keep-last 2 leaves two checkpoints, the last one
+    written in the background (--async-save) and published before the run ends. Another job is
+    still refused. (The killed run starts from the launcher's forkserver: torch is loaded.)"""
+    import time
+
+    from megatron_edu.launch import _context
+
+    out, log = tmp_path / "run", tmp_path / "killed.log"
+    argv = [*TINY, "--out", str(out), "--cache-dir", str(cache), "--eval-interval", "1000",
+            "--peak-tflops", "1"]
+    env = {"SLURM_JOB_ID": "4242", "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(_free_port())}
+    killed = _context().Process(target=_rank0_of_a_job, args=(
+        [*argv, "--steps", "1000", "--save-interval", "1"], env, str(log)))
+    killed.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "checkpoints" / "latest").exists():
+            assert killed.is_alive() and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.02)
+    finally:
+        killed.kill()                                            # SIGKILL: no clean-up at all
+        killed.join()
+    lock = json.loads((out / ".lock").read_text())
+    assert (lock["pid"], lock["job"]) == (killed.pid, "4242")
+    (out / ".lock").write_text(json.dumps({**lock, "host": "another-node"}))
+    done = read_metadata(out)["step"]
+    resume = [*argv, "--nproc", "1", "--steps", str(done + 2), "--save-interval", "1",
+              "--keep-last", "2", "--async-save", "--resume"]
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "4243")
+    assert main(resume) == 2
+    assert (f"error: {out} is in use by another run: pid {killed.pid} on host another-node, "
+            f"job 4242, since ") in capsys.readouterr().err
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    assert main(resume) == 0
+    assert (f"warning: taking over the lock of {out} left by this job 4242 before it was "
+            f"requeued or restarted: pid {killed.pid} on host another-node, job 4242, since "
+            ) in capsys.readouterr().err
+    records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == list(range(1, done + 3))
+    root = out / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == [
+        "latest", f"step_{done + 1:06d}", f"step_{done + 2:06d}"]
+    assert read_metadata(out)["step"] == done + 2
+    assert not (out / ".lock").exists()
+
+
+@pytest.mark.parametrize(("signum", "raised"), [("SIGTERM", SystemExit),
+                                                ("SIGINT", KeyboardInterrupt)])
+def test_sigterm_and_sigint_end_the_run_through_its_exit_and_release_the_lock(
+        signum, raised, tmp_path, cache, monkeypatch):
+    """SLURM's SIGTERM (preemption, the end of --time) and Ctrl-C while the ranks run: the lock
+    goes, the exit status is 128 + 15, and the previous SIGTERM handler comes back."""
+    import signal
+
+    from megatron_edu.run_folder import LOCK
+
+    monkeypatch.setattr(train_module, "run",
+                        lambda *args, **kwargs: signal.raise_signal(getattr(signal, signum)))
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(raised) as stopped:
+        main([*TINY, "--out", str(tmp_path), "--cache-dir", str(cache), "--nproc", "1"])
+    assert not (tmp_path / LOCK).exists()
+    assert signal.getsignal(signal.SIGTERM) is before
+    if raised is SystemExit:
+        assert stopped.value.code == 128 + signal.SIGTERM
+
+
+def test_an_async_save_is_published_before_the_run_goes_on_to_its_end(tmp_path, cache,
+                                                                     monkeypatch):
+    """In this process (a world of one): the last save, held back in its thread, is published
+    before the run draws its curve and reports (``_finish``). An error in the background:
+    tests/test_checkpoint.py."""
+    import threading
+    import time
+
+    args = parse_args([*TINY, "--out", str(tmp_path), "--cache-dir", str(cache), "--steps", "1",
+                       "--global-batch", "2", "--eval-batches", "1", "--async-save",
+                       "--peak-tflops", "1"])
+    plan = validate(args)
+    events, save = [], torch.save
+
+    def slow(obj, path):
+        time.sleep(0.2)
+        save(obj, path)
+        events.append(threading.current_thread().name)
+
+    monkeypatch.setattr(train_module, "_finish", lambda *args: events.append("end") or {})
+    monkeypatch.setattr(torch, "save", slow)
+    with world_of_one(tmp_path / "store"):
+        train(args, plan)
+    assert events == ["checkpoint writer", "end"]
+    assert read_metadata(tmp_path)["step"] == 1
