@@ -8,6 +8,7 @@
 """
 
 import math
+import time
 from dataclasses import replace
 
 import pytest
@@ -35,6 +36,7 @@ from megatron_edu.perf import (
     embedding_activation_bytes,
     forwards_in_flight,
     interleaving_speedup,
+    measure_matmul_flops,
     memory_per_rank,
     model_flops_utilization,
     num_parameters,
@@ -148,15 +150,34 @@ def test_hardware_flops_of_a_recomputing_run_are_a_third_more_than_the_model_flo
 
 
 @pytest.mark.parametrize(("name", "tflops"), [
-    ("NVIDIA A100-SXM4-80GB", 312),
-    ("NVIDIA A100-PCIE-40GB", 312),
+    ("NVIDIA GB200", 2500),
+    ("NVIDIA B200", 2250),               # not the GB200's: "B200" inside "GB200" is no match
     ("NVIDIA H100 80GB HBM3", 989),      # the SXM part: its name gives no form factor
     ("NVIDIA H100 PCIe", 756),
     ("NVIDIA H100 NVL", 835),
     ("NVIDIA H200", 989),
     ("NVIDIA H200 NVL", 835),
+    ("NVIDIA GH200 480GB", 989),
+    ("NVIDIA H800", 989),
+    ("NVIDIA H800 PCIe", 756),
+    ("NVIDIA H20", 148),                 # not the H200's
+    ("NVIDIA L40S", 362),
+    ("NVIDIA L40", 181),
+    ("NVIDIA L4", 121),                  # not the L40's
+    ("NVIDIA A100-SXM4-80GB", 312),
+    ("NVIDIA A100-PCIE-40GB", 312),
+    ("NVIDIA A800-SXM4-80GB", 312),
+    ("NVIDIA A40", 149.7),
+    ("NVIDIA A30", 165),
+    ("NVIDIA A10", 125),                 # not the A100's, nor the A10G's below
+    ("NVIDIA RTX A6000", 154.8),
+    ("Tesla V100-SXM2-32GB", 125),       # fp16: no bf16 tensor cores
+    ("Tesla V100-PCIE-16GB", 112),
+    ("Tesla V100S-PCIE-32GB", 130),
+    # not in the table: their MFU is against a measured peak (``measure_matmul_flops``)
+    ("NVIDIA A10G", None),
+    ("NVIDIA RTX 6000 Ada Generation", None),
     ("NVIDIA GeForce RTX 4090", None),
-    ("Tesla V100-SXM2-32GB", None),      # no bf16 tensor cores
 ])
 def test_datasheet_bf16_peak_by_the_name_cuda_reports(name, tflops):
     peak = datasheet_bf16_peak(name)
@@ -166,6 +187,34 @@ def test_datasheet_bf16_peak_by_the_name_cuda_reports(name, tflops):
 def test_a_cpu_has_no_datasheet_peak():
     assert datasheet_peak_flops("cpu") is None
     assert datasheet_peak_flops(torch.device("cpu")) is None
+
+
+def test_a_measured_peak_is_a_positive_rate_within_its_time():
+    """Small matmuls for a short while: a finite positive FLOP/s, in about the time asked for;
+    and it leaves the global random generator alone (a run's draws do not depend on it)."""
+    state = torch.random.get_rng_state()
+    start = time.perf_counter()
+    rate = measure_matmul_flops("cpu", torch.float32, size=64, seconds=0.02)
+    assert 0 < rate < math.inf and time.perf_counter() - start < 2
+    assert torch.equal(torch.random.get_rng_state(), state)
+
+
+def test_a_measured_peak_times_the_matmuls_queued_not_one_at_a_time(monkeypatch):
+    """The matmuls timed are counted whole: with every span of ``count`` matmuls taking
+    ``count`` ms, the rate is exactly 2n³ per ms, however many fill ``seconds``."""
+    from megatron_edu.perf import flops
+
+    spans = []
+
+    def one_ms_each(run, count, device):
+        run(count)
+        spans.append(count)
+        return count * 1e-3
+
+    monkeypatch.setattr(flops, "_seconds", one_ms_each)
+    assert measure_matmul_flops("cpu", size=32, seconds=0.1) == pytest.approx(2 * 32**3 * 1e3)
+    # allocation, a first estimate, warm-up for ¼ of the time, the timed ¾ as one span
+    assert spans[:2] == [2, 3] and spans[2:] == pytest.approx([25, 75], abs=1)
 
 
 # ---- memory: a plain PyTorch GPT (pre-LN, fp32, no fused kernels), counted byte for byte ----
@@ -538,6 +587,19 @@ def test_throughput_is_flops_over_gpus_and_iteration_time():
     pred = predict(shape(TABLE1[5]), parallelism)
     assert pred.time.total == pytest.approx(pred.flops_per_iteration
                                             / (1024 * pred.tflops_per_gpu * 1e12))
+
+
+def test_the_fused_core_moves_no_scores_through_hbm_and_recomputes_them_in_backward():
+    """Flash attention (``attention="fused"``) on GPT-2 medium, one H100: less time than the
+    eager core, whose softmax and dropout pass its b·a·s² scores through HBM, and one more
+    forward of the core (4·B·s²·h per layer, Q·Kᵀ and ·V) executed: its backward recomputes."""
+    eager = GPTConfig.preset("gpt2-medium")
+    one_gpu, parallelism = replace(DGX_H100, gpus_per_node=1), split(microbatch=4,
+                                                                    num_microbatches=4)
+    plain, flash = (predict(c, parallelism, one_gpu)
+                    for c in (eager, replace(eager, attention="fused")))
+    assert flash.time.compute < 0.85 * plain.time.compute
+    assert flash.flops_per_iteration - plain.flops_per_iteration == 4 * 16 * 1024**3 * 24
 
 
 @pytest.mark.parametrize("row", TABLE1, ids=ROW_IDS)

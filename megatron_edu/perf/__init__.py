@@ -6,7 +6,8 @@ The model is a ``model.GPTConfig`` (its recomputation and sequence parallelism i
 split a ``ptdp.Parallelism`` (a ``grid.Layout`` of tp, cp, pp, dp; a ``pipeline.PipelineConfig``;
 the ZeRO stage): the same values a training run takes.
 
-flops.py     the papers' counting formulas: parameters, FLOPs, training time, utilization
+flops.py     the papers' counting formulas: parameters, FLOPs, training time, utilization;
+             the GPUs' datasheet peaks, and a measured one
 memory.py    weights, gradients, optimizer states and activations per GPU; the exact parameter
              count; microbatches in flight, read off the schedule
 bubble.py    the papers' pipeline bubbles as formulas, beside what the simulator plays
@@ -35,6 +36,7 @@ from .flops import (
     V100_FP16_PEAK,
     datasheet_bf16_peak,
     datasheet_peak_flops,
+    measure_matmul_flops,
     model_flops_utilization,
     num_parameters,
     training_flops,
@@ -66,7 +68,8 @@ __all__ = [
     "V100_FP16_PEAK", "Hardware", "MemoryEstimate", "Precision", "Prediction",
     "activation_bytes_per_layer", "activation_bytes_per_rank", "advise", "best_per_split",
     "candidates", "datasheet_bf16_peak", "datasheet_peak_flops",
-    "embedding_activation_bytes", "forwards_in_flight", "interleaving_speedup", "measure_mfu",
+    "embedding_activation_bytes", "forwards_in_flight", "interleaving_speedup",
+    "measure_matmul_flops", "measure_mfu",
     "megatron_core_activation_bytes", "memory_per_rank", "microbatch_tradeoff",
     "model_flops_utilization", "num_parameters", "output_layer_activation_bytes",
     "parameters_per_rank", "predict", "read_paper_table", "rejection_reason", "table1_config",

@@ -36,9 +36,11 @@ Compute is a roofline over the operators of a layer: an operator takes
 max(FLOPs / (η·peak), bytes / HBM bandwidth) plus a fixed kernel-launch cost. The backward costs
 2 forwards for GEMMs (input and weight gradients) and 1.5 for elementwise operators (they read
 the output gradient and the saved input and write one gradient, where the forward read one
-tensor and wrote one); recomputation runs the forward again. Communication is α-β: a ring
-all-reduce over t ranks takes 2(t-1)·α + 2(t-1)/t · bytes / bandwidth. Larger microbatches
-amortise the fixed costs (launches, α) over more tokens: that is their only gain here.
+tensor and wrote one); recomputation runs the forward again. The fused attention core (flash
+attention) moves no [s, s] scores through HBM and recomputes them in backward. Communication is
+α-β: a ring all-reduce over t ranks takes 2(t-1)·α + 2(t-1)/t · bytes / bandwidth. Larger
+microbatches amortise the fixed costs (launches, α) over more tokens: that is their only gain
+here.
 
 Calibrated once, for all rows of Table 1 (no per-row factor): η = GEMM_EFFICIENCY = 0.62, the
 fraction of peak that large 16-bit GEMMs sustain end to end; it also absorbs what is not
@@ -184,17 +186,30 @@ def _attention_core_ops(config: GPTConfig, b: int, t: int, cp: int) -> list[_Op]
     (s/(2·cp))², one pair after the other (each its own kernels). The causally masked scores
     count as computed at every cp, as the calibration's fused softmax computes them (Table 1):
     ``context_parallel``'s ring skips the later pairs, as flash attention skips them at cp = 1 —
-    crediting the skip to cp > 1 alone would make cp pay at any sequence length."""
+    crediting the skip to cp > 1 alone would make cp pay at any sequence length.
+
+    The fused core at cp = 1 (``attention="fused"``: flash attention, Dao et al. 2022, arXiv
+    2205.14135) is one kernel that keeps the scores in on-chip memory: its HBM traffic is Q, K,
+    V and the output, its softmax and dropout never pass through HBM, and its backward
+    recomputes them (``_recomputes_core``)."""
     s, d = config.seq_len, config.head_dim
     q, pairs = (s, 1) if cp == 1 else (s // (2 * cp), 4 * cp)  # query (= key) rows per pair
     heads = b * config.num_heads // t
     scores = heads * q * q
+    if config.attention == "fused" and cp == 1:   # one kernel: reads Q, K, V, writes the output
+        return [_Op(2 * _gemm(q, q, d, batch=heads).flops, 4 * WORD * heads * q * d, True, True)]
     return [
         _gemm(q, q, d, batch=heads, core=True),  # Q·Kᵀ
         _elementwise(scores, 2 * WORD, core=True),  # fused scale-mask-softmax
         _elementwise(scores, 2 * WORD + 1, core=True),  # dropout: read, write, 1-byte mask
         _gemm(q, d, q, batch=heads, core=True),  # softmax · V
     ] * pairs
+
+
+def _recomputes_core(config: GPTConfig, cp: int) -> bool:
+    """Whether the attention core runs its forward again in backward whatever ``recompute``
+    says: ring attention (cp > 1) and flash attention (the fused core) keep no scores."""
+    return cp > 1 or config.attention == "fused"
 
 
 def _layer_ops(config: GPTConfig, b: int, t: int, cp: int = 1) -> list[_Op]:
@@ -255,18 +270,19 @@ class _Cost:
 
 
 def _train_cost(ops: list[_Op], recompute: str, hw: Hardware, eta: float,
-                ring: bool = False) -> _Cost:
+                flash: bool = False) -> _Cost:
     """Forward, backward and recomputed forward of ``ops``, one microbatch. A GEMM's backward is
     BACKWARD_GEMMS forwards: the input gradient and, for a GEMM with weights, the weights' (W);
     the attention core's two products have no weights, both halves are the input gradient's.
     An elementwise backward costs BACKWARD_ELEMENTWISE forwards; recomputation one more. Ring
-    attention (``ring``, cp > 1) recomputes its core in backward whatever ``recompute`` is
-    (flash attention's way; costed as selective recomputation of the core)."""
+    attention (cp > 1) and the fused core (``flash``: ``_recomputes_core``) recompute the core
+    in backward whatever ``recompute`` is (flash attention's way; costed as selective
+    recomputation of the core)."""
     forward = backward = weight = flops = 0.0
     for op in ops:
         seconds = _op_time(op, hw, eta)
         recomputed = (recompute == "full") + (op.attention_core
-                                              and (ring or recompute == "selective"))
+                                              and (flash or recompute == "selective"))
         passes = BACKWARD_GEMMS if op.gemm else BACKWARD_ELEMENTWISE
         weight_half = op.gemm and not op.attention_core
         forward += seconds
@@ -428,12 +444,13 @@ def predict(
     parallelism.check(config)
     b, t, cp, eta = parallelism.microbatch, parallelism.tp, parallelism.cp, gemm_efficiency
     m, layers = parallelism.num_microbatches, config.num_layers // parallelism.pp
-    layer = _train_cost(_layer_ops(config, b, t, cp), config.recompute, hw, eta, cp > 1)
+    flash = _recomputes_core(config, cp)
+    layer = _train_cost(_layer_ops(config, b, t, cp), config.recompute, hw, eta, flash)
     out = _train_cost(_output_ops(config, b, t, cp), "none", hw, eta)
     # the last stage paces the pipeline: its layers plus the logits and the loss
     stage = layer.times(layers).plus(out)
     tensor = _tensor_parallel_time(config, parallelism, hw, layers)
-    core = _train_cost(_attention_core_ops(config, b, t, cp), "none", hw, eta, cp > 1)
+    core = _train_cost(_attention_core_ops(config, b, t, cp), "none", hw, eta, flash)
     ring = layers * _context_parallel_time(config, parallelism, hw, core)
     p2p = _pipeline_p2p_time(config, parallelism, hw, scatter_gather)
     time = TimeBreakdown(

@@ -15,36 +15,79 @@ more), the numerator of hardware FLOPs utilization (HFU), which 2104.04473 repor
 of peak". Without recomputation the two are equal.
 
 Peaks are plain numbers you pass in; the constants below name the datasheets' dense 16-bit ones,
-and ``datasheet_peak_flops`` looks up a CUDA device's by the name it reports.
+``datasheet_peak_flops`` looks up a CUDA device's by the name it reports, and
+``measure_matmul_flops`` times what this machine's matmuls reach where no datasheet applies.
 """
 
+import math
+import re
 import time
+from collections.abc import Callable
 
 import torch
 
 __all__ = ["A100_BF16_PEAK", "H100_SXM_BF16_PEAK", "V100_FP16_PEAK", "DATASHEET_BF16_PEAKS",
-           "num_parameters", "training_flops", "training_time_seconds", "model_flops_utilization",
-           "datasheet_bf16_peak", "datasheet_peak_flops", "measure_matmul_flops"]
+           "MATMUL_SIZE", "num_parameters", "training_flops", "training_time_seconds",
+           "model_flops_utilization", "datasheet_bf16_peak", "datasheet_peak_flops",
+           "measure_matmul_flops"]
 
-# Dense 16-bit tensor-core peaks (FLOP/s per GPU), no sparsity.
+# Dense 16-bit tensor-core peaks (FLOP/s per GPU), no sparsity: a datasheet's "with sparsity"
+# figure (2:4 structured sparsity, marked * on NVIDIA's sheets) is twice the dense one, halved here.
 A100_BF16_PEAK = 312e12
 H100_SXM_BF16_PEAK = 989e12
 H100_PCIE_BF16_PEAK = 756e12
 NVL_BF16_PEAK = 835e12           # H100 NVL and H200 NVL: 1,671 with 2:4 sparsity, halved
 V100_FP16_PEAK = 125e12
 
-# Dense bf16 peaks by a fragment of the name CUDA reports (torch.cuda.get_device_name(), e.g.
-# "NVIDIA A100-SXM4-80GB", "NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA H200"); the first
-# fragment found wins, so the PCIe and NVL parts come before the SXM name that says no form factor.
-# An H200 (SXM) has the H100 SXM's tensor cores and more memory: the same peak.
+# Dense bf16 peaks (fp16 on the V100, which has no bf16 tensor cores) by a fragment of the name
+# CUDA reports (torch.cuda.get_device_name(), e.g. "NVIDIA A100-SXM4-80GB", "NVIDIA H100 80GB
+# HBM3", "NVIDIA H100 PCIe", "Tesla V100-SXM2-32GB"). A fragment matches as a whole word: "A10"
+# not inside "A100" or "A10G", "B200" not inside "GB200", "L4" not inside "L40S". The first
+# fragment found wins, so a form factor with its own peak (PCIe, NVL) comes before the name
+# that says none (the SXM part). The GPUs megatron-core's users train on, from NVIDIA's
+# datasheets (nvidia.com/en-us/data-center/<gpu>/, "<GPU> datasheet"):
 DATASHEET_BF16_PEAKS: tuple[tuple[str, float], ...] = (
+    # Blackwell. GB200 NVL72 datasheet: FP16/BF16 360 PFLOPS with sparsity for 72 GPUs, 2.5 dense
+    # each; HGX B200 datasheet: 36 PFLOPS with sparsity for 8 GPUs, 2.25 dense each.
+    ("GB200", 2500e12),
+    ("B200", 2250e12),
+    # Hopper. H100 datasheet: SXM 1,979 / PCIe 1,513 / NVL 1,671 TFLOPS with sparsity; H200:
+    # the H100 SXM's tensor cores with more memory (H200 NVL as the H100 NVL); GH200 datasheet:
+    # 1,979 with sparsity; H800 (export part, NVLink and FP64 cut): the H100's tensor cores;
+    # H20 (export part, HGX H20 specification): 296 with sparsity.
     ("H100 PCIe", H100_PCIE_BF16_PEAK),
+    ("H800 PCIe", H100_PCIE_BF16_PEAK),
     ("H100 NVL", NVL_BF16_PEAK),
     ("H200 NVL", NVL_BF16_PEAK),
     ("H100", H100_SXM_BF16_PEAK),
     ("H200", H100_SXM_BF16_PEAK),
+    ("GH200", H100_SXM_BF16_PEAK),
+    ("H800", H100_SXM_BF16_PEAK),
+    ("H20", 148e12),
+    # Ada. L40S datasheet: BF16 362.05 (733 with sparsity); L40: 181.05 (362.1); L4: 242 with
+    # sparsity.
+    ("L40S", 362e12),
+    ("L40", 181e12),
+    ("L4", 121e12),
+    # Ampere. A100 datasheet (SXM and PCIe): 312 (624 with sparsity); A800 (export part): the
+    # A100's; A40: 149.7 (299.4); A30: 165 (330); A10: 125 (250); RTX A6000 (GA102 whitepaper,
+    # bf16 with fp32 accumulation): 154.8 (309.7).
     ("A100", A100_BF16_PEAK),
+    ("A800", A100_BF16_PEAK),
+    ("A40", 149.7e12),
+    ("A30", 165e12),
+    ("A10", 125e12),
+    ("A6000", 154.8e12),
+    # Volta, fp16 tensor cores. V100 datasheet: SXM2 125, PCIe 112, V100S PCIe 130.
+    ("V100S", 130e12),
+    ("V100-PCIE", 112e12),
+    ("V100", V100_FP16_PEAK),
 )
+
+# The square matmul ``measure_matmul_flops`` times by default: on a GPU as large as bench (e)'s,
+# so that its tensor cores run full tiles in full waves (a 1024³ product keeps an H100 busy for
+# ~3 µs: launch and tail effects would dominate); on a CPU small enough to take a moment.
+MATMUL_SIZE = {"cpu": 1024, "cuda": 8192}
 
 
 def num_parameters(layers: int, hidden: int, vocab: int, seq_len: int) -> int:
@@ -115,16 +158,18 @@ def model_flops_utilization(
 
 
 def datasheet_bf16_peak(gpu_name: str) -> float | None:
-    """The dense bf16 peak (FLOP/s) of the GPU called ``gpu_name`` (any case), or None for one
-    not in ``DATASHEET_BF16_PEAKS``."""
+    """The dense bf16 peak (FLOP/s; fp16 on a V100) of the GPU called ``gpu_name`` (any case),
+    or None for one not in ``DATASHEET_BF16_PEAKS``: its first fragment found as a whole word."""
     name = gpu_name.lower()
-    return next((peak for fragment, peak in DATASHEET_BF16_PEAKS if fragment.lower() in name),
+    return next((peak for fragment, peak in DATASHEET_BF16_PEAKS
+                 if re.search(rf"(?<![a-z0-9]){re.escape(fragment.lower())}(?![a-z0-9])", name)),
                 None)
 
 
 def datasheet_peak_flops(device: torch.device | str) -> float | None:
     """The datasheet's dense bf16 peak of the GPU ``device`` names; None on a CPU (no datasheet
-    applies: measure instead, ``measure_matmul_flops``) or on a GPU not in the table."""
+    applies: measure instead, ``measure_matmul_flops``) or on a GPU not in the table (measure:
+    an unknown GPU gets its measured rate, never a failure)."""
     device = torch.device(device)
     if device.type != "cuda":
         return None
@@ -132,22 +177,48 @@ def datasheet_peak_flops(device: torch.device | str) -> float | None:
 
 
 def measure_matmul_flops(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                         size: int = 1024, seconds: float = 0.3) -> float:
-    """The FLOP/s this process reaches on square matmuls: a measured peak for MFU where no data
-    sheet applies (a laptop CPU), 2·size³ FLOPs each."""
-    a = torch.randn(size, size, device=device).to(dtype)
-    b = torch.randn(size, size, device=device).to(dtype)
-    for _ in range(2):                      # warm-up: allocation, kernel selection
-        a @ b
-    _synchronize(device)
-    count, start = 0, time.perf_counter()
-    while (elapsed := time.perf_counter() - start) < seconds or count < 3:
-        a @ b
-        count += 1
-        _synchronize(device)
-    return 2 * size**3 * count / elapsed
+                         size: int | None = None, seconds: float = 0.3) -> float:
+    """The FLOP/s this process reaches on square matmuls of ``size`` (default ``MATMUL_SIZE``
+    of the device's type): a measured peak for MFU where no datasheet applies, 2·size³ FLOPs
+    each.
+
+    Measured as bench (e) measures it: after a warm-up (kernel selection, a GPU's clocks up),
+    as many matmuls as fill about ¾ of ``seconds`` are queued back to back and timed as one
+    span, so nothing but the matmuls is timed. A GPU runs its queue asynchronously: a host
+    clock read after each product would time a launch and a synchronisation with it (a 1024³
+    product keeps an H100 busy for ~3 µs, so timed it reads several times too low); the span is
+    two CUDA events instead, recorded on the stream around the queue and read after one
+    synchronisation (``_seconds``)."""
+    device = torch.device(device)
+    n = size or MATMUL_SIZE.get(device.type, MATMUL_SIZE["cuda"])
+    gen = torch.Generator(device).manual_seed(0)   # the global generators are left alone
+    a, b = (torch.randn(n, n, generator=gen, device=device, dtype=dtype) for _ in range(2))
+    out = torch.empty(n, n, device=device, dtype=dtype)
+
+    def matmuls(count: int) -> None:
+        for _ in range(count):
+            torch.mm(a, b, out=out)
+
+    _seconds(matmuls, 2, device)                                 # allocation, kernel selection
+    each = max(_seconds(matmuls, 3, device) / 3, 1e-9)          # a first estimate
+    _seconds(matmuls, math.ceil(seconds / 4 / each), device)     # a GPU's clocks up: ¼ of the time
+    count = max(3, math.ceil(3 * seconds / 4 / each))            # timed: the other ¾
+    return 2 * n**3 * count / _seconds(matmuls, count, device)
 
 
-def _synchronize(device: torch.device | str) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
+def _seconds(run: Callable[[int], None], count: int, device: torch.device) -> float:
+    """Seconds ``run(count)`` takes on ``device``. A CPU computes as it is called: the host
+    clock around the call. A GPU queues: two CUDA events on the device's current stream around
+    the queued work, one synchronisation on the second (the timing pattern of
+    ``torch.utils.benchmark`` and Triton's ``do_bench``)."""
+    if device.type != "cuda":
+        start = time.perf_counter()
+        run(count)
+        return time.perf_counter() - start
+    with torch.cuda.device(device):
+        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+        start.record()
+        run(count)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3               # elapsed_time is in milliseconds
