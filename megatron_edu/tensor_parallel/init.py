@@ -117,8 +117,12 @@ def _draw_slice(param: nn.Parameter, std: float, drawn: tuple[int, ...], seed: i
     lo = rank * n                                      # the slice is [lo, lo + n) along d
     for k in blocks(drawn[d], lo, lo + n):
         start, stop = k * BLOCK, min((k + 1) * BLOCK, drawn[d])
+        gen.manual_seed(param_seed(seed, name, block=k))
+        if d == 0 and lo <= start and stop <= lo + n:  # whole rows of it, contiguous: in place
+            param.narrow(0, start - lo, stop - start).normal_(0.0, std, generator=gen)
+            continue
         values = torch.empty(*drawn[:d], stop - start, *drawn[d + 1:])  # block k, whole
-        values.normal_(0.0, std, generator=gen.manual_seed(param_seed(seed, name, block=k)))
+        values.normal_(0.0, std, generator=gen)
         a, b = max(start, lo), min(stop, lo + n)       # the part of the block this rank holds
         kept = values.narrow(d, a - start, b - a)
         param.narrow(d, a - lo, b - a)[: kept.shape[0]].copy_(kept)  # rows ≥ drawn[0] stay 0
