@@ -27,7 +27,7 @@ from bench.common import DTYPES, Device, Spread, alternate, device_arguments, re
 from bench.overhead import GPU_MODEL, random_batch, training_step
 from megatron_edu.grid import Layout
 from megatron_edu.model import GPT, GPTConfig
-from megatron_edu.perf import DGX_H100, Hardware, datasheet_peak_flops, predict, training_flops
+from megatron_edu.perf import DGX_H100, Hardware, datasheet_peak_flops, predict, training_flops_of
 from megatron_edu.perf.advisor import GEMM_EFFICIENCY
 from megatron_edu.pipeline import PipelineConfig
 from megatron_edu.ptdp import Parallelism
@@ -88,8 +88,7 @@ def advisor_prediction(peak_flops: float, hardware: Hardware = DGX_H100, *,
     pipeline = PipelineConfig(microbatch=micro_batch, num_microbatches=batch // micro_batch)
     gpu = replace(hardware, gpus_per_node=1, peak_flops=peak_flops)
     seconds = predict(config, Parallelism(Layout(), pipeline), gpu).time.total
-    flops = training_flops(batch, config.seq_len, config.num_layers, config.hidden,
-                           config.vocab_size, recompute=False)
+    flops = training_flops_of(config, batch)
     core = "flash attention (no scores through HBM)" if attention == "fused" else \
         "attention scores through HBM"
     assumptions = (f"{peak_flops / 1e12:.0f} TFLOP/s peak, GEMMs at η = {GEMM_EFFICIENCY} of "
@@ -119,8 +118,7 @@ def main(argv: list[str] | None = None) -> dict:
     model = GPT(config).to(device.torch)
     step = training_step(model, device, *random_batch(config, batch, device))
     matmul, matmul_flops = matmuls(device)
-    step_flops = training_flops(batch, config.seq_len, config.num_layers, config.hidden,
-                                config.padded_vocab(), recompute=False)
+    step_flops = training_flops_of(config, batch, vocab=config.padded_vocab())
     print(f"(e) MFU on {device.describe()}: GPT {config.num_layers} layers, hidden "
           f"{config.hidden}, seq {config.seq_len}, batch {batch}: {step_flops / 1e9:.1f} GFLOP "
           f"per step; matmul {MATMUL[device.type][0]}³")

@@ -78,7 +78,7 @@ from megatron_edu import comm
 from megatron_edu.cli import Parser
 from megatron_edu.grid import ParallelGrid
 from megatron_edu.model import GPTConfig, config_from_dict
-from megatron_edu.model.transformer import WORD_EMBEDDING
+from megatron_edu.model.transformer import OUTPUT_LAYER, WORD_EMBEDDING
 from megatron_edu.perf.memory import parameters_per_rank
 from megatron_edu.ptdp import PTDP, Parallelism
 
@@ -540,7 +540,9 @@ class _Shards:
     def _length(self, name: str, entry: dict[str, Any]) -> int:
         """The whole tensor's length along ``tp_dim``: the saved shards' sum, but the
         vocabulary's ``vocab_size`` rows (the padding of the saved layout trimmed)."""
-        return self.vocab if name == WORD_EMBEDDING else entry["shard"][entry["tp_dim"]] * self.tp
+        if name in (WORD_EMBEDDING, OUTPUT_LAYER):
+            return self.vocab
+        return entry["shard"][entry["tp_dim"]] * self.tp
 
     def _stage(self, entry: dict[str, Any]) -> int:
         """Of the saved stages holding a tensor, the one nearest to the reader's."""
@@ -673,13 +675,14 @@ def check_model(meta: dict[str, Any], config: GPTConfig) -> None:
 # --- export --------------------------------------------------------------------------------------
 
 def export_hf(checkpoint: str | Path, out_dir: str | Path, force: bool = False) -> Path:
-    """Write a checkpoint (any layout) as a Hugging Face GPT-2 directory, tokenizer included.
+    """Write a checkpoint (any layout) as a Hugging Face directory, GPT-2 or Llama, tokenizer
+    included.
 
     ``out_dir`` must be new or an empty folder, or ``force``: then files there of the same
     names are overwritten. A FileExistsError otherwise, before anything is read or written.
     """
-    from megatron_edu.hf import save_hf_gpt2
-    from megatron_edu.model import GPT
+    from megatron_edu.hf import save_hf
+    from megatron_edu.model import BertConfig, build_model
 
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
@@ -692,12 +695,12 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, force: bool = False) 
                               f"folder, or pass --force to write into it")
     meta = read_metadata(checkpoint)
     config = config_from_dict(meta["config"])
-    if type(config) is not GPTConfig:
-        raise CheckpointError(f"{meta['path']} holds a {type(config).__name__}: only a GPT "
-                              f"exports as Hugging Face GPT-2")
-    model = GPT(config)
+    if type(config) is BertConfig:
+        raise CheckpointError(f"{meta['path']} holds a BertConfig: a GPT exports as Hugging "
+                              f"Face GPT-2, a Llama as Llama, a BERT not at all")
+    model = build_model(config)
     model.load_full_state_dict(load_full_model_state(checkpoint))
-    save_hf_gpt2(model, out_dir)
+    save_hf(model, out_dir)
     if meta["tokenizer"] is not None:
         shutil.copyfile(meta["tokenizer"], out_dir / TOKENIZER)
     return out_dir

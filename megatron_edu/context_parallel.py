@@ -32,13 +32,32 @@ from megatron_edu import comm
 from megatron_edu.comm import CommGroup, P2POp
 from megatron_edu.tensor_parallel.random import Dropout, DropoutKey
 
-__all__ = ["chunk_ids", "split", "unsplit", "causal_work", "merge", "ring_attention",
-           "observers"]
+__all__ = ["chunk_ids", "parts_held", "positions_of", "split", "unsplit", "causal_work", "merge",
+           "ring_attention", "observers"]
 
 
 def chunk_ids(rank: int, cp: int, zigzag: bool = True) -> tuple[int, int]:
     """The two of the 2·cp chunks ``rank`` holds: i and 2·cp − 1 − i (zig-zag), or 2i and 2i + 1."""
     return (rank, 2 * cp - 1 - rank) if zigzag else (2 * rank, 2 * rank + 1)
+
+
+def parts_held(cp_group: CommGroup, t: int = 1, r: int = 0) -> tuple[tuple[int, int], ...]:
+    """The parts (r, n) of a sequence (part r of n) a rank holds, in order: its zig-zag chunks of
+    2·cp (``chunk_ids``); under sequence parallelism over t ranks, r of t, and under both, SP
+    splits each of the cp rank's two chunks into t: tp rank r holds its pieces 2r and 2r + 1."""
+    if cp_group.size == 1:
+        return ((r, t),)
+    chunks = chunk_ids(cp_group.rank, cp_group.size)
+    return tuple((chunks[k // t] * t + k % t, 2 * cp_group.size * t) for k in (2 * r, 2 * r + 1))
+
+
+def positions_of(parts: tuple[tuple[int, int], ...], whole: int, offset: int,
+                 device: torch.device) -> torch.Tensor:
+    """The positions of a rank's ``parts`` ((r, n): part r of n, in order) of a sequence of
+    ``whole`` tokens starting at ``offset``: its zig-zag chunks, and under sequence
+    parallelism its pieces of them (``parts_held``)."""
+    seq = torch.arange(offset, offset + whole, device=device)
+    return torch.cat([seq.chunk(n)[r] for r, n in parts])
 
 
 def split(x: torch.Tensor, rank: int, cp: int, zigzag: bool = True, dim: int = 1) -> torch.Tensor:

@@ -77,7 +77,7 @@ from megatron_edu.comm import CommGroup
 from megatron_edu.data import Tokenizer, prepare_data, zeroshot
 from megatron_edu.generate import NonFiniteLogits
 from megatron_edu.grid import Layout, ParallelGrid
-from megatron_edu.hf import read_hf_gpt2
+from megatron_edu.hf import read_hf
 from megatron_edu.launch import RankError, run
 from megatron_edu.model import BertConfig, GPTConfig, config_from_dict
 from megatron_edu.model.transformer import IGNORE_INDEX
@@ -97,7 +97,7 @@ def build_parser() -> Parser:
                formatter_class=argparse.RawDescriptionHelpFormatter)
     model = p.add_mutually_exclusive_group()
     model.add_argument("--checkpoint", help="a run folder or a checkpoint folder")
-    model.add_argument("--hf", help="a Hugging Face GPT-2 directory (with --task)")
+    model.add_argument("--hf", help="a Hugging Face GPT-2 or Llama directory (with --task)")
     p.add_argument("--task", choices=TASKS, help="a zero-shot task of 1909.08053 §5.2 "
                    "(default: the validation loss of the run's corpus)")
     p.add_argument("--data", nargs="+", help="the task's test file or its folder; without "
@@ -158,7 +158,7 @@ class Source:
         if self.checkpoint is not None:
             load_model_chunks(self.checkpoint["path"], chunks, grid)
         else:
-            state = read_hf_gpt2(self.hf)[1]
+            state = read_hf(self.hf)[1]
             for chunk in chunks:
                 chunk.load_full_state_dict(state)
         for chunk in chunks:
@@ -192,7 +192,7 @@ class _HFTokenizer:
 def _source(args: argparse.Namespace) -> tuple[Source, Any]:
     """The model's source and its tokenizer, checked before any rank starts."""
     if args.hf is not None:
-        config = read_hf_gpt2(args.hf)[0]
+        config = read_hf(args.hf)[0]                     # a GPT-2 or a Llama
         own = Path(args.hf) / "tokenizer.model"          # what export-hf copies in
         tokenizer = Tokenizer.load(own) if own.exists() else _HFTokenizer(args.hf)
         return Source(config, hf=args.hf), tokenizer

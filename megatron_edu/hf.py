@@ -1,12 +1,16 @@
-"""Hugging Face GPT-2 weights in and out, at any tensor-parallel size.
+"""Hugging Face models in and out, at any tensor-parallel size: GPT-2 (``GPT2LMHeadModel``) and
+Llama (``LlamaForCausalLM``, whose mapping is ``hf_llama.py``).
 
-``load_hf_gpt2(path, grid)`` reads a directory written by ``GPT2LMHeadModel.save_pretrained``
-(config.json + model.safetensors, sharded safetensors, or pytorch_model.bin) straight from the
-files — loading needs neither ``transformers`` nor a network — and returns a ``GPT`` whose logits
-equal Hugging Face's. ``save_hf_gpt2(model, path)`` writes the same format back, for
-``GPT2LMHeadModel.from_pretrained``.
+``load_hf(path, grid)`` reads a directory written by ``save_pretrained`` (config.json +
+model.safetensors, sharded safetensors, or pytorch_model.bin) straight from the files — loading
+needs neither ``transformers`` nor a network — and returns the model config.json's model_type
+names, a ``GPT`` ("gpt2") or a ``Llama`` ("llama"), whose logits equal Hugging Face's.
+``save_hf(model, path)`` writes the same format back, for ``from_pretrained``. ``load_hf_gpt2``,
+``load_hf_llama`` (and their ``read_`` and ``save_``) do the same for one family, refusing the
+other's directories by name.
 
-What differs between the two layouts, and what is done about it:
+What differs between GPT-2's layout and this package's, and what is done about it (Llama's:
+``hf_llama.py``):
 
 * Conv1D: Hugging Face's GPT-2 stores linear weights [in, out] (y = x·W + b); nn.Linear and this
   package store [out, in] → transposed.
@@ -18,7 +22,7 @@ What differs between the two layouts, and what is done about it:
 * The vocabulary (50,257) is padded to a multiple of 128·tp with zero rows, masked out of the
   logits; saving trims it back.
 
-Both functions work on whole tensors (``GPT.full_state_dict`` / ``load_full_state_dict``), so
+Every function works on whole tensors (``GPT.full_state_dict`` / ``load_full_state_dict``), so
 any tp works: loading slices each tensor for this rank; saving gathers the shards (a collective:
 every tp rank calls it, tp rank 0 writes; under data parallelism call it on one replica).
 """
@@ -26,21 +30,190 @@ every tp rank calls it, tp rank 0 writes; under data parallelism call it on one 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from megatron_edu import hf_llama
 from megatron_edu.grid import ParallelGrid
-from megatron_edu.model.config import GPTConfig
+from megatron_edu.model import build_model
+from megatron_edu.model.config import GPTConfig, LlamaConfig
 from megatron_edu.model.gpt import GPT
+from megatron_edu.model.llama import Llama
 
-__all__ = ["load_hf_gpt2", "save_hf_gpt2", "config_from_hf", "read_hf_gpt2"]
+__all__ = ["load_hf", "read_hf", "save_hf", "config_from_hf", "load_hf_gpt2", "read_hf_gpt2",
+           "save_hf_gpt2", "load_hf_llama", "read_hf_llama", "save_hf_llama"]
+
+Tensors = dict[str, torch.Tensor]
 
 _GELU_TANH = ("gelu_new", "gelu_pytorch_tanh")  # two names of the same function
 
 
 def config_from_hf(hf: dict[str, Any], **overrides: Any) -> GPTConfig:
+    """The configuration a Hugging Face config.json describes: a GPTConfig for model_type
+    "gpt2" (also when it names none), a LlamaConfig for "llama"; a ValueError naming any setting
+    the model does not implement. ``overrides`` replace config fields."""
+    return _format(hf.get("model_type", "gpt2")).config_from_hf(hf, **overrides)
+
+
+def read_hf(path: str | Path, **overrides: Any) -> tuple[GPTConfig, Tensors]:
+    """A saved Hugging Face model's config and whole tensors under this package's names, of any
+    family this package reads: load them into any stage of any layout with
+    ``load_full_state_dict`` (evaluation does)."""
+    return _read(Path(path), None, overrides)
+
+
+def load_hf(path: str | Path, grid: ParallelGrid | None = None, **overrides: Any) -> GPT:
+    """The model a saved Hugging Face directory holds, a GPT or a Llama as its model_type says,
+    with its weights (this rank's slices under tp). ``overrides`` replace config fields, e.g.
+    ``dropout=0.0`` or ``recompute="full"``."""
+    return _built(*read_hf(path, **overrides), grid)
+
+
+def save_hf(model: GPT, path: str | Path) -> None:
+    """Write ``model`` (a GPT-2 or a Llama) as a Hugging Face directory (config.json +
+    model.safetensors). The model must be whole (one pipeline stage holding every layer); under
+    tp every tp rank must call this (the shards are gathered) and tp rank 0 writes."""
+    formats = [f for f in _FORMATS.values() if type(model.config) is f.config_class]
+    if not formats:
+        raise ValueError(f"no Hugging Face format for a {type(model.config).__name__}: "
+                         f"GPT-2 (GPTConfig) and Llama (LlamaConfig) save")
+    _write(model, Path(path), formats[0])
+
+
+def load_hf_gpt2(path: str | Path, grid: ParallelGrid | None = None, **overrides: Any) -> GPT:
+    """A GPT holding the weights of a saved Hugging Face GPT-2 (this rank's slices under tp).
+
+    ``overrides`` replace config fields, e.g. ``dropout=0.0`` or ``recompute=True``.
+    """
+    return _built(*read_hf_gpt2(path, **overrides), grid)
+
+
+def read_hf_gpt2(path: str | Path, **overrides: Any) -> tuple[GPTConfig, Tensors]:
+    """A saved Hugging Face GPT-2's config and whole tensors under this package's names: load
+    them into any stage of any layout with ``GPT.load_full_state_dict`` (evaluation does)."""
+    return _read(Path(path), "gpt2", overrides)
+
+
+def save_hf_gpt2(model: GPT, path: str | Path) -> None:
+    """Write ``model`` as a Hugging Face GPT-2 directory (config.json + model.safetensors).
+
+    The model must be whole (one pipeline stage holding every layer); under tp every tp rank
+    must call this (the shards are gathered) and tp rank 0 writes.
+    """
+    _write(model, Path(path), _FORMATS["gpt2"])
+
+
+def load_hf_llama(path: str | Path, grid: ParallelGrid | None = None,
+                  **overrides: Any) -> Llama:
+    """A Llama holding the weights of a saved Hugging Face Llama (``LlamaForCausalLM``; this
+    rank's slices under tp). ``overrides`` replace config fields."""
+    return _built(*read_hf_llama(path, **overrides), grid)
+
+
+def read_hf_llama(path: str | Path, **overrides: Any) -> tuple[LlamaConfig, Tensors]:
+    """A saved Hugging Face Llama's config and whole tensors under this package's names."""
+    return _read(Path(path), "llama", overrides)
+
+
+def save_hf_llama(model: Llama, path: str | Path) -> None:
+    """Write ``model`` as a Hugging Face Llama directory (config.json + model.safetensors) that
+    ``LlamaForCausalLM.from_pretrained`` loads; whole, every tp rank calling (as ``save_hf``)."""
+    _write(model, Path(path), _FORMATS["llama"])
+
+
+@dataclass(frozen=True)
+class _Format:
+    """One Hugging Face model family: the config class it becomes here and the four maps
+    between the two (config.json ↔ config, their tensors ↔ ours, whole)."""
+
+    config_class: type[GPTConfig]
+    config_from_hf: Callable[..., GPTConfig]            # config.json, **overrides → config
+    hf_config: Callable[[Any], dict[str, Any]]          # config → config.json (or ValueError)
+    from_hf: Callable[[Tensors, Any], Tensors]          # their tensors, config → ours
+    to_hf: Callable[[Tensors, Any], Tensors]            # ours, config → theirs
+
+
+def _format(model_type: str) -> _Format:
+    if model_type not in _FORMATS:
+        raise ValueError(f"a Hugging Face {model_type!r} model: this package reads "
+                         f"{sorted(_FORMATS)}")
+    return _FORMATS[model_type]
+
+
+def _built(config: GPTConfig, state: Tensors, grid: ParallelGrid | None) -> GPT:
+    model = build_model(config, grid)
+    model.load_full_state_dict(state)
+    return model
+
+
+def _read(path: Path, family: str | None, overrides: dict[str, Any]) -> tuple[GPTConfig, Tensors]:
+    """config.json and the tensors of ``path`` mapped by its model_type's format; ``family``:
+    the model_type expected (None: any)."""
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"no config.json in {path}: not a Hugging Face model directory")
+    hf = json.loads((path / "config.json").read_text())
+    model_type = hf.get("model_type", "gpt2")
+    if family is not None and model_type != family:
+        raise ValueError(f"{path} holds a Hugging Face {model_type!r}, not a {family!r}: "
+                         f"load_hf and read_hf read either")
+    fmt = _format(model_type)
+    config = fmt.config_from_hf(hf, **overrides)
+    return config, fmt.from_hf(_read_weights(path), config)
+
+
+def _write(model: GPT, path: Path, fmt: _Format) -> None:
+    """Gather ``model``'s tensors, map them by ``fmt``; tp rank 0 writes the directory."""
+    config = model.config
+    hf_config = fmt.hf_config(config)              # refuses what the format cannot express
+    if not (model.first and model.last and list(model.layers) == list(range(config.num_layers))):
+        raise ValueError("saving as Hugging Face needs the whole model; gather pipeline stages "
+                         "first")
+    state = fmt.to_hf(model.full_state_dict(), config)
+    if model.tp_group.rank != 0:
+        return
+    path.mkdir(parents=True, exist_ok=True)
+    # contiguous copies: safetensors refuses views that share memory (q, k, v of one qkv)
+    tensors = {k: v.detach().cpu().clone(memory_format=torch.contiguous_format)
+               for k, v in state.items()}
+    _safetensors().save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+
+
+# --- reading and writing files ----------------------------------------------------------------
+
+def _safetensors():
+    try:
+        import safetensors.torch
+    except ImportError as error:
+        raise ImportError("reading or writing model.safetensors needs the safetensors package: "
+                          "pip install safetensors (it comes with transformers)") from error
+    return safetensors.torch
+
+
+def _read_weights(path: Path) -> Tensors:
+    """All tensors of the checkpoint, under the names its files give them."""
+    if (path / "model.safetensors").exists():
+        files = [path / "model.safetensors"]
+    elif (path / "model.safetensors.index.json").exists():
+        index = json.loads((path / "model.safetensors.index.json").read_text())
+        files = [path / name for name in sorted(set(index["weight_map"].values()))]
+    elif (path / "pytorch_model.bin").exists():
+        return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    else:
+        raise FileNotFoundError(f"no model.safetensors(.index.json) or pytorch_model.bin in {path}")
+    state = {}
+    for file in files:
+        state.update(_safetensors().load_file(str(file)))
+    return state
+
+
+# --- GPT-2: the config and the name and layout mapping ------------------------------------------
+
+def _gpt2_config_from_hf(hf: dict[str, Any], **overrides: Any) -> GPTConfig:
     """A GPTConfig from a Hugging Face GPT-2 config.json, refusing what this GPT does not do."""
     unsupported = {
         "activation_function": hf.get("activation_function", "gelu_new") not in _GELU_TANH,
@@ -59,79 +232,18 @@ def config_from_hf(hf: dict[str, Any], **overrides: Any) -> GPTConfig:
     return GPTConfig(**{**fields, **overrides})
 
 
-def load_hf_gpt2(path: str | Path, grid: ParallelGrid | None = None, **overrides: Any) -> GPT:
-    """A GPT holding the weights of a saved Hugging Face GPT-2 (this rank's slices under tp).
-
-    ``overrides`` replace config fields, e.g. ``dropout=0.0`` or ``recompute=True``.
-    """
-    config, state = read_hf_gpt2(path, **overrides)
-    model = GPT(config, grid)
-    model.load_full_state_dict(state)
-    return model
-
-
-def read_hf_gpt2(path: str | Path, **overrides: Any) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
-    """A saved Hugging Face GPT-2's config and whole tensors under this package's names: load
-    them into any stage of any layout with ``GPT.load_full_state_dict`` (evaluation does)."""
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"no config.json in {path}: not a Hugging Face model directory")
-    config = config_from_hf(json.loads((path / "config.json").read_text()), **overrides)
-    return config, _from_hf(_read_weights(path), config)
-
-
-def save_hf_gpt2(model: GPT, path: str | Path) -> None:
-    """Write ``model`` as a Hugging Face GPT-2 directory (config.json + model.safetensors).
-
-    The model must be whole (one pipeline stage holding every layer); under tp every tp rank
-    must call this (the shards are gathered) and tp rank 0 writes.
-    """
-    config = model.config
-    if type(config) is not GPTConfig or not config.causal or config.ln_placement != "rearranged":
-        raise ValueError("only a GPT-2 (causal, pre-LN) saves as a Hugging Face GPT-2")
-    if not (model.first and model.last and list(model.layers) == list(range(config.num_layers))):
-        raise ValueError("save_hf_gpt2 needs the whole model; gather pipeline stages first")
-    state = _to_hf(model.full_state_dict(), config)
-    if model.tp_group.rank != 0:
-        return
-    save_file = _safetensors().save_file
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.cpu().contiguous() for k, v in state.items()}, str(path / "model.safetensors"),
-              metadata={"format": "pt"})
-    (path / "config.json").write_text(json.dumps(_hf_config(config), indent=2) + "\n")
-
-
-# --- reading and writing files ----------------------------------------------------------------
-
-def _safetensors():
-    try:
-        import safetensors.torch
-    except ImportError as error:
-        raise ImportError("reading or writing model.safetensors needs the safetensors package: "
-                          "pip install safetensors (it comes with transformers)") from error
-    return safetensors.torch
-
-
-def _read_weights(path: Path) -> dict[str, torch.Tensor]:
-    """All tensors of the checkpoint, with the "transformer." prefix removed."""
-    if (path / "model.safetensors").exists():
-        files = [path / "model.safetensors"]
-    elif (path / "model.safetensors.index.json").exists():
-        index = json.loads((path / "model.safetensors.index.json").read_text())
-        files = [path / name for name in sorted(set(index["weight_map"].values()))]
-    elif (path / "pytorch_model.bin").exists():
-        state = torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
-        return {k.removeprefix("transformer."): v for k, v in state.items()}
-    else:
-        raise FileNotFoundError(f"no model.safetensors(.index.json) or pytorch_model.bin in {path}")
-    state = {}
-    for file in files:
-        state.update(_safetensors().load_file(str(file)))
-    return {k.removeprefix("transformer."): v for k, v in state.items()}
-
-
-def _hf_config(config: GPTConfig) -> dict[str, Any]:
+def _gpt2_hf_config(config: GPTConfig) -> dict[str, Any]:
+    """config.json for ``GPT2LMHeadModel``; a ValueError unless ``config`` is a GPT-2's."""
+    unlike = {"causal": not config.causal, "ln_placement": config.ln_placement != "rearranged",
+              "norm": config.norm != "layernorm", "mlp": config.mlp != "gelu",
+              "positions": config.positions != "learned", "bias": not config.bias,
+              "num_kv_heads": config.num_kv_heads != config.num_heads,
+              "tie_embeddings": not config.tie_embeddings}
+    bad = {key: getattr(config, key) for key, is_bad in unlike.items() if is_bad}
+    if type(config) is not GPTConfig or bad:
+        raise ValueError(f"only a GPT-2 (causal, pre-LN, GPTConfig's defaults for the block's "
+                         f"parts) saves as a Hugging Face GPT-2: a {type(config).__name__}"
+                         + (f" with {bad}" if bad else ""))
     return {
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
         "vocab_size": config.vocab_size, "n_positions": config.seq_len,
@@ -142,8 +254,6 @@ def _hf_config(config: GPTConfig) -> dict[str, Any]:
         "tie_word_embeddings": True,
     }
 
-
-# --- the name and layout mapping ----------------------------------------------------------------
 
 def _qkv_from_hf(t: torch.Tensor, heads: int) -> torch.Tensor:
     """[3h, …] as q | k | v blocks → [3h, …] grouped per head (q, k, v of head 0, head 1, …)."""
@@ -172,7 +282,9 @@ def _pairs(config: GPTConfig) -> list[tuple[str, str, bool]]:
     return pairs
 
 
-def _from_hf(hf: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
+def _gpt2_from_hf(hf: Tensors, config: GPTConfig) -> Tensors:
+    """GPT2LMHeadModel's tensors (or GPT2Model's, without the "transformer." prefix) → ours."""
+    hf = {k.removeprefix("transformer."): v for k, v in hf.items()}
     state = {}
     for ours, theirs, conv in _pairs(config):
         if theirs not in hf:
@@ -183,9 +295,17 @@ def _from_hf(hf: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.
     return state
 
 
-def _to_hf(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
+def _gpt2_to_hf(state: Tensors, config: GPTConfig) -> Tensors:
     hf = {}
     for ours, theirs, conv in _pairs(config):
         t = _qkv_to_hf(state[ours], config.num_heads) if ".qkv." in ours else state[ours]
         hf[f"transformer.{theirs}"] = t.t() if conv else t
     return hf
+
+
+# the families read and written, by config.json's model_type
+_FORMATS = {
+    "gpt2": _Format(GPTConfig, _gpt2_config_from_hf, _gpt2_hf_config, _gpt2_from_hf, _gpt2_to_hf),
+    "llama": _Format(LlamaConfig, hf_llama.config_from_hf, hf_llama.hf_config, hf_llama.from_hf,
+                     hf_llama.to_hf),
+}

@@ -147,11 +147,11 @@ class PTDP:
                              "ParallelGrid(layout, embedding_ranks=pipeline.stages(pp).ends)")
         self.chunks = build_chunks(config, grid, self.schedule.stages)
         self.iteration = 0                # optimizer steps taken (skipped ones included)
-        tied = [c.embedding.word.weight for c in self.chunks if c.first or c.last]
+        tied = [w for c in self.chunks for w in c.tied_word_tables()]
         self.tied = tied if self.schedule.stages.num_stages > 1 else []
         # the last stage's copy: its original, on the first stage, is the one the norm counts
-        self.tied_copies = [c.embedding.word.weight for c in self.chunks
-                            if c.last and not c.first and self.tied]
+        self.tied_copies = [w for c in self.chunks if c.last and not c.first and self.tied
+                            for w in c.tied_word_tables()]
         self.ddp = STAGES[zero](self.chunks, grid.dp_cp_group, options.bucket_mb, options.overlap,
                                 average=False, alone=self.tied,
                                 units=[b for c in self.chunks for b in c.blocks.values()])

@@ -73,10 +73,10 @@ from megatron_edu.data import BatchSampler, TokenDataset, prepare_data, unigram_
 from megatron_edu.data.bert import prepare_bert_data
 from megatron_edu.grid import Layout, ParallelGrid
 from megatron_edu.launch import RankError, resolve_backend, run, under_torchrun
-from megatron_edu.model import BertConfig, GPTConfig, compile_blocks
+from megatron_edu.model import BertConfig, GPTConfig, LlamaConfig, compile_blocks
 from megatron_edu.model.config import ATTENTION, LN_PLACEMENTS, PRESETS, RECOMPUTE
 from megatron_edu.optim import DynamicLossScale, warmup_cosine
-from megatron_edu.perf import model_flops_utilization, training_flops
+from megatron_edu.perf import model_flops_utilization, training_flops_of
 from megatron_edu.perf.flops import datasheet_peak_flops, measure_matmul_flops
 from megatron_edu.pipeline.engine import build_chunks
 from megatron_edu.pipeline.schedules import SCHEDULES, PipelineConfig
@@ -95,6 +95,7 @@ from megatron_edu.run_folder import (
 __all__ = ["parse_args", "validate", "main", "train"]
 
 BACKENDS = ("auto", "gloo", "nccl")
+CONFIGS = {"gpt": GPTConfig, "bert": BertConfig, "llama": LlamaConfig}  # --model
 
 
 # --- the command line ----------------------------------------------------------------------------
@@ -126,14 +127,16 @@ def build_parser() -> argparse.ArgumentParser:
     layout.add_argument("--no-scatter-gather", action="store_true",
                         help="send whole activations between stages (§4.1 off)")
     model = p.add_argument_group("model")
-    model.add_argument("--model", choices=["gpt", "bert"], default="gpt",
-                       help="GPT-2, or BERT with masked-LM and sentence-order losses (§5.3)")
+    model.add_argument("--model", choices=list(CONFIGS), default="gpt",
+                       help="GPT-2; BERT with masked-LM and sentence-order losses (§5.3); a "
+                       "Llama block (RMSNorm, rotary positions, SwiGLU, grouped-query "
+                       "attention, untied output layer)")
     model.add_argument("--ln-placement", choices=list(LN_PLACEMENTS), default="rearranged",
                        help="layer norm before each sublayer, x + f(LN(x)) (rearranged; GPT-2, "
                        "Megatron-BERT) or after the residual add, LN(x + f(x)) (original BERT); "
                        "1909.08053 Figure 7")
     model.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
-    for name in ("layers", "hidden", "heads", "seq-len", "vocab-size"):
+    for name in ("layers", "hidden", "heads", "kv-heads", "seq-len", "vocab-size"):
         model.add_argument(f"--{name}", type=positive_int, help="override the preset")
     model.add_argument("--dropout", type=rate, default=0.0)
     model.add_argument("--recompute", nargs="?", const="full", default="none",
@@ -220,11 +223,13 @@ def model_config(args: argparse.Namespace) -> GPTConfig:
     """The model the flags describe: the preset, with the sizes and switches given."""
     overrides = {field: getattr(args, attr) for field, attr in (
         ("num_layers", "layers"), ("hidden", "hidden"), ("num_heads", "heads"),
-        ("seq_len", "seq_len"), ("vocab_size", "vocab_size")) if getattr(args, attr) is not None}
+        ("num_kv_heads", "kv_heads"), ("seq_len", "seq_len"), ("vocab_size", "vocab_size"))
+        if getattr(args, attr) is not None}
     if "hidden" in overrides:
-        overrides["ffn_hidden"] = 0  # back to 4h
-    config_class = BertConfig if args.model == "bert" else GPTConfig
-    return config_class.preset(args.preset, dropout=args.dropout, recompute=args.recompute,
+        overrides["ffn_hidden"] = 0  # back to the model's rule: 4h, or Llama's 8h/3
+    if "num_heads" in overrides and "num_kv_heads" not in overrides:
+        overrides["num_kv_heads"] = 0  # one per head, unless said
+    return CONFIGS[args.model].preset(args.preset, dropout=args.dropout, recompute=args.recompute,
                                sequence_parallel=args.sequence_parallel, fused=args.fused,
                                attention=args.attention,
                                async_tp=args.async_tp,
@@ -486,10 +491,8 @@ class _Meter:
                  start: int) -> None:
         self.log, self.tokens = log, args.global_batch * config.seq_len
         self.skipped = sum(bool(r.get("skipped")) for r in log.records)  # before a resume
-        shape = (args.global_batch, config.seq_len, config.num_layers, config.hidden,
-                 config.vocab_size)
-        self.model_flops = training_flops(*shape, recompute=False)
-        self.hardware_flops = training_flops(*shape, recompute=config.recompute)
+        self.model_flops = training_flops_of(config, args.global_batch)   # the block's own
+        self.hardware_flops = training_flops_of(config, args.global_batch, config.recompute)
         self.recompute = config.recompute != "none"
         self.fp16 = args.dtype == "fp16"
         self.peak_total = _peak_flops(args, grid)

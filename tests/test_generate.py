@@ -16,7 +16,7 @@ from megatron_edu.data import PRETRAINED_CHECKPOINT, train_tokenizer
 from megatron_edu.generate import NonFiniteLogits, Sampling, generate, main, sample
 from megatron_edu.grid import Layout, ParallelGrid
 from megatron_edu.launch import run
-from megatron_edu.model import GPT, BertConfig
+from megatron_edu.model import GPT, BertConfig, Llama, LlamaConfig
 from megatron_edu.model.transformer import KVCache
 from megatron_edu.pipeline.engine import build_chunks
 from megatron_edu.pipeline.schedules import stage_map
@@ -67,6 +67,18 @@ def ids(b=2, s=12):
 
 def test_cached_decoding_gives_the_full_forwards_logits_at_every_step(model):
     assert cached_vs_full(lambda x, cache: model(x, cache=cache), ids(), prefill=5) < TOL
+
+
+def test_a_llamas_cache_turns_each_new_key_by_its_position_and_keeps_its_kv_heads():
+    """Rotary positions continue after the cached ones; the cache holds the 2 kv heads, each
+    serving 2 query heads (grouped-query attention), not 4."""
+    llama = Llama(LlamaConfig(vocab_size=100, seq_len=16, num_layers=2, hidden=32, num_heads=4,
+                              num_kv_heads=2, init_std=0.5)).eval()
+    assert cached_vs_full(lambda x, cache: llama(x, cache=cache), ids(), prefill=5) < TOL
+    cache = KVCache()
+    with torch.no_grad():
+        llama(ids(s=3), cache=cache)
+    assert tuple(cache.layers["1"].k.shape) == (2, 2, 3, 8)
 
 
 @torch.no_grad()

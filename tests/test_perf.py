@@ -4,12 +4,15 @@
 - memory: weights, gradients, Adam states and saved activations (2205.05198 §4) of a plain
   PyTorch GPT, counted byte for byte;
 - advisor: Table 1's per-GPU throughput, the divisibility and memory rules, and the takeaways of
-  2104.04473 §3 and §5.4-5.8 (and 1909.08053's weak scaling, §5.1).
+  2104.04473 §3 and §5.4-5.8 (and 1909.08053's weak scaling, §5.1);
+- the Llama block (SwiGLU, grouped-query attention, RMSNorm, rotary, untied output): the
+  published parameter counts, FLOPs by hand, activations measured, the advisor on Llama-3-8B.
 """
 
 import math
 import time
 from dataclasses import replace
+from functools import partial
 
 import pytest
 import torch
@@ -18,7 +21,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from megatron_edu.grid import Layout
-from megatron_edu.model import BertConfig, GPTConfig, build_model
+from megatron_edu.model import BertConfig, GPTConfig, LlamaConfig, build_model
 from megatron_edu.perf import (
     A100_BF16_PEAK,
     DGX2H_V100,
@@ -38,8 +41,10 @@ from megatron_edu.perf import (
     interleaving_speedup,
     measure_matmul_flops,
     memory_per_rank,
+    model_config,
     model_flops_utilization,
     num_parameters,
+    num_parameters_of,
     output_layer_activation_bytes,
     parameters_per_rank,
     predict,
@@ -47,6 +52,7 @@ from megatron_edu.perf import (
     rejection_reason,
     table1_config,
     training_flops,
+    training_flops_of,
     training_time_seconds,
 )
 from megatron_edu.pipeline.schedules import PipelineConfig, make_schedule
@@ -830,3 +836,174 @@ def test_1909_tensor_parallel_weak_scaling_efficiency_is_77_percent():
     eight = predict(GPTConfig.preset("megatron-8.3b", recompute="full"),
                     split(tp=8, microbatch=8), DGX2H_V100)
     assert eight.tflops_per_gpu / one.tflops_per_gpu == pytest.approx(0.77, abs=0.05)
+
+
+# ---- the Llama block: SwiGLU, grouped-query attention, RMSNorm, rotary, untied output ----
+
+LLAMA3_8B = LlamaConfig.preset("llama3-8b")   # l 32, h 4096, 32 heads, 8 kv heads, f 14336
+LLAMA2_7B = LlamaConfig(vocab_size=32000, seq_len=4096, num_layers=32, hidden=4096,
+                        num_heads=32, num_kv_heads=32, ffn_hidden=11008)  # 2307.09288 Table 1
+
+
+@pytest.mark.parametrize("config, published, billions", [(LLAMA2_7B, 6_738_415_616, 6.74),
+                                                         (LLAMA3_8B, 8_030_261_248, 8.03)],
+                         ids=["llama-2-7b", "llama-3-8b"])
+def test_llama_parameter_counts_are_the_published_ones(config, published, billions):
+    """Hugging Face's counts of meta-llama/Llama-2-7b-hf and Meta-Llama-3-8B (6.74 B, 8.03 B):
+    the closed form, the model's exact count and the memory model's all give them."""
+    assert num_parameters_of(config) == config.num_parameters() == published
+    assert parameters_per_rank(config, Parallelism()) == published
+    assert round(published / 1e9, 2) == billions
+
+
+def test_the_closed_form_is_the_papers_for_gpt2():
+    """GPT-2 small: 2104.04473 §5.1's P plus the final layer norm, Hugging Face's 124,439,808."""
+    config = GPTConfig.preset("gpt2-small")
+    assert num_parameters_of(config) == num_parameters(12, 768, 50257, 1024) + 2 * 768
+    assert num_parameters_of(config) == 124_439_808
+
+
+def test_llama3_8b_training_flops_by_hand():
+    """Without recomputation: 6 FLOPs per token and matmul weight (2001.08361 §2.1) — every
+    parameter but the input embedding (a lookup) and the norms' weights (elementwise) — plus
+    the attention core's 12·B·s²·l·h, whatever the kv heads."""
+    b, s, l, h, v = 2, 8192, 32, 4096, 128256
+    matmul_weights = 8_030_261_248 - v * h - (2 * l + 1) * h
+    assert matmul_weights == l * (h * (h + 2 * 1024) + h * h + 3 * h * 14336) + v * h
+    expected = 6 * matmul_weights * b * s + 12 * b * s * s * l * h
+    assert training_flops_of(LLAMA3_8B, b) == expected
+    # recomputation: one more forward of the layers, 2·B·s per matmul weight + 4·B·s²·h
+    forward = 2 * b * s * (matmul_weights - v * h) + 4 * b * s * s * l * h
+    assert training_flops_of(LLAMA3_8B, b, "full") - training_flops_of(LLAMA3_8B, b) == forward
+
+
+def test_grouped_query_attention_saves_the_kv_columns_flops():
+    """8 kv heads instead of 32: 2·(h − k) fewer QKV columns, 6·B·s·l·h·2(h − k) FLOPs."""
+    b, s, l, h, k = 1, 8192, 32, 4096, 1024
+    multi_head = replace(LLAMA3_8B, num_kv_heads=32)
+    saved = training_flops_of(multi_head, b) - training_flops_of(LLAMA3_8B, b)
+    assert saved == 6 * b * s * l * h * 2 * (h - k)
+
+
+@pytest.mark.parametrize("recompute", [False, "selective", True])
+def test_the_gpt2_block_gives_the_papers_flops_from_its_config(recompute):
+    config, b = GPTConfig.preset("gpt2-medium"), 8
+    shape = (b, 1024, 24, 1024, 50257)
+    assert training_flops_of(config, b, recompute) == training_flops(*shape, recompute)
+    assert training_flops(*shape, recompute, ffn_hidden=4096, kv_hidden=1024) == \
+        training_flops(*shape, recompute)
+    s, l, h, v = shape[1:]
+    if recompute is False:
+        closed_form = 72 * b * s * l * h * h * (1 + s / (6 * h) + v / (12 * l * h))
+        assert training_flops_of(config, b) == pytest.approx(closed_form, rel=1e-12)
+
+
+def test_the_predicted_flops_of_a_llama_are_its_formulas():
+    parallelism = split(tp=8, microbatch=1, num_microbatches=4)
+    for recompute in ("none", "selective", "full"):
+        config = replace(LLAMA3_8B, recompute=recompute)
+        pred = predict(config, parallelism, DGX_H100)
+        expected = training_flops_of(config, 4, recompute, vocab=config.padded_vocab(8))
+        assert pred.flops_per_iteration == pytest.approx(expected, rel=1e-12), recompute
+
+
+@pytest.mark.parametrize("kind", [partial(LlamaConfig, num_kv_heads=2), LlamaConfig],
+                         ids=["gqa", "mha"])
+@pytest.mark.parametrize("parallelism", [split(pp=4), split(pp=2, schedule="zb-v")],
+                         ids=["1f1b", "zb-v"])
+def test_parameters_per_rank_are_what_the_llamas_stages_hold(parallelism, kind):
+    """The untied output layer on the last stage (ZB-V: rank 0's second chunk), no copy of the
+    word table; grouped-query attention's QKV of (a + 2g)·d rows."""
+    config, stages = kind(**STAGED), parallelism.stages
+    for rank in range(parallelism.pp):
+        held = 0
+        for chunk in range(stages.v):
+            stage = stages.stage(rank, chunk)
+            model = build_model(config, layers=stages.layers(stage, config.num_layers),
+                                first=stage == 0, last=stage == stages.num_stages - 1)
+            held += sum(p.numel() for p in model.parameters())
+        assert parameters_per_rank(config, parallelism, rank) == held, rank
+
+
+@pytest.mark.parametrize("tp, pp", [(2, 1), (8, 2)])
+def test_llama_shards_add_up_to_the_model_plus_replicated_norms(tp, pp):
+    """Whatever the split, the tp ranks of all stages hold the model once, plus the RMSNorms'
+    weights on every tp rank (no biases, no positions) and both tables' padding rows (128·tp:
+    128,256 → 129,024 at tp = 8) — and no third table: the output layer is the last stage's
+    own, not a copy of the word table."""
+    config, h, l = LLAMA3_8B, 4096, 32
+    held = sum(tp * parameters_per_rank(config, split(tp, pp), stage) for stage in range(pp))
+    padding = 2 * (config.padded_vocab(tp) - config.vocab_size) * h
+    assert held == 8_030_261_248 + (tp - 1) * (2 * l + 1) * h + padding
+
+
+@pytest.mark.parametrize("t", [1, 2, 8])
+def test_llama_activations_per_layer_in_closed_form(t):
+    """16-bit, no dropout: 8·sbh whole (two norms' inputs, QKV and MLP inputs), 8·sb(h + f)/t
+    split (Q, K, V, the projection's input; SwiGLU's gate and up, silu(gate), their product) and
+    the 2·a·s²·b/t softmax output; sequence parallelism splits the 8·sbh; selective
+    recomputation drops the scores but keeps the core's inputs, which with one kv head per
+    query head (Llama-2-7B) hold the whole QKV output beside the turned Q and K."""
+    s, b, h, f, a = 8192, 1, 4096, 14336, 32
+    whole, split_ = 8 * s * b * h, 8 * s * b * (h + f) // t
+    scores = 2 * a * s * s * b // t
+    assert activation_bytes_per_layer(LLAMA3_8B, b, tp=t) == whole + split_ + scores
+    sp = replace(LLAMA3_8B, sequence_parallel=True)
+    assert activation_bytes_per_layer(sp, b, tp=t) == (whole + 8 * s * b * (h + f)) // t + scores
+    selective = replace(LLAMA3_8B, recompute="selective")
+    assert activation_bytes_per_layer(selective, b, tp=t) == whole + split_
+    llama2 = replace(selective, num_kv_heads=32, ffn_hidden=11008, seq_len=s)
+    assert activation_bytes_per_layer(llama2, b, tp=t) == whole + (12 * h + 8 * 11008) * s * b // t
+    full = replace(LLAMA3_8B, recompute="full")
+    assert activation_bytes_per_layer(full, b, tp=t) == 2 * s * b * h
+
+
+LLAMA_SMALL = dict(vocab_size=128, seq_len=32, num_layers=2, hidden=64, num_heads=4,
+                   ffn_hidden=160)
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+@pytest.mark.parametrize("kv_heads", [2, 4], ids=["gqa", "mha"])
+def test_a_llama_layer_saves_what_the_formula_says(kv_heads, recompute):
+    """A real Llama block measured on this CPU (``perf.measure``, fp32) is the formula to the
+    byte plus what it rounds away or what a GPU's fused kernels would not keep: PyTorch's
+    composite RMSNorm keeps x/rms(x) beside its input (its CUDA kernel, ``_fused_rms_norm``,
+    does not) and 1/rms per token, rotary positions their cos and sin [s, d], the eager core
+    its [s, s] causal mask. Full recomputation keeps the layer's input alone."""
+    from megatron_edu.perf.measure import layer_activation_bytes
+    from megatron_edu.tensor_parallel.layers import serial_group
+
+    config = LlamaConfig(**LLAMA_SMALL, num_kv_heads=kv_heads, recompute=recompute)
+    b, s, h, d = 2, config.seq_len, config.hidden, config.head_dim
+    measured = layer_activation_bytes(config, serial_group(), b)
+    formula = activation_bytes_per_layer(config, b, bytes_per_value=4)
+    cpu_rms_norm, statistics, cos_sin = 2 * s * b * h * 4, 2 * s * b * 4, 2 * s * d * 4
+    causal_mask = s * s if recompute == "none" else 0
+    extras = 0 if recompute == "full" else cpu_rms_norm + statistics + cos_sin + causal_mask
+    assert measured == formula + extras
+
+
+@pytest.mark.parametrize(("name", "kind"), [("llama3-8b", LlamaConfig),
+                                            ("smollm-135m", LlamaConfig),
+                                            ("gpt2-small", GPTConfig), ("bert-large", BertConfig)])
+def test_the_advisor_reads_a_preset_name_as_the_model_it_names(name, kind):
+    config = model_config(name)
+    assert type(config) is kind and config == kind.preset(name)
+    assert model_config(config) is config
+    assert model_config(name, recompute="full").recompute == "full"
+
+
+def test_the_advisor_fits_llama3_8b_on_8_h100s():
+    """Llama-3-8B at 8192 tokens, batch 16, on one DGX H100: 8 B × 18 bytes of weights and
+    optimizer fit no single GPU, so every proposal splits the model (tp·pp ≥ 2) by whole kv
+    groups (tp | 8) and fits in 80 GiB; the name and the configuration get the same advice."""
+    ranked = advise("llama3-8b", 16, 8, DGX_H100, recompute=("selective", "full"))
+    assert ranked and ranked == advise(LLAMA3_8B, 16, 8, DGX_H100,
+                                       recompute=("selective", "full"))
+    for parallelism, pred in ranked:
+        assert LLAMA3_8B.num_kv_heads % parallelism.tp == 0
+        assert parallelism.tp * parallelism.pp >= 2
+        assert pred.memory.total <= DGX_H100.memory_bytes
+        assert isinstance(pred.config, LlamaConfig)
+    best = ranked[0][1]
+    assert 0.2 < best.percent_of_peak / 100 < 0.6   # an 8 B model on H100s: tens of percent

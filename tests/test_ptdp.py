@@ -13,7 +13,7 @@ from helpers import Launches
 
 from megatron_edu import comm
 from megatron_edu.grid import Layout, ParallelGrid, all_layouts
-from megatron_edu.model import GPT, GPTConfig
+from megatron_edu.model import GPTConfig, LlamaConfig, build_model
 from megatron_edu.model.transformer import IGNORE_INDEX
 from megatron_edu.optim import build_param_groups
 from megatron_edu.pipeline import PipelineConfig
@@ -44,7 +44,7 @@ def _batches(masked=False):
 
 
 def _serial(config=CONFIG, masked=False):
-    model = GPT(config)
+    model = build_model(config)
     optimizer = torch.optim.AdamW(build_param_groups(model, 0.1), lr=LR, betas=(0.9, 0.95),
                                   eps=EPS)
     losses, norms = [], []
@@ -113,8 +113,14 @@ def _split(tp, pp, dp, cp=1, zero=0, **overrides):
 DROPOUT = dataclasses.replace(CONFIG, dropout=0.1)
 
 
-def _every_layout_of_8():
-    return [_ptdp(*_split(layout.tp, layout.pp, layout.dp)) for layout in all_layouts(8)]
+def _every_layout_of_8(config=CONFIG):
+    return [_ptdp(*_split(layout.tp, layout.pp, layout.dp), config) for layout in all_layouts(8)]
+
+
+# The Llama block (issue 33): RMSNorm, rotary positions, SwiGLU, grouped-query attention (16
+# heads in 8 groups: every tp of 8 ranks splits whole groups), no biases, an untied output layer.
+LLAMA = LlamaConfig(vocab_size=100, seq_len=8, num_layers=8, hidden=64, num_heads=16,
+                    num_kv_heads=8, ffn_hidden=96)
 
 
 def _inf_on_one_rank(tp, pp, dp, zero1, bad_rank):
@@ -241,6 +247,13 @@ CASES = {  # name -> (world size, function, arguments); every case of one size i
     "inf-tp2-dp2-zero1": (4, _inf_on_one_rank, (2, 1, 2, True, 1)),
     "inf-dp4": (4, _inf_on_one_rank, (1, 1, 4, False, 2)),
     "every-layout-of-8": (8, _every_layout_of_8, ()),
+    "llama-serial": (1, _serial, (LLAMA,)),
+    "llama-every-layout-of-8": (8, _every_layout_of_8, (LLAMA,)),
+    "llama-tp2-cp2-sp": _training(2, 1, 1, dataclasses.replace(LLAMA, sequence_parallel=True),
+                                  cp=2),
+    "llama-interleaved-zero1": _training(1, 2, 2, LLAMA, schedule="interleaved", chunks=2,
+                                         zero=1),
+    "llama-zero3-dp4": _training(1, 1, 4, LLAMA, zero=3),
     "bf16-tp2-pp2-dp2": (8, _a_bf16_step, (2, 2, 2, DROPOUT, 1, "interleaved", 2)),
     "bf16-sp-tp2-dp4-zero3": (8, _a_bf16_step, (2, 1, 4, dataclasses.replace(
         DROPOUT, sequence_parallel=True), 3)),
@@ -364,3 +377,25 @@ def test_under_bf16_every_activation_crosses_tp_and_pp_in_2_bytes(name):
         dtypes = Counter(dtype for op, label, dtype, _ in traffic
                          if not label.startswith("ce ") and label != "sp replicated grads")
         assert set(dtypes) == {torch.bfloat16} and dtypes.total() > 20, (rank, dtypes)
+
+
+# --- the Llama block under every parallelism ----------------------------------------------------
+
+@pytest.fixture(scope="module")
+def llama_serial():
+    return LAUNCHES["llama-serial"][0]
+
+
+@pytest.mark.parametrize("index", range(len(all_layouts(8))),
+                         ids=[f"tp{g.tp}-pp{g.pp}-dp{g.dp}" for g in all_layouts(8)])
+def test_every_layout_of_8_ranks_takes_the_serial_llamas_steps(llama_serial, index):
+    """Grouped-query attention split by whole kv groups, SwiGLU's gate/up pairs, RMSNorm, and
+    the untied output layer (no embedding group between the pipeline's ends)."""
+    _check_equal_to_serial(llama_serial, [r[index] for r in LAUNCHES["llama-every-layout-of-8"]])
+
+
+@pytest.mark.parametrize("name", ["tp2-cp2-sp", "interleaved-zero1", "zero3-dp4"])
+def test_the_llama_under_sp_cp_interleaving_and_zero_takes_the_serial_steps(llama_serial, name):
+    """Rotary positions on each cp rank's zig-zag chunks, RMSNorm's gradient summed over tp
+    under SP; the interleaved schedule and ZeRO-1/3 over dp."""
+    _check_equal_to_serial(llama_serial, LAUNCHES[f"llama-{name}"])

@@ -31,9 +31,10 @@ FLAGS = {
 }
 # The core's lines: 5,868 when this structure was asked for (issue 31), then +90 for the GPU path
 # (issue 32: one-buffer collectives, ZeRO-3 gathering in the compute dtype, a step without host
-# syncs, bf16 across the boundaries, sends left in flight, compile_blocks). A new technique
-# raises it in its own commit, saying what the lines buy.
-LINES_BUDGET = 5958
+# syncs, bf16 across the boundaries, sends left in flight, compile_blocks), then at most +300 for
+# the Llama block (issue 33: RMSNorm, rotary positions, SwiGLU, grouped-query attention, an
+# untied output layer). A new technique raises it in its own commit, saying what the lines buy.
+LINES_BUDGET = 5958 + 300
 
 
 def _core() -> list[Path]:

@@ -139,6 +139,23 @@ def test_a_checkpoint_reshards_to_other_layouts(tmp_path, cache):
         assert resumed[4] == pytest.approx(whole[4], abs=1e-5)
 
 
+def test_a_llama_trains_and_its_checkpoint_reshards_over_tp_pp_dp_and_cp(tmp_path, cache):
+    """``--model llama`` (4 heads sharing 2 kv heads, SwiGLU, rotary positions, an untied
+    output layer) at tp 2 × pp 2 with ZeRO-1, resumed at pp 4 and at cp 2 × dp 2: the same next
+    loss, and its first losses fall."""
+    steps = ["--model", "llama", "--kv-heads", "2", "--steps", "4", "--save-interval", "3",
+             "--eval-interval", "100"]
+    whole = _losses(_train(tmp_path / "tp2pp2", cache, "--nproc", "4", "--tp", "2", "--pp", "2",
+                           "--zero1", *steps))
+    assert whole[4] < whole[1]
+    saved = tmp_path / "tp2pp2" / "checkpoints" / "step_000003"
+    assert read_metadata(saved)["config"]["model"] == "llama"
+    for layout in (["--pp", "4"], ["--cp", "2", "--dp", "2"]):
+        resumed = _losses(_train(tmp_path / "_".join(layout), cache, "--nproc", "4", *layout,
+                                 *steps, "--resume", str(saved)))
+        assert resumed[4] == pytest.approx(whole[4], abs=1e-5), layout
+
+
 def test_a_context_parallel_run_resumes_at_other_cp(tmp_path, cache):
     """cp = 2 (each sequence split zig-zag over 2 ranks, attention as a ring; ZeRO-1 sharding
     the optimizer over the two cp ranks), resumed at cp = 1 without ZeRO-1 and at cp = 4 with

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_edu.comm import CommGroup
-from megatron_edu.context_parallel import ring_attention
+from megatron_edu.context_parallel import parts_held, positions_of, ring_attention
 from megatron_edu.model.config import GPTConfig
 from megatron_edu.tensor_parallel.layers import (
     ColumnParallelLinear,
@@ -45,7 +45,8 @@ from megatron_edu.tensor_parallel.layers import (
 from megatron_edu.tensor_parallel.random import Dropout, DropoutKey, checkpoint, mask_seed
 from megatron_edu.tensor_parallel.sequence_parallel import STYLES
 
-__all__ = ["LayerKV", "KVCache", "EagerCore", "FusedCore", "RingCore", "Recomputed", "Attention"]
+__all__ = ["LayerKV", "KVCache", "EagerCore", "FusedCore", "RingCore", "Recomputed", "Rotary",
+           "Attention"]
 
 
 @dataclass
@@ -203,6 +204,13 @@ class Recomputed(nn.Module):
         return checkpoint(self.core, *args) if torch.is_grad_enabled() else self.core(*args)
 
 
+def _each_head(kv: torch.Tensor, n: int) -> torch.Tensor:
+    """[b, g, t, d] → [b, g·n, t, d]: each kv head for each of the n query heads of its group
+    (a view when n = 1)."""
+    b, g, t, d = kv.shape
+    return kv[:, :, None].expand(b, g, n, t, d).reshape(b, g * n, t, d)
+
+
 CORES = {"eager": EagerCore, "fused": FusedCore}
 # What each recomputation option does to the core (to the whole block: the stage's, "full").
 RECOMPUTE_CORE = {"none": lambda core: core, "selective": Recomputed, "full": lambda core: core}
@@ -217,34 +225,80 @@ def attention_core(config: GPTConfig, group: CommGroup, layer: int,
     return RECOMPUTE_CORE[config.recompute](CORES[config.attention](config, group, layer))
 
 
+class Rotary(nn.Module):
+    """Rotary positions (RoPE, Su et al. 2021; Llama): the query and key of position m turned
+    by m·θ^(−2i/d) in each plane i of d/2, so q·k depends on positions only through m − n.
+    Planes pair dimension i with i + d/2 (Hugging Face's layout, so its weights load as they
+    are). The positions are this rank's: under context parallelism its two zig-zag chunks
+    (sequence parallelism has gathered the sequence before attention); with a cache, after it."""
+
+    def __init__(self, config: GPTConfig, cp_group: CommGroup) -> None:
+        super().__init__()
+        self.theta, self.dim, self.cp = config.rope_theta, config.head_dim, cp_group.size
+        self.parts = parts_held(cp_group)                  # the whole sequence's, after SP
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor,
+                past: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """q, k [b, heads, s, d] of this rank's positions, ``past`` cached before them."""
+        m = positions_of(self.parts, q.shape[2] * self.cp, past, q.device).float()   # [s]
+        planes = torch.arange(0, self.dim, 2, device=q.device, dtype=torch.float32)
+        angles = torch.outer(m, self.theta ** (-planes / self.dim))                    # [s, d/2]
+        cos, sin = (torch.cat([f(angles)] * 2, -1).to(q.dtype) for f in (torch.cos, torch.sin))
+        return _turn(q, cos, sin), _turn(k, cos, sin)
+
+
+def _turn(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)                          # plane i: (x1_i, x2_i)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+def _unturned(q: torch.Tensor, k: torch.Tensor, past: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return q, k                                          # learned positions: in the embeddings
+
+
 class Attention(nn.Module):
     """Self-attention split by heads: each tp rank computes num_heads/t of them (§3). Causal (GPT)
     or bidirectional (BERT) as ``config.causal`` says; ``mask`` [b, t] (False: padding) keeps
-    padded keys out of every softmax. ``layer``: the global index, which keys the dropout masks."""
+    padded keys out of every softmax. ``layer``: the global index, which keys the dropout masks.
+
+    Grouped-query attention (Ainslie et al. 2023; Llama 2 70B, Llama 3): num_kv_heads keys and
+    values, each serving a group of num_heads/num_kv_heads query heads. qkv's rows are grouped
+    the same way, per kv head: its group's queries, its key, its value (Megatron-LM's query
+    groups; per head q | k | v when every head has its own, GPT-2). A split over tp ranks then
+    hands each rank whole groups, and its kv heads' projection costs 2·h·(g/t)·d, not 2·h·h/t."""
 
     def __init__(self, config: GPTConfig, group: CommGroup, layer: int = 0,
                  cp_group: CommGroup | None = None) -> None:
         super().__init__()
-        style = STYLES[config.sequence_parallel, config.async_tp]
+        style, cp_group = STYLES[config.sequence_parallel, config.async_tp], \
+            cp_group or serial_group("cp")
         self.local_heads, self.head_dim = config.num_heads // group.size, config.head_dim
-        self.core = attention_core(config, group, layer, cp_group or serial_group("cp"))
+        self.local_groups = config.num_kv_heads // group.size
+        self.core = attention_core(config, group, layer, cp_group)
+        self.rotary = Rotary(config, cp_group) if config.positions == "rope" else _unturned
         residual_std = config.init_std / math.sqrt(2 * config.num_layers)  # GPT-2 §2.3
-        self.qkv = ColumnParallelLinear(config.hidden, 3 * config.hidden, group,
+        rows = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
+        self.qkv = ColumnParallelLinear(config.hidden, rows, group, bias=config.bias,
                                         init_std=config.init_std, style=style)
-        self.proj = RowParallelLinear(config.hidden, config.hidden, group, init_std=residual_std,
-                                      style=style)
+        self.proj = RowParallelLinear(config.hidden, config.hidden, group, bias=config.bias,
+                                      init_std=residual_std, style=style)
 
     def forward(self, x: torch.Tensor, kv: LayerKV | None = None,
                 dropout_key: DropoutKey | None = None, add_bias: bool = True,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
         """x [b, s, h] → [b, s, h]; ``kv``: this block's cache, extended by x's keys and values;
         ``add_bias=False`` leaves the output bias to the caller (a residual's bias+dropout+add)."""
-        qkv = self.qkv(x)                                        # [b, s, 3h/t], f inside
+        qkv = self.qkv(x)                                        # [b, s, (a + 2g)·d/t], f inside
         b, s, _ = qkv.shape                                      # (s: the whole sequence)
-        qkv = qkv.view(b, s, self.local_heads, 3, self.head_dim)  # per head: q | k | v
-        q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)          # each [b, heads/t, s, d]
+        n = self.local_heads // self.local_groups                # query heads per kv head
+        qkv = qkv.view(b, s, self.local_groups, n + 2, self.head_dim)  # per group: q… | k | v
+        q, k, v = qkv.permute(2, 3, 0, 1, 4).split([n, 1, 1], dim=1)   # [g/t, n|1|1, b, s, d]
+        q = q.flatten(0, 1).transpose(0, 1)                      # [b, heads/t, s, d]
+        k, v = (t.squeeze(1).transpose(0, 1) for t in (k, v))    # [b, groups/t, s, d]
+        q, k = self.rotary(q, k, 0 if kv is None or kv.k is None else kv.k.shape[2])
         if kv is not None:
-            k, v = kv.extend(k, v)                               # [b, heads/t, t, d], t ≥ s
+            k, v = kv.extend(k, v)                               # [b, groups/t, t, d], t ≥ s
+        k, v = (_each_head(t, n) for t in (k, v))                # [b, heads/t, t, d]
         y = self.core(q, k, v, dropout_key, mask)                # [b, heads/t, s, d]
         y = y.transpose(1, 2).reshape(b, s, -1)                  # [b, s, h/t]
         return self.proj(y, add_bias)                            # [b, s, h], g inside

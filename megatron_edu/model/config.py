@@ -9,6 +9,10 @@ Presets:
                           docs/papers/1909.08053_configs.csv)
   bert-base, bert-large   Devlin et al. 2019 (110M, 340M; WordPiece vocab 30,522, seq 512)
   megatron-bert-336m … 3.9b   1909.08053 Table 4, the BERTs of Figure 7 and §5.3
+  llama-tiny              tiny as a Llama (4 heads, 2 kv heads, SwiGLU 3h; tied: 1.31 M parameters
+                          against tiny's 1.33 M, to compare the two blocks)
+  smollm-135m             SmolLM-135M's shape (30 layers, 576 hidden, 9 heads, 3 kv heads, tied)
+  llama3-8b               Llama-3-8B's shape (32 layers, 4096 hidden, 32 heads, 8 kv heads)
 """
 
 from __future__ import annotations
@@ -18,12 +22,15 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-__all__ = ["GPTConfig", "BertConfig", "PRESETS", "RECOMPUTE", "LN_PLACEMENTS", "ATTENTION",
-           "config_from_dict"]
+__all__ = ["GPTConfig", "BertConfig", "LlamaConfig", "PRESETS", "RECOMPUTE", "LN_PLACEMENTS",
+           "ATTENTION", "config_from_dict"]
 
 RECOMPUTE = ("none", "selective", "full")
 LN_PLACEMENTS = ("rearranged", "original")
 ATTENTION = ("eager", "fused")
+NORMS = ("layernorm", "rmsnorm")
+MLPS = ("gelu", "swiglu")
+POSITIONS = ("learned", "rope")
 
 
 @dataclass
@@ -38,6 +45,13 @@ class GPTConfig:
     dropout masks at any layout) or "fused" (one kernel, the device's dropout: ``model.attention``).
     ``ln_placement`` (1909.08053 §5.3, Figure 7): "rearranged", x + f(LN(x)), GPT-2's and
     Megatron-BERT's; "original", LN(x + f(x)), the original BERT's (``transformer.PostLN``).
+
+    The block's parts, each picked once when a layer is built (``LlamaConfig`` picks the other
+    ones): ``norm`` "layernorm" | "rmsnorm"; ``mlp`` "gelu" | "swiglu"; ``positions`` "learned"
+    (a table added to the embeddings) | "rope" (rotary, θ = ``rope_theta``, applied to q and k);
+    ``num_kv_heads`` (0 → num_heads) key/value heads, each shared by num_heads/num_kv_heads
+    query heads (grouped-query attention); ``bias``; ``tie_embeddings`` (the output layer is the
+    word table).
     """
 
     vocab_size: int = 50257
@@ -58,10 +72,19 @@ class GPTConfig:
     make_vocab_size_divisible_by: int = 128  # Megatron's padding unit, times tp
     causal: bool = True                  # False: bidirectional attention (BERT)
     ln_placement: str = "rearranged"     # "rearranged" (pre-LN) | "original" (post-LN), Figure 7
+    norm: str = "layernorm"
+    mlp: str = "gelu"
+    positions: str = "learned"
+    rope_theta: float = 10000.0
+    num_kv_heads: int = 0                # 0 → num_heads (multi-head attention)
+    bias: bool = True
+    tie_embeddings: bool = True
 
     def __post_init__(self) -> None:
         if self.ffn_hidden == 0:
             self.ffn_hidden = 4 * self.hidden
+        if self.num_kv_heads == 0:
+            self.num_kv_heads = self.num_heads
         for name in ("vocab_size", "seq_len", "num_layers", "hidden", "num_heads", "ffn_hidden"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -79,6 +102,12 @@ class GPTConfig:
         if self.ln_placement not in LN_PLACEMENTS:
             raise ValueError(f"ln_placement must be one of {LN_PLACEMENTS}, "
                              f"got {self.ln_placement!r}")
+        for name, allowed in (("norm", NORMS), ("mlp", MLPS), ("positions", POSITIONS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads = {self.num_heads} is not divisible by num_kv_heads = "
+                             f"{self.num_kv_heads}: each kv head serves a whole group of heads")
 
     @property
     def head_dim(self) -> int:
@@ -97,8 +126,9 @@ class GPTConfig:
         for name, n in (("tp", tp), ("pp", pp), ("chunks", chunks), ("cp", cp)):
             if not isinstance(n, int) or n < 1:
                 raise ValueError(f"{name} must be a positive integer, got {n!r}")
-        # §3: attention is split by heads, the MLP by its ffn columns (tp | heads ⇒ tp | hidden)
-        for name in ("num_heads", "ffn_hidden"):
+        # §3: attention is split by heads, the MLP by its ffn columns (tp | heads ⇒ tp | hidden);
+        # grouped-query attention by kv heads, each rank holding whole groups
+        for name in ("num_heads", "num_kv_heads", "ffn_hidden"):
             if getattr(self, name) % tp:
                 raise ValueError(f"{name} = {getattr(self, name)} is not divisible by the "
                                  f"tensor-parallel size tp = {tp}")
@@ -126,17 +156,23 @@ class GPTConfig:
         (a copy of the word table unless also first): what ``GPT(config, grid, …)`` builds. The
         package's one exact count; ``perf.parameters_per_rank`` sums a pipeline rank's stages.
 
-        Per block, f = ffn_hidden: QKV and fc column-parallel (biases split too), both projections
-        row-parallel (biases replicated), two replicated layer norms: (4h² + 3h + 2h·f + f)/tp +
-        6h. Whole at tp = 1, f = 4h: 12·l·h² + 13·l·h + (V + s)·h + 2h (2104.04473 §5.1, + ln_f).
+        Per block, f = ffn_hidden, k = num_kv_heads·head_dim: QKV (h + 2k rows) and fc (f rows,
+        2f for SwiGLU's gate and up) column-parallel, biases split too; both projections
+        row-parallel, biases replicated; two replicated norms (LayerNorm 2h, RMSNorm h). GPT-2
+        (k = h, f = 4h): (4h² + 3h + 2h·f + f)/tp + 6h a block; whole at tp = 1, 12·l·h² + 13·l·h
+        + (V + s)·h + 2h (2104.04473 §5.1, + ln_f). An untied output layer is a second V·h.
         """
         self.validate(tp)
-        h, f = self.hidden, self.ffn_hidden
-        per_layer = (4 * h * h + 3 * h + 2 * h * f + f) // tp + 6 * h
+        h, f, k = self.hidden, self.ffn_hidden, self.num_kv_heads * self.head_dim
+        gates = 2 if self.mlp == "swiglu" else 1
+        norm = 2 * h if self.norm == "layernorm" else h
+        split = h * (h + 2 * k) + h * h + (gates + 1) * h * f + self.bias * (h + 2 * k + gates * f)
+        per_layer = split // tp + self.bias * 2 * h + 2 * norm
         params = (self.num_layers if layers is None else layers) * per_layer
-        if first or last:
-            params += self.padded_vocab(tp) * h // tp
-        return params + first * self.seq_len * h + last * 2 * h
+        table = self.padded_vocab(tp) * h // tp
+        tables = (first or last) if self.tie_embeddings else first + last
+        positions = self.seq_len * h if self.positions == "learned" else 0
+        return params + tables * table + first * positions + last * norm
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> GPTConfig:
@@ -213,7 +249,43 @@ class BertConfig(GPTConfig):
                 + first * self.type_vocab_size * h + last * (mlm_head + order_head))
 
 
+@dataclass
+class LlamaConfig(GPTConfig):
+    """A Llama-family model (Touvron et al. 2023; Llama 3, Grattafiori et al. 2024) on the GPT's
+    skeleton: RMSNorm, rotary positions, a SwiGLU MLP, grouped-query attention, no biases, no
+    dropout, an output layer of its own. ``ffn_hidden`` 0 → Llama's rule, 8h/3 rounded up to a
+    multiple of 256."""
+
+    norm: str = "rmsnorm"
+    mlp: str = "swiglu"
+    positions: str = "rope"
+    bias: bool = False
+    tie_embeddings: bool = False
+    dropout: float = 0.0
+    model: str = "llama"                 # read back from checkpoints (``config_from_dict``)
+
+    def __post_init__(self) -> None:
+        if self.ffn_hidden == 0:
+            self.ffn_hidden = 256 * math.ceil(8 * self.hidden / 3 / 256)
+        super().__post_init__()
+        if self.model != "llama":
+            raise ValueError(f"a LlamaConfig describes a Llama, got model={self.model!r}")
+
+
+def _llama(vocab: int, seq: int, layers: int, hidden: int, heads: int, kv_heads: int,
+           ffn: int, theta: float, **more: Any) -> dict[str, Any]:
+    return dict(_sizes(vocab, seq, layers, hidden, heads), num_kv_heads=kv_heads,
+                ffn_hidden=ffn, rope_theta=theta, **more)
+
+
+PRESETS.update({
+    "llama-tiny": _llama(4096, 128, 4, 128, 4, 2, 384, 10000.0, tie_embeddings=True),
+    "smollm-135m": _llama(49152, 2048, 30, 576, 9, 3, 1536, 10000.0, tie_embeddings=True),
+    "llama3-8b": _llama(128256, 8192, 32, 4096, 32, 8, 14336, 500000.0),
+})
+
+
 def config_from_dict(fields: dict[str, Any]) -> GPTConfig:
     """The configuration a checkpoint's ``meta.json`` holds (``vars(config)``): a BertConfig if
-    it says ``model: bert``, else a GPTConfig."""
-    return (BertConfig if fields.get("model") == "bert" else GPTConfig)(**fields)
+    it says ``model: bert``, a LlamaConfig if ``llama``, else a GPTConfig."""
+    return {"bert": BertConfig, "llama": LlamaConfig}.get(fields.get("model"), GPTConfig)(**fields)

@@ -20,16 +20,29 @@ import torch.nn.functional as F
 from megatron_edu.model.config import GPTConfig
 from megatron_edu.tensor_parallel.random import Dropout, DropoutKey
 
-__all__ = ["PLAIN", "FUSED", "kernels"]
+__all__ = ["PLAIN", "FUSED", "kernels", "add_bias", "bias_swiglu"]
 
 
-def _bias_gelu(y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    return F.gelu(y + bias.to(y.dtype), approximate="tanh")     # GPT-2's "gelu_new"
+def add_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """y + bias in y's dtype (autocast's); a layer without biases (Llama): y."""
+    return y if bias is None else y + bias.to(y.dtype)
 
 
-def _masked_bias_add(y: torch.Tensor, bias: torch.Tensor, keep: torch.Tensor | None,
+def _bias_gelu(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return F.gelu(add_bias(y, bias), approximate="tanh")     # GPT-2's "gelu_new"
+
+
+def bias_swiglu(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """SwiGLU (Shazeer 2020; Llama's MLP): silu(gate) · up, y [.., 2f/t] holding each unit's
+    gate and up side by side (rows 2i and 2i + 1 of the fc weight): any column split keeps the
+    pairs together, where a [gate; up] weight split down the middle would not."""
+    gate, up = add_bias(y, bias).unflatten(-1, (-1, 2)).unbind(-1)
+    return F.silu(gate) * up
+
+
+def _masked_bias_add(y: torch.Tensor, bias: torch.Tensor | None, keep: torch.Tensor | None,
                      scale: float, residual: torch.Tensor) -> torch.Tensor:
-    y = y + bias.to(y.dtype)
+    y = add_bias(y, bias)
     return residual + (y if keep is None else y * keep * scale)
 
 
@@ -41,7 +54,7 @@ def _compiled(fn: Callable) -> Callable:
 def _bias_dropout_add(y: torch.Tensor, bias: torch.Tensor, dropout: Dropout,
                       key: DropoutKey | None, residual: torch.Tensor) -> torch.Tensor:
     """residual + dropout(y + bias), op by op."""
-    return residual + dropout(y + bias.to(y.dtype), key)
+    return residual + dropout(add_bias(y, bias), key)
 
 
 def _fused_bias_dropout_add(y: torch.Tensor, bias: torch.Tensor, dropout: Dropout,

@@ -27,11 +27,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_edu.comm import CommGroup
-from megatron_edu.context_parallel import chunk_ids
+from megatron_edu.context_parallel import parts_held, positions_of
 from megatron_edu.grid import ParallelGrid
 from megatron_edu.model.attention import Attention, KVCache, LayerKV
 from megatron_edu.model.config import GPTConfig
-from megatron_edu.model.fused import kernels
+from megatron_edu.model.fused import bias_swiglu, kernels
 from megatron_edu.tensor_parallel.cross_entropy import mask_padded_vocab
 from megatron_edu.tensor_parallel.init import (
     check_initialised,
@@ -54,11 +54,12 @@ from megatron_edu.tensor_parallel.layers import (
 from megatron_edu.tensor_parallel.random import Dropout, DropoutKey, checkpoint
 from megatron_edu.tensor_parallel.sequence_parallel import STYLES
 
-__all__ = ["WORD_EMBEDDING", "IGNORE_INDEX", "reduce_loss", "layer_norm", "sequence_parts",
-           "Embedding", "Attention", "KVCache", "MLP", "Block", "TransformerStage",
-           "compile_blocks"]
+__all__ = ["WORD_EMBEDDING", "OUTPUT_LAYER", "IGNORE_INDEX", "reduce_loss", "layer_norm",
+           "sequence_parts", "Embedding", "Attention", "KVCache", "MLP", "Block",
+           "TransformerStage", "compile_blocks"]
 
 WORD_EMBEDDING = "embedding.word.weight"  # the same name on the first and the last stage
+OUTPUT_LAYER = "output.weight"            # an untied output layer's (Llama), on the last stage
 IGNORE_INDEX = -100                       # labels equal to this add nothing to the loss
 
 
@@ -69,25 +70,28 @@ def reduce_loss(total: torch.Tensor, labels: torch.Tensor, reduction: str) -> to
     return total if reduction == "sum" else total / (labels != IGNORE_INDEX).sum()
 
 
-def layer_norm(config: GPTConfig) -> nn.LayerNorm:
-    """A layer norm over the hidden size: weight one, bias zero, whole on every tp rank."""
-    ln = nn.LayerNorm(config.hidden, eps=config.layernorm_eps, device="meta")
-    mark(ln.weight, None, ones)
-    mark(ln.bias, None, zeros)
-    return ln
+def layer_norm(config: GPTConfig) -> nn.Module:
+    """The norm ``config.norm`` names over the hidden size, whole on every tp rank: LayerNorm
+    (weight one, bias zero) or RMSNorm (Zhang & Sennrich 2019: x / rms(x) · weight, Llama's)."""
+    if config.norm == "rmsnorm":
+        return mark_all(nn.RMSNorm(config.hidden, eps=config.layernorm_eps, device="meta"))
+    return mark_all(nn.LayerNorm(config.hidden, eps=config.layernorm_eps, device="meta"))
+
+
+def mark_all(norm: nn.Module) -> nn.Module:
+    """A norm's parameters marked whole on every tp rank: weights one, a bias zero."""
+    mark(norm.weight, None, ones)
+    if getattr(norm, "bias", None) is not None:
+        mark(norm.bias, None, zeros)
+    return norm
 
 
 def sequence_parts(style: TensorParallel, cp_group: CommGroup) -> tuple[tuple[int, int], ...]:
-    """The parts (r, n) of the sequence (part r of n) a rank holds outside the tp regions, in
-    order: r of t under sequence parallelism (2205.05198 §4.2.2); the zig-zag chunks of 2·cp under
-    context parallelism (``context_parallel.chunk_ids``); under both, SP splits each of the cp
-    rank's two chunks into t, and tp rank r holds its local pieces 2r and 2r + 1 of the 2·cp·t."""
-    t = style.sequence_split                              # 1 without sequence parallelism
-    r = style.group.rank % t
-    if cp_group.size == 1:
-        return ((r, t),)
-    chunks = chunk_ids(cp_group.rank, cp_group.size)
-    return tuple((chunks[k // t] * t + k % t, 2 * cp_group.size * t) for k in (2 * r, 2 * r + 1))
+    """The parts (r, n) of the sequence (part r of n) a rank holds outside the tp regions:
+    ``context_parallel.parts_held`` with sequence parallelism's split over tp (2205.05198 §4.2.2;
+    t = 1 without it)."""
+    t = style.sequence_split
+    return parts_held(cp_group, t, style.group.rank % t)
 
 
 def word_table(config: GPTConfig, group: CommGroup) -> VocabParallelEmbedding:
@@ -107,8 +111,9 @@ class TiedCopy(nn.Module):
 
 
 class Embedding(nn.Module):
-    """Word embedding (split by vocabulary) + learned positions (replicated), then dropout. Under
-    sequence or context parallelism the output is this rank's parts of the sequence."""
+    """Word embedding (split by vocabulary) + learned positions (replicated; none under rotary
+    positions, which turn q and k instead: ``attention.Rotary``), then dropout. Under sequence
+    or context parallelism the output is this rank's parts of the sequence."""
 
     def __init__(self, config: GPTConfig, group: CommGroup, *,
                  cp_group: CommGroup | None = None) -> None:
@@ -117,8 +122,10 @@ class Embedding(nn.Module):
             serial_group("cp")
         self.parts, self.cp = sequence_parts(style(group), cp_group), cp_group.size
         self.word = word_table(config, group)
-        self.position = nn.Embedding(config.seq_len, config.hidden, device="meta")
-        mark(self.position.weight, None, normal(config.init_std))
+        self.position = None
+        if config.positions == "learned":
+            self.position = nn.Embedding(config.seq_len, config.hidden, device="meta")
+            mark(self.position.weight, None, normal(config.init_std))
         self.dropout = Dropout(config.dropout, config.seed, -1, "embedding", parts=self.parts)
 
     def forward(self, ids: torch.Tensor, offset: int = 0, dropout_key: DropoutKey | None = None,
@@ -128,30 +135,32 @@ class Embedding(nn.Module):
         if whole % parts:
             raise ValueError(f"the sequence is split into {parts} parts here (sequence and "
                              f"context parallelism): {whole} tokens do not divide")
-        seq = torch.arange(offset, offset + whole, device=ids.device)
-        seq = torch.cat([seq.chunk(t)[r] for r, t in self.parts])        # this rank's positions
-        x = self.word(ids) + self.position(seq)                          # [b, its part, h]
+        x = self.word(ids)                                               # [b, its part, h]
+        if self.position is not None:
+            x = x + self.position(positions_of(self.parts, whole, offset, ids.device))
         x = in_compute_dtype(x if extra is None else x + extra)          # the residual stream
         return self.dropout(x, dropout_key)
 
 
 class MLP(nn.Module):
-    """GeLU(X·A)·B with A split by columns and B by rows (§3, eq. 3 and Figure 3a)."""
+    """act(X·A)·B with A split by columns and B by rows (§3, eq. 3 and Figure 3a): GeLU (GPT-2)
+    or SwiGLU (Llama), whose A holds a gate and an up column per unit (``fused.bias_swiglu``)."""
 
     def __init__(self, config: GPTConfig, group: CommGroup) -> None:
         super().__init__()
         style = STYLES[config.sequence_parallel, config.async_tp]
         residual_std = config.init_std / math.sqrt(2 * config.num_layers)
-        self.bias_gelu = kernels(config).bias_gelu
-        self.fc = ColumnParallelLinear(config.hidden, config.ffn_hidden, group,
-                                       init_std=config.init_std, style=style)
-        self.proj = RowParallelLinear(config.ffn_hidden, config.hidden, group,
+        swiglu = config.mlp == "swiglu"
+        self.activation = bias_swiglu if swiglu else kernels(config).bias_gelu
+        self.fc = ColumnParallelLinear(config.hidden, (1 + swiglu) * config.ffn_hidden, group,
+                                       bias=config.bias, init_std=config.init_std, style=style)
+        self.proj = RowParallelLinear(config.ffn_hidden, config.hidden, group, bias=config.bias,
                                       init_std=residual_std, style=style)
 
     def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
         """x [b, s, h] → [b, s, h]; ``add_bias=False`` leaves proj's bias to the caller."""
-        y = self.bias_gelu(self.fc(x, add_bias=False), self.fc.bias)  # [b, s, ffn/t], f inside
-        return self.proj(y, add_bias)                                 # [b, s, h], g inside
+        y = self.activation(self.fc(x, add_bias=False), self.fc.bias)  # [b, s, ffn/t], f inside
+        return self.proj(y, add_bias)                                  # [b, s, h], g inside
 
 
 class PreLN:
@@ -263,7 +272,7 @@ class TransformerStage(nn.Module):
     """
 
     config_class = GPTConfig        # the configuration it is built from, exactly (BERT: its own)
-    vocab_rows = (WORD_EMBEDDING,)  # tensors of padded_vocab rows (``full_state_dict`` trims)
+    vocab_rows = (WORD_EMBEDDING, OUTPUT_LAYER)  # of padded_vocab rows (``full_state_dict`` trims)
 
     def __init__(self, config: GPTConfig, grid: ParallelGrid | None = None, *,
                  layers: range | None = None, first: bool = True, last: bool = True) -> None:
@@ -291,12 +300,14 @@ class TransformerStage(nn.Module):
         if self.first:                    # the embeddings, whose word table the output layer uses
             self.embedding = Embedding(config, self.tp_group, cp_group=self.cp_group)
             self.enter = self._build_first(config)
-        elif self.last:                   # (the same name: ``WORD_EMBEDDING``)
+        elif self.last and config.tie_embeddings:     # (the same name: ``WORD_EMBEDDING``)
             self.embedding = TiedCopy(config, self.tp_group)
         self.blocks = nn.ModuleDict({str(i): Block(config, self.tp_group, i, self.cp_group)
                                      for i in self.layers})
         if self.last:
             self.ln_f = layer_norm(config)
+            if not config.tie_embeddings:             # Llama's: an output layer of its own
+                self.output = word_table(config, self.tp_group)
             self.leave = self._build_last(config)
 
     def _dropout_key(self, x: torch.Tensor, key: DropoutKey | None) -> DropoutKey | None:
@@ -325,9 +336,20 @@ class TransformerStage(nn.Module):
         return self.embedding(ids, offset, dropout_key, extra)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        """The output layer: column-parallel, tied to the word table (gathers h under SP)."""
-        logits = self.style.column_linear(h, self.embedding.word.weight, None)  # [b, s, V/t]
+        """The output layer: column-parallel, the word table or (untied) its own (gathers h
+        under SP)."""
+        logits = self.style.column_linear(h, self.output_table().weight, None)  # [b, s, V/t]
         return mask_padded_vocab(logits, self.config.vocab_size, self.tp_group)
+
+    def output_table(self) -> VocabParallelEmbedding:
+        """The last stage's output layer, [V/t, h]: the tied word table, or its own."""
+        return self.embedding.word if self.config.tie_embeddings else self.output
+
+    def tied_word_tables(self) -> list[nn.Parameter]:
+        """The word table's copies this stage holds whose gradients PTD-P sums with the other
+        end's (2104.04473's tied embeddings): none when untied."""
+        ends = self.config.tie_embeddings and (self.first or self.last)
+        return [self.embedding.word.weight] if ends else []
 
     def boundary_shape(self, ids: torch.Size) -> torch.Size:
         """What this stage sends on for token ids of shape ``ids`` [b, s]: the residual stream

@@ -2,7 +2,8 @@
 and a configuration advisor (2104.04473 §3, §5.1; 1909.08053 §5; 2205.05198 §4; context
 parallelism: 2310.01889 and megatron-core's CP).
 
-The model is a ``model.GPTConfig`` (its recomputation and sequence parallelism included), its
+The model is a ``model.GPTConfig`` (its recomputation and sequence parallelism included; a
+``LlamaConfig``'s block too, or a preset's name: ``advisor.model_config``), its
 split a ``ptdp.Parallelism`` (a ``grid.Layout`` of tp, cp, pp, dp; a ``pipeline.PipelineConfig``;
 the ZeRO stage): the same values a training run takes.
 
@@ -27,6 +28,7 @@ from .advisor import (
     Prediction,
     advise,
     candidates,
+    model_config,
     predict,
     rejection_reason,
 )
@@ -39,7 +41,9 @@ from .flops import (
     measure_matmul_flops,
     model_flops_utilization,
     num_parameters,
+    num_parameters_of,
     training_flops,
+    training_flops_of,
     training_time_seconds,
 )
 from .measure import measure_mfu
@@ -70,8 +74,10 @@ __all__ = [
     "candidates", "datasheet_bf16_peak", "datasheet_peak_flops",
     "embedding_activation_bytes", "forwards_in_flight", "interleaving_speedup",
     "measure_matmul_flops", "measure_mfu",
-    "megatron_core_activation_bytes", "memory_per_rank", "microbatch_tradeoff",
-    "model_flops_utilization", "num_parameters", "output_layer_activation_bytes",
+    "megatron_core_activation_bytes", "memory_per_rank", "microbatch_tradeoff", "model_config",
+    "model_flops_utilization", "num_parameters", "num_parameters_of",
+    "output_layer_activation_bytes",
     "parameters_per_rank", "predict", "read_paper_table", "rejection_reason", "table1_config",
-    "tp_sweep", "training_flops", "training_time_seconds", "wire_bytes_by_group",
+    "tp_sweep", "training_flops", "training_flops_of", "training_time_seconds",
+    "wire_bytes_by_group",
 ]

@@ -11,7 +11,9 @@ References
 - Liu et al. 2023, arXiv 2310.01889 (ring attention), and megatron-core's context parallelism:
   each of cp ranks holds s/cp tokens of every sequence, attention is a ring (``context_parallel``).
 
-The model is a ``GPTConfig`` (its recomputation and sequence parallelism included) and its split a
+The model is a ``GPTConfig`` (its recomputation and sequence parallelism included; a
+``LlamaConfig``'s block too: grouped-query attention, SwiGLU, rotary positions, an untied output
+layer; or a preset's name, ``model_config``) and its split a
 ``ptdp.Parallelism`` (the layout's tp, cp, pp, dp; the pipeline's schedule, chunks and
 microbatches; the ZeRO stage): what a training run takes.
 
@@ -71,7 +73,7 @@ from dataclasses import dataclass, replace
 from itertools import product
 
 from megatron_edu.grid import Layout
-from megatron_edu.model.config import GPTConfig
+from megatron_edu.model.config import PRESETS, BertConfig, GPTConfig, LlamaConfig
 from megatron_edu.pipeline.schedules import PipelineConfig
 from megatron_edu.pipeline.simulate import simulate
 from megatron_edu.ptdp import Parallelism
@@ -87,8 +89,8 @@ from .memory import (
     parameters_per_rank,
 )
 
-__all__ = ["Hardware", "SELENE_A100", "DGX_H100", "DGX2H_V100", "Prediction", "predict",
-           "rejection_reason", "candidates", "advise"]
+__all__ = ["Hardware", "SELENE_A100", "DGX_H100", "DGX2H_V100", "Prediction", "model_config",
+           "predict", "rejection_reason", "candidates", "advise"]
 
 GEMM_EFFICIENCY = 0.62
 DP_OVERLAP = 0.0
@@ -160,6 +162,20 @@ class Prediction:
                 f"({self.percent_of_peak:.0f}% of peak), {self.memory.total / GIB:.1f} GiB")
 
 
+def model_config(model: GPTConfig | str, **overrides: object) -> GPTConfig:
+    """``model`` as a configuration: one already (with ``overrides`` replaced), or a preset's
+    name (``model.config``'s module docstring) as the model it names: a ``LlamaConfig`` for the
+    Llama presets ("llama-tiny", "smollm-135m", "llama3-8b": those that name kv heads), a
+    ``BertConfig`` for the BERTs, else a ``GPTConfig``."""
+    if isinstance(model, GPTConfig):
+        return replace(model, **overrides) if overrides else model
+    if model not in PRESETS:
+        raise ValueError(f"unknown preset {model!r}; choose from {sorted(PRESETS)}")
+    kind = (LlamaConfig if "num_kv_heads" in PRESETS[model]
+            else BertConfig if "bert" in model else GPTConfig)
+    return kind.preset(model, **overrides)
+
+
 # ---- compute: a roofline over the operators of one layer, per tensor-parallel rank ----
 
 
@@ -214,21 +230,38 @@ def _recomputes_core(config: GPTConfig, cp: int) -> bool:
 
 def _layer_ops(config: GPTConfig, b: int, t: int, cp: int = 1) -> list[_Op]:
     """Forward operators of one transformer layer on one tensor (and context) rank, Megatron's
-    fused kernels; under context parallelism on the rank's b·s/cp tokens."""
+    fused kernels; under context parallelism on the rank's b·s/cp tokens.
+
+    The block's shape as ``perf.training_flops`` counts it: QKV h → h + 2k columns (k the key
+    and value columns, num_kv_heads·head_dim: grouped-query attention, 2305.13245), the MLP
+    h → f, or h → 2f for SwiGLU's gate and up (2002.05202), whose fused activation reads both
+    and writes f. Rotary positions (Llama) turn q and k in one fused pass; grouped-query
+    attention copies each kv head to its group's query heads (``attention._each_head``, as
+    megatron-core's unfused core repeats them). A residual add keeps a dropout mask only with
+    dropout; without biases (Llama) it is the same pass."""
     h = config.hidden
     tokens, f = b * config.seq_len // cp, config.ffn_hidden
+    k = config.num_kv_heads * config.head_dim
+    gates = 2 if config.mlp == "swiglu" else 1
     replicated = tokens * h // (t if config.sequence_parallel else 1)  # split only under sp
+    mask = 1 if config.dropout > 0 else 0
+    rotary = ([_elementwise(tokens * (h + k) // t, 2 * WORD)]   # q and k turned: read, write
+              if config.positions == "rope" else [])
+    copies = ([_elementwise(tokens * 2 * h // t, WORD)]          # K, V written per query head
+              if config.num_kv_heads < config.num_heads else [])
     return [
-        _elementwise(replicated, 2 * WORD),  # layer norm 1: read x, write y
-        _gemm(tokens, 3 * h // t, h),  # QKV, column-parallel
+        _elementwise(replicated, 2 * WORD),  # norm 1: read x, write y
+        _gemm(tokens, (h + 2 * k) // t, h),  # QKV, column-parallel
+        *rotary,
+        *copies,
         *_attention_core_ops(config, b, t, cp),
         _gemm(tokens, h, h // t),  # projection, row-parallel
-        _elementwise(replicated, 3 * WORD + 1),  # bias-dropout-add: out, residual -> sum, mask
-        _elementwise(replicated, 2 * WORD),  # layer norm 2
-        _gemm(tokens, f // t, h),  # MLP h -> ffn, column-parallel
-        _elementwise(tokens * f // t, 2 * WORD),  # fused bias-GeLU
+        _elementwise(replicated, 3 * WORD + mask),  # bias-dropout-add: out, residual -> sum, mask
+        _elementwise(replicated, 2 * WORD),  # norm 2
+        _gemm(tokens, gates * f // t, h),  # MLP h -> ffn (SwiGLU: gate and up), column-parallel
+        _elementwise(tokens * f // t, (gates + 1) * WORD),  # fused bias-GeLU / SwiGLU
         _gemm(tokens, h, f // t),  # MLP ffn -> h, row-parallel
-        _elementwise(replicated, 3 * WORD + 1),  # bias-dropout-add
+        _elementwise(replicated, 3 * WORD + mask),  # bias-dropout-add
     ]
 
 
@@ -357,10 +390,11 @@ def _pipeline_p2p_time(config: GPTConfig, parallelism: Parallelism, hw: Hardware
 def _context_parallel_time(config: GPTConfig, parallelism: Parallelism, hw: Hardware,
                            core: _Cost) -> float:
     """The ring's seconds per layer and microbatch that the attention core (``core``) does not
-    hide: cp − 1 hops of the K, V block (2·b·s·h/(t·cp) 16-bit values) forward, twice that
-    backward (K, V and their gradients), one more forward under full recomputation; each pass
-    overlapped with the core's own (``core``: its forward and backward, one microbatch):
-    max(0, ring − core)."""
+    hide: cp − 1 hops of the K, V block (2·b·s·h/(t·cp) 16-bit values: under grouped-query
+    attention the ring takes K and V copied per query head, ``attention._each_head``) forward,
+    twice that backward (K, V and their gradients), one more forward under full recomputation;
+    each pass overlapped with the core's own (``core``: its forward and backward, one
+    microbatch): max(0, ring − core)."""
     cp = parallelism.cp
     if cp == 1:
         return 0.0
@@ -424,7 +458,7 @@ def _bubble(pipeline: PipelineConfig, p: int, stage: _Cost, communication: float
 
 
 def predict(
-    config: GPTConfig,
+    config: GPTConfig | str,
     parallelism: Parallelism,
     hw: Hardware = SELENE_A100,
     *,
@@ -439,8 +473,10 @@ def predict(
 
     `precision` defaults to Megatron's: 16-bit weights, fp32 gradient accumulation, fp32 master
     weights and Adam moments (18 bytes per parameter). ``flops_per_iteration`` sums every rank's:
-    each of the t·cp ranks of a replica computes its part of every microbatch.
+    each of the t·cp ranks of a replica computes its part of every microbatch. ``config``: a
+    configuration, or a preset's name (``model_config``).
     """
+    config = model_config(config)
     parallelism.check(config)
     b, t, cp, eta = parallelism.microbatch, parallelism.tp, parallelism.cp, gemm_efficiency
     m, layers = parallelism.num_microbatches, config.num_layers // parallelism.pp
@@ -479,7 +515,7 @@ def predict(
 
 
 def rejection_reason(
-    config: GPTConfig,
+    config: GPTConfig | str,
     parallelism: Parallelism,
     num_gpus: int,
     hw: Hardware = SELENE_A100,
@@ -489,6 +525,7 @@ def rejection_reason(
     """Why the advisor would not propose ``parallelism`` for ``config``'s model on ``num_gpus``
     GPUs, or None: the message of its ValueError (``Parallelism.check``,
     ``Layout.check_world``), tensor parallelism beyond a node, or memory beyond the GPU's."""
+    config = model_config(config)
     try:
         parallelism.check(config)
         parallelism.layout.check_world(num_gpus)
@@ -515,7 +552,7 @@ def _chunk_options(config: GPTConfig, pp: int, schedule: str) -> list[int | None
 
 
 def candidates(
-    config: GPTConfig,
+    config: GPTConfig | str,
     global_batch: int,
     num_gpus: int,
     hw: Hardware,
@@ -530,6 +567,7 @@ def candidates(
     recompute and split the sequence as each of ``recompute`` × ``sequence_parallel`` asks
     (None: as the config does). Not yet checked against the model, the node or the memory:
     ``rejection_reason`` does."""
+    config = model_config(config)
     modes = list(product(recompute or (config.recompute,),
                          sequence_parallel or (config.sequence_parallel,)))
     variants = {mode: replace(config, recompute=mode[0], sequence_parallel=mode[1])
@@ -552,7 +590,7 @@ def candidates(
 
 
 def advise(
-    config: GPTConfig,
+    config: GPTConfig | str,
     global_batch: int,
     num_gpus: int,
     hw: Hardware = SELENE_A100,
@@ -573,8 +611,11 @@ def advise(
 
     `tp` / `pp` pin those sizes; `cp`: the context-parallel sizes to search (world =
     tp·cp·pp·dp). GPipe is left out by default: the same bubble as 1F1B with m microbatches in
-    flight instead of p (2104.04473 §2.2.1), so it never ranks higher.
+    flight instead of p (2104.04473 §2.2.1), so it never ranks higher. ``config``: a
+    configuration (a ``LlamaConfig`` too: its block's FLOPs and memory), or a preset's name
+    (``model_config``: "llama3-8b" is the Llama).
     """
+    config = model_config(config)
     ranked = []
     for variant, parallelism in candidates(config, global_batch, num_gpus, hw, schedules,
                                            recompute, sequence_parallel, zero, cp):

@@ -4,9 +4,21 @@ References
 - Narayanan et al. 2021, arXiv 2104.04473, §5.1 and Appendix: parameter count P, FLOPs per
   iteration F and the end-to-end training-time estimate 8·T·P / (n·X).
 - Shoeybi et al. 2019, arXiv 1909.08053, §5: FLOP/s as the measure of scaling.
+- Kaplan et al. 2020, arXiv 2001.08361, §2.1 and Table 1: a training step costs 6 FLOPs per
+  token and matmul weight (forward 2, backward 4), plus the attention core's, which no weight
+  counts; Llama's block (Touvron et al. 2023, arXiv 2307.09288 §2.2; Grattafiori et al. 2024,
+  arXiv 2407.21783 §3.2): SwiGLU's three matmuls (Shazeer 2020, arXiv 2002.05202) and
+  grouped-query attention (Ainslie et al. 2023, arXiv 2305.13245), k = num_kv_heads·head_dim
+  key and value columns each.
 
 Notation (the paper's): l transformer layers, h hidden size, V vocabulary, s sequence length,
-B global batch (sequences), T tokens, n GPUs, X achieved FLOP/s per GPU.
+B global batch (sequences), T tokens, n GPUs, X achieved FLOP/s per GPU; for the block's shape
+f the MLP's width (GPT-2: 4h), k the key and value columns (k = h without grouped-query
+attention), γ = 1 for SwiGLU's gate matmul (0 for GeLU).
+
+``num_parameters`` and ``training_flops`` are the papers' GPT forms, in their letters;
+``num_parameters_of`` and ``training_flops_of`` read every shape from a ``GPTConfig`` (a
+``LlamaConfig`` too) and agree with them on a GPT.
 
 Model FLOPs and hardware FLOPs: ``training_flops(..., recompute=False)`` counts what the model
 needs (3 passes: forward, and a backward of twice its cost), the numerator of model FLOPs
@@ -19,6 +31,8 @@ Peaks are plain numbers you pass in; the constants below name the datasheets' de
 ``measure_matmul_flops`` times what this machine's matmuls reach where no datasheet applies.
 """
 
+from __future__ import annotations
+
 import math
 import re
 import time
@@ -26,8 +40,11 @@ from collections.abc import Callable
 
 import torch
 
+from megatron_edu.model.config import GPTConfig
+
 __all__ = ["A100_BF16_PEAK", "H100_SXM_BF16_PEAK", "V100_FP16_PEAK", "DATASHEET_BF16_PEAKS",
-           "MATMUL_SIZE", "num_parameters", "training_flops", "training_time_seconds",
+           "MATMUL_SIZE", "num_parameters", "num_parameters_of", "training_flops",
+           "training_flops_of", "training_time_seconds",
            "model_flops_utilization", "datasheet_bf16_peak", "datasheet_peak_flops",
            "measure_matmul_flops"]
 
@@ -101,9 +118,36 @@ def num_parameters(layers: int, hidden: int, vocab: int, seq_len: int) -> int:
     return 12 * l * h * h + 13 * l * h + vocab * h + seq_len * h
 
 
+def num_parameters_of(config: GPTConfig) -> int:
+    """The parameters of ``config``'s model, whole, on its true (unpadded) vocabulary: the
+    count a model card publishes. Per block, k = num_kv_heads·head_dim, f = ffn_hidden:
+
+        QKV h·(h + 2k) + projection h² + MLP (2 + γ)·h·f          weights (γ = 1: SwiGLU's gate)
+        + (h + 2k) + h + (1 + γ)·f + h                            biases, if any
+        + 2 norms: 2h each (LayerNorm: weight, bias), h (RMSNorm: weight)
+
+    plus V·h for the word table, another V·h for an untied output layer, s·h for learned
+    positions, and the final norm. GPT-2 (k = h, f = 4h, γ = 0, biases, LayerNorm, tied,
+    learned): ``num_parameters`` + 2h (2104.04473 §5.1 leaves out the final norm). Llama-2-7B
+    (2307.09288; l 32, h 4096, k = h, f 11008, V 32,000, untied, RMSNorm): 6,738,415,616, the
+    "6.74 B" of its Hugging Face card; Llama-3-8B (2407.21783 Table 3: k = 8·128 = 1024,
+    f 14336, V 128,256): 8,030,261,248, "8.03 B". ``GPTConfig.num_parameters`` counts what
+    ranks hold, on the padded vocabulary; the two agree where V is a multiple of 128 (both
+    Llamas)."""
+    h, f, k = config.hidden, config.ffn_hidden, config.num_kv_heads * config.head_dim
+    gamma = int(config.mlp == "swiglu")
+    norm = 2 * h if config.norm == "layernorm" else h
+    weights = h * (h + 2 * k) + h * h + (2 + gamma) * h * f
+    biases = (h + 2 * k) + h + (1 + gamma) * f + h if config.bias else 0
+    tables = (1 if config.tie_embeddings else 2) * config.vocab_size * h
+    positions = config.seq_len * h if config.positions == "learned" else 0
+    return config.num_layers * (weights + biases + 2 * norm) + tables + positions + norm
+
+
 def training_flops(
     batch: int, seq_len: int, layers: int, hidden: int, vocab: int,
-    recompute: bool | str = True,
+    recompute: bool | str = True, *, ffn_hidden: int | None = None,
+    kv_hidden: int | None = None, gated: bool = False,
 ) -> float:
     """FLOPs of one training iteration over `batch` sequences (2104.04473 §5.1).
 
@@ -119,16 +163,46 @@ def training_flops(
 
     Selective recomputation (2205.05198 §5) repeats only the attention core's 4·B·s²·h per layer.
 
+    Any block (keyword-only; the defaults are GPT-2's, and give the paper's figures exactly):
+    ``ffn_hidden`` f (None: 4h), ``kv_hidden`` k = num_kv_heads·head_dim (None: h; grouped-query
+    attention, 2305.13245), ``gated`` (SwiGLU, 2002.05202: a gate matmul beside the up one). A
+    layer's forward GEMMs are then
+
+        2·B·s·(h·(h + 2k) + h² + (2 + γ)·h·f)     QKV, projection, MLP (γ = 1 if gated)
+
+    (24·B·s·h² for k = h, f = 4h, γ = 0), the attention core's 4·B·s²·h whatever k (every query
+    head scores against its group's key). Without recomputation that is Kaplan et al.'s
+    6 FLOPs per token and matmul weight (2001.08361 §2.1) plus the core:
+    F = 6·B·s·(l·(h·(h + 2k) + h² + (2 + γ)·h·f) + V·h) + 12·B·s²·l·h.
+
     ``recompute``: True or "full", "selective", False or "none". False is the model's FLOPs (the
     numerator of MFU, for any run); the others the hardware FLOPs of a run that recomputes so
     (the numerator of its HFU).
     """
     b, s, l, h = batch, seq_len, layers, hidden
+    f = 4 * h if ffn_hidden is None else ffn_hidden
+    k = h if kv_hidden is None else kv_hidden
     mode = {True: "full", False: "none"}.get(recompute, recompute)
-    gemms, core = 24 * b * s * l * h * h, 4 * b * s * s * l * h
+    weights = h * (h + 2 * k) + h * h + (2 + int(gated)) * h * f   # 12h² for GPT-2
+    gemms, core = 2 * b * s * l * weights, 4 * b * s * s * l * h
     transformer = 3 * (gemms + core) + {"none": 0, "selective": core, "full": gemms + core}[mode]
     logits = 6 * b * s * h * vocab
     return float(transformer + logits)
+
+
+def training_flops_of(config: GPTConfig, batch: int, recompute: bool | str = False,
+                      vocab: int | None = None) -> float:
+    """``training_flops`` of ``config``'s block (a GPT-2's, a Llama's: its f, k and MLP) over
+    ``batch`` sequences of ``config.seq_len``; ``vocab`` None: the true vocabulary (the logits
+    the model needs; pass ``config.padded_vocab()`` for the ones a run computes). By default
+    the model's FLOPs (MFU's numerator): ``recompute=config.recompute`` for the hardware's.
+    An untied output layer costs what a tied one does (2·B·s·h·V forward); its input embedding
+    is a lookup, no FLOPs."""
+    return training_flops(batch, config.seq_len, config.num_layers, config.hidden,
+                          config.vocab_size if vocab is None else vocab, recompute,
+                          ffn_hidden=config.ffn_hidden,
+                          kv_hidden=config.num_kv_heads * config.head_dim,
+                          gated=config.mlp == "swiglu")
 
 
 def training_time_seconds(

@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_leaves
 
 from megatron_edu.comm import CommGroup
 
-from .flops import training_flops
+from .flops import training_flops_of
 
 __all__ = ["MemoryMeter", "saved_bytes", "layer_activation_bytes", "measure_mfu"]
 
@@ -113,14 +113,13 @@ def layer_activation_bytes(config, group: CommGroup, microbatch: int,
 
 def measure_mfu(model: torch.nn.Module, batch: int, rounds: int = 3,
                 matmul_size: int = 1024) -> tuple[float, float]:
-    """(model FLOP/s, matmul FLOP/s) on one thread: training steps of the GPT ``model`` on
-    ``batch`` random sequences, their FLOPs counted as 2104.04473 §5.1 does without
-    recomputation, and runs of square matmuls of as many FLOPs, timed alternately for ``rounds``
-    rounds, medians. Their ratio is the MFU against this machine's own matmul rate. A
-    measurement: it changes from run to run."""
+    """(model FLOP/s, matmul FLOP/s) on one thread: training steps of the GPT ``model`` (or
+    Llama) on ``batch`` random sequences, their FLOPs counted as 2104.04473 §5.1 does without
+    recomputation (``training_flops_of``: the model's block), and runs of square matmuls of as
+    many FLOPs, timed alternately for ``rounds`` rounds, medians. Their ratio is the MFU
+    against this machine's own matmul rate. A measurement: it changes from run to run."""
     config = model.config
-    flops = training_flops(batch, config.seq_len, config.num_layers, config.hidden,
-                           config.padded_vocab(), recompute=False)
+    flops = training_flops_of(config, batch, recompute=False, vocab=config.padded_vocab())
     repeats = max(1, round(flops / (2 * matmul_size**3)))
     ids = torch.randint(config.vocab_size, (batch, config.seq_len + 1))
     optimizer = torch.optim.AdamW(model.parameters())

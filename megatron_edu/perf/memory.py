@@ -6,6 +6,9 @@ References
   s·b·h·(34 + 5·a·s/h) bytes with 16-bit values and 1-byte dropout masks; with tensor
   parallelism s·b·h·(10 + 24/t + 5·a·s/(h·t)); with sequence parallelism s·b·h/t·(34 + 5·a·s/h);
   selective recomputation drops the 5·a·s/h term; full recomputation keeps the 2·s·b·h input.
+  The same count for the other blocks a config builds, tensor by tensor as the code saves them
+  (``activation_bytes_per_layer``): Llama's RMSNorm, rotary positions, SwiGLU, grouped-query
+  attention and no dropout (Touvron et al. 2023, arXiv 2307.09288 §2.2).
 - Narayanan et al. 2021, arXiv 2104.04473 §2.2, and Qi et al. 2023, arXiv 2401.10241 §2.3: how
   many microbatches a pipeline rank holds is read off its schedule (``pipeline.schedules``): a
   forward stores its activations, the backward frees them — or, when the schedule splits the
@@ -30,6 +33,7 @@ microbatches, its ZeRO stage —, and whether it can split the model is its rule
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import cache, lru_cache
 
@@ -90,8 +94,9 @@ class MemoryEstimate:
 def parameters_per_rank(config: GPTConfig, parallelism: Parallelism, stage: int = 0) -> int:
     """Parameters one GPU of pipeline rank ``stage`` holds: ``config.num_parameters`` (the one
     exact count, Megatron's split of 1909.08053 §3) of each model chunk the rank holds, l/(pp·v)
-    layers each, with the embeddings on the chunk of the first stage and the final layer norm and
-    the tied output layer on the chunk of the last. Where the chunks are is
+    layers each, with the embeddings on the chunk of the first stage and the final norm and
+    the output layer on the chunk of the last: a copy of the word table, or an untied output
+    layer of its own (Llama's), V·h/t either way. Where the chunks are is
     ``parallelism.stages`` (ZB-V's V puts both ends on rank 0, each chunk with its own copy of the
     word table). A ValueError if it cannot split the model (``Parallelism.check``)."""
     parallelism.check(config)
@@ -106,7 +111,43 @@ def parameters_per_rank(config: GPTConfig, parallelism: Parallelism, stage: int 
 
 _KEPT_UNLESS_FULL = ("none", "selective")  # full recomputation reruns the whole layer
 _ATTENTION_CORE = ("none",)  # selective recomputation reruns softmax, its dropout and ·V
-_ANY, _SCORES, _RING = "any", "scores", "ring"  # the rows of any cp, of cp = 1, of cp > 1
+# which arrangement of the attention core keeps a row: any; the op-by-op core's scores (cp = 1);
+# the ring (cp > 1); the core's inputs as the block passes them, which a checkpoint keeps
+# (selective recomputation at cp = 1) and so does the ring (``_RingAttention``)
+_ANY, _SCORES, _RING, _INPUTS = "any", "scores", "ring", "inputs"
+
+
+def _every(config: GPTConfig) -> bool:
+    return True
+
+
+def _gelu(config: GPTConfig) -> bool:
+    return config.mlp == "gelu"
+
+
+def _swiglu(config: GPTConfig) -> bool:
+    return config.mlp == "swiglu"
+
+
+def _rotary(config: GPTConfig) -> bool:
+    return config.positions == "rope"
+
+
+def _grouped(config: GPTConfig) -> bool:
+    """Grouped-query attention: ``attention._each_head`` copies each kv head per query head."""
+    return config.num_kv_heads < config.num_heads
+
+
+def _qk_made_anew(config: GPTConfig) -> bool:
+    """Whether the block makes Q and K anew: turned by rotary positions, or (several query heads
+    a group) Q gathered from its groups and K copied per query head."""
+    return _rotary(config) or _grouped(config)
+
+
+def _one_kv_head_per_head(config: GPTConfig) -> bool:
+    """Whether V (and Q, K unless turned) reaches the core as a view of the QKV output: one kv
+    head per query head. The view keeps the QKV output whole, h + 2k values a token."""
+    return not _grouped(config)
 
 
 @dataclass(frozen=True)
@@ -115,36 +156,54 @@ class _Saved:
 
     what: str
     count: int  # how many units of `unit` (s: the s/cp tokens of a context-parallel rank)
-    unit: str  # "sbh", "as2b" (attention scores), "asb" (one per head and token), "sbV" (logits)
+    unit: str  # "sbh"; "sbf" (the MLP's width f); "sbq" (the QKV output, h + 2k a token);
+    #            "as2b" (attention scores), "asb" (one per head and token), "sbV" (logits)
     split: str  # "tp": split over tensor ranks; "seq": split only under sequence parallelism
     dtype: str  # "value" (activation bytes), "mask" (1 byte), "fp32" (4 bytes)
     kept_with: tuple[str, ...] = RECOMPUTE  # recompute modes under which it stays saved
     needs_dropout: bool = False
-    attention: str = _ANY  # _SCORES: saved by the op-by-op core (cp = 1); _RING: by the ring
+    attention: str = _ANY  # _SCORES, _RING, _INPUTS: the core's arrangements that keep it
+    block: Callable[[GPTConfig], bool] = _every  # the blocks that save it (MLP, positions, GQA)
 
 
-_LAYER = (  # one transformer layer; 16-bit: 10·sbh replicated + 24·sbh/t + 5·as²b/t
-    _Saved("layer norm 1 input (= layer input)", 1, "sbh", "seq", "value"),
+_LAYER = (  # one transformer layer; GPT-2, 16-bit: 10·sbh replicated + 24·sbh/t + 5·as²b/t
+    _Saved("norm 1 input (= layer input)", 1, "sbh", "seq", "value"),
     _Saved("QKV input", 1, "sbh", "seq", "value", _KEPT_UNLESS_FULL),
-    _Saved("Q and K", 2, "sbh", "tp", "value", _KEPT_UNLESS_FULL),
+    # Q, K, V: the op-by-op core's batched matmuls keep contiguous copies, a·d = h columns each
+    # whatever the kv heads (2205.05198's "Q and K" 4 + "V" 2 bytes); the core's inputs, which a
+    # checkpoint or the ring keeps instead, are GPT-2's views of the QKV output (3h), or tensors
+    # made anew: Q and K turned by rotary positions, K and V copied to every query head (a kv
+    # head per query head: V a view, the QKV output kept whole beside the turned Q and K)
+    _Saved("Q, K and V (the core's matmul copies)", 3, "sbh", "tp", "value", _ATTENTION_CORE,
+           attention=_SCORES),
+    _Saved("QKV output (V, and Q and K unless turned, views of it)", 1, "sbq", "tp", "value",
+           _KEPT_UNLESS_FULL, attention=_INPUTS, block=_one_kv_head_per_head),
+    _Saved("Q and K turned, or gathered and copied per query head", 2, "sbh", "tp", "value",
+           _KEPT_UNLESS_FULL, attention=_INPUTS, block=_qk_made_anew),
+    _Saved("V copied per query head", 1, "sbh", "tp", "value", _KEPT_UNLESS_FULL,
+           attention=_INPUTS, block=_grouped),
     _Saved("softmax output", 1, "as2b", "tp", "value", _ATTENTION_CORE, attention=_SCORES),
     _Saved("attention dropout mask", 1, "as2b", "tp", "mask", _ATTENTION_CORE, True, _SCORES),
     _Saved("attention dropout output", 1, "as2b", "tp", "value", _ATTENTION_CORE, True, _SCORES),
     _Saved("ring attention output", 1, "sbh", "tp", "value", _KEPT_UNLESS_FULL, attention=_RING),
     _Saved("ring attention log-sum-exp", 1, "asb", "tp", "fp32", _KEPT_UNLESS_FULL,
            attention=_RING),
-    _Saved("V", 1, "sbh", "tp", "value", _KEPT_UNLESS_FULL),
     _Saved("projection input", 1, "sbh", "tp", "value", _KEPT_UNLESS_FULL),
     _Saved("projection dropout mask", 1, "sbh", "seq", "mask", _KEPT_UNLESS_FULL, True),
-    _Saved("layer norm 2 input", 1, "sbh", "seq", "value", _KEPT_UNLESS_FULL),
+    _Saved("norm 2 input", 1, "sbh", "seq", "value", _KEPT_UNLESS_FULL),
     _Saved("MLP input", 1, "sbh", "seq", "value", _KEPT_UNLESS_FULL),
-    _Saved("GeLU input", 4, "sbh", "tp", "value", _KEPT_UNLESS_FULL),
-    _Saved("MLP output layer input", 4, "sbh", "tp", "value", _KEPT_UNLESS_FULL),
+    _Saved("GeLU input", 1, "sbf", "tp", "value", _KEPT_UNLESS_FULL, block=_gelu),
+    # SwiGLU (fused.bias_swiglu): silu(gate) keeps the gate, a view of the fc output, whole
+    _Saved("SwiGLU's gate and up (the fc output)", 2, "sbf", "tp", "value", _KEPT_UNLESS_FULL,
+           block=_swiglu),
+    _Saved("silu(gate), the product's other factor", 1, "sbf", "tp", "value",
+           _KEPT_UNLESS_FULL, block=_swiglu),
+    _Saved("MLP output layer input", 1, "sbf", "tp", "value", _KEPT_UNLESS_FULL),
     _Saved("MLP dropout mask", 1, "sbh", "seq", "mask", _KEPT_UNLESS_FULL, True),
 )
 _EMBEDDING = (_Saved("embedding dropout mask", 1, "sbh", "seq", "mask", needs_dropout=True),)
 _OUTPUT = (  # 2205.05198 §4.3: 4·sbh/t·(1 + V/h) with sequence parallelism
-    _Saved("final layer norm input", 1, "sbh", "seq", "value"),
+    _Saved("final norm input", 1, "sbh", "seq", "value"),
     _Saved("output layer input", 1, "sbh", "seq", "value"),
     _Saved("logits for the cross entropy", 1, "sbV", "tp", "fp32"),
 )
@@ -152,19 +211,23 @@ _OUTPUT = (  # 2205.05198 §4.3: 4·sbh/t·(1 + V/h) with sequence parallelism
 
 def _saved_bytes(table: tuple[_Saved, ...], config: GPTConfig, microbatch: int, tp: int,
                  recompute: str, bytes_per_value: int, dropout: bool | None, cp: int) -> int:
-    """Bytes of the tensors of ``table`` that stay saved under ``recompute``, per tensor and
-    context rank: s is the s/cp tokens a cp rank holds; the attention core's rows are the
-    scores' at cp = 1, the ring's at cp > 1."""
+    """Bytes of the tensors of ``table`` that ``config``'s block saves and that stay saved
+    under ``recompute``, per tensor and context rank: s is the s/cp tokens a cp rank holds;
+    the attention core's rows are the scores' at cp = 1, the ring's at cp > 1, its inputs' where
+    a checkpoint or the ring keeps them."""
     s, b, h, a = config.seq_len // cp, microbatch, config.hidden, config.num_heads
-    units = {"sbh": s * b * h, "as2b": a * s * s * b, "asb": a * s * b,
-             "sbV": s * b * config.padded_vocab(tp)}
+    qkv = h + 2 * config.num_kv_heads * config.head_dim
+    units = {"sbh": s * b * h, "sbf": s * b * config.ffn_hidden, "sbq": s * b * qkv,
+             "as2b": a * s * s * b, "asb": a * s * b, "sbV": s * b * config.padded_vocab(tp)}
     dtype_bytes = {"value": bytes_per_value, "mask": 1, "fp32": 4}
     dropout = config.dropout > 0 if dropout is None else dropout
-    core = _RING if cp > 1 else _SCORES
+    cores = {_ANY, _RING, _INPUTS} if cp > 1 else {_ANY, _SCORES}
+    if cp == 1 and recompute == "selective":   # the checkpointed core keeps its inputs
+        cores.add(_INPUTS)
     total = 0
     for x in table:
         if (recompute not in x.kept_with or (x.needs_dropout and not dropout)
-                or x.attention not in (_ANY, core)):
+                or x.attention not in cores or not x.block(config)):
             continue
         shards = tp if x.split == "tp" or config.sequence_parallel else 1
         total += x.count * units[x.unit] // shards * dtype_bytes[x.dtype]
@@ -177,7 +240,31 @@ def activation_bytes_per_layer(config: GPTConfig, microbatch: int, *, tp: int = 
     """Bytes one transformer layer saves for its backward, per tensor rank (2205.05198 §4), under
     ``config.recompute`` and ``config.sequence_parallel``; ``dropout`` None: whether the config
     has dropout (its 1-byte masks are saved). At ``cp`` > 1, per context rank: s/cp tokens,
-    and ring attention's output and log-sum-exp where the scores were (2310.01889)."""
+    and ring attention's output and log-sum-exp where the scores were (2310.01889).
+
+    Any block ``config`` builds, row by row as its code saves (``_LAYER``); GPT-2's is the
+    paper's s·b·h·(10 + 24/t + 5·a·s/(h·t)). A Llama block (RMSNorm, rotary positions, SwiGLU
+    of width f, no dropout, any number of kv heads), 16-bit, without sequence parallelism:
+
+        s·b·h·(8 + (8 + 8·f/h)/t) + 2·a·s²·b/t
+
+    8·sbh whole: both norms' inputs, the QKV and the MLP inputs (/t under sequence parallelism);
+    per tensor rank 6·sbh/t of Q, K, V (the core's matmuls keep copies, a·d = h columns each:
+    grouped-query attention saves no activations here, its K and V are copied per query head,
+    ``attention._each_head``), 2·sbh/t of projection input, 2·a·s²·b/t of softmax output (no
+    dropout: no mask, no second copy), and SwiGLU's fc output [gate | up], silu(gate) and their
+    product, 2·(2 + 1 + 1)·sbf/t. Selective recomputation drops the scores and keeps the core's
+    inputs: Q, K, V made anew (6·sbh/t), or with one kv head per query head (Llama-2-7B) the
+    turned Q and K beside the QKV output, whole because V is a view of it (10·sbh/t). Full
+    recomputation keeps the layer's input.
+
+    A norm's statistics (a float or two per token) are rounded away, as the paper does for
+    LayerNorm's. A fused RMSNorm keeps only its input (megatron-core's; PyTorch's
+    ``_fused_rms_norm``, whose backward reads the input and 1/rms); PyTorch's composite
+    rms_norm, the one a CPU runs, also keeps x/rms(x) for the weight's gradient (one sbh more
+    per norm), and rotary positions keep their cos and sin (2·s·d). megatron-core keeps less
+    where its kernels do: flash attention takes the g kv heads uncopied (2·s·b·k/t for K and
+    V), its fused SwiGLU recomputes silu(gate) (3·sbf/t)."""
     return _saved_bytes(_LAYER, config, microbatch, tp, config.recompute, bytes_per_value,
                         dropout, cp)
 
