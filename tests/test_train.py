@@ -139,10 +139,10 @@ def test_a_checkpoint_reshards_to_other_layouts(tmp_path, cache):
         assert resumed[4] == pytest.approx(whole[4], abs=1e-5)
 
 
-def test_a_llama_trains_and_its_checkpoint_reshards_over_tp_pp_dp_and_cp(tmp_path, cache):
+def test_a_llama_trains_reshards_and_exports_to_hugging_face(tmp_path, cache, capsys):
     """``--model llama`` (4 heads sharing 2 kv heads, SwiGLU, rotary positions, an untied
     output layer) at tp 2 × pp 2 with ZeRO-1, resumed at pp 4 and at cp 2 × dp 2: the same next
-    loss, and its first losses fall."""
+    loss, and its first losses fall; then exported (``_exported_llama_equals_the_checkpoint``)."""
     steps = ["--model", "llama", "--kv-heads", "2", "--steps", "4", "--save-interval", "3",
              "--eval-interval", "100"]
     whole = _losses(_train(tmp_path / "tp2pp2", cache, "--nproc", "4", "--tp", "2", "--pp", "2",
@@ -154,6 +154,34 @@ def test_a_llama_trains_and_its_checkpoint_reshards_over_tp_pp_dp_and_cp(tmp_pat
         resumed = _losses(_train(tmp_path / "_".join(layout), cache, "--nproc", "4", *layout,
                                  *steps, "--resume", str(saved)))
         assert resumed[4] == pytest.approx(whole[4], abs=1e-5), layout
+    _exported_llama_equals_the_checkpoint(saved, tmp_path, capsys)
+
+
+def _exported_llama_equals_the_checkpoint(saved, tmp_path, capsys):
+    """export-hf writes a folder LlamaForCausalLM loads with the same logits, and evaluate
+    --hf on it (at tp 2) gives the checkpoint's perplexity."""
+    transformers = pytest.importorskip("transformers")
+    from megatron_edu import evaluate
+    from megatron_edu.checkpoint import load_full_model_state
+    from megatron_edu.model import Llama, config_from_dict
+
+    assert checkpoint.main(["export-hf", str(saved), str(tmp_path / "hf")]) == 0
+    ours = Llama(config_from_dict(read_metadata(saved)["config"]))
+    ours.load_full_state_dict(load_full_model_state(saved))
+    theirs = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(ids).logits, ours(ids)[..., :512], atol=1e-4, rtol=0)
+    (tmp_path / "wiki.test.tokens").write_text(" = Python = \n Python is a high @-@ level , "
+                                               "general @-@ purpose language . \n" * 3)
+    args = ["--task", "wikitext103", "--data", str(tmp_path), "--stride", "8", "--seq-len", "32"]
+    perplexity = []
+    for source in (["--checkpoint", str(saved)], ["--hf", str(tmp_path / "hf"), "--nproc", "2",
+                                                  "--tp", "2"]):
+        assert evaluate.main([*args, *source]) == 0
+        perplexity.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+    assert perplexity[1]["word_perplexity"] == pytest.approx(perplexity[0]["word_perplexity"],
+                                                             rel=1e-4)
 
 
 def test_a_context_parallel_run_resumes_at_other_cp(tmp_path, cache):
