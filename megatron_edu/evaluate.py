@@ -62,8 +62,6 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -74,16 +72,16 @@ from megatron_edu import comm
 from megatron_edu.checkpoint import load_model_chunks, read_metadata
 from megatron_edu.cli import DTYPES, Parser, at_least, autocast, positive_int
 from megatron_edu.comm import CommGroup
-from megatron_edu.data import Tokenizer, prepare_data, zeroshot
+from megatron_edu.data import prepare_data, zeroshot
 from megatron_edu.generate import NonFiniteLogits
 from megatron_edu.grid import Layout, ParallelGrid
-from megatron_edu.hf import read_hf
 from megatron_edu.launch import RankError, run
 from megatron_edu.model import BertConfig, GPTConfig, config_from_dict
 from megatron_edu.model.transformer import IGNORE_INDEX
 from megatron_edu.pipeline.engine import Batch, build_chunks, run_schedule
 from megatron_edu.pipeline.schedules import forward_only, one_f_one_b
 from megatron_edu.ptdp import Parallelism
+from megatron_edu.sources import Source, checkpoint_source, hf_source
 from megatron_edu.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy, vocab_range
 
 __all__ = ["evaluate", "main", "vocab_parallel_argmax", "lambada_correct"]
@@ -144,66 +142,15 @@ def _check_applicable(args: argparse.Namespace) -> None:
 
 # --- the model and its tokenizer, wherever they come from ----------------------------------------
 
-@dataclass(frozen=True)
-class Source:
-    """Where the weights are: a checkpoint (meta.json's contents) or a Hugging Face directory."""
-
-    config: GPTConfig
-    checkpoint: dict[str, Any] | None = None
-    hf: str | None = None
-
-    def chunks(self, grid: ParallelGrid) -> list[nn.Module]:
-        """This rank's pipeline stage, weights loaded (its slices only, from a checkpoint)."""
-        chunks = build_chunks(self.config, grid)
-        if self.checkpoint is not None:
-            load_model_chunks(self.checkpoint["path"], chunks, grid)
-        else:
-            state = read_hf(self.hf)[1]
-            for chunk in chunks:
-                chunk.load_full_state_dict(state)
-        for chunk in chunks:
-            chunk.eval()
-        return chunks
-
-
-class _HFTokenizer:
-    """A Hugging Face tokenizer saved with the model (``transformers``, offline), spoken to as
-    this package's ``Tokenizer``: ids without special tokens, text back."""
-
-    def __init__(self, path: str) -> None:
-        try:
-            from transformers import AutoTokenizer
-            self._tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        except (ImportError, OSError, ValueError) as error:
-            raise ValueError(f"no tokenizer in {path}: save one there (tokenizer.save_pretrained"
-                             f", or the tokenizer.model of an export) — {error}") from None
-
-    def encode(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text, add_special_tokens=False)
-
-    def decode(self, ids) -> str:
-        return self._tokenizer.decode([int(i) for i in ids])
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self._tokenizer)
-
-
 def _source(args: argparse.Namespace) -> tuple[Source, Any]:
     """The model's source and its tokenizer, checked before any rank starts."""
     if args.hf is not None:
-        config = read_hf(args.hf)[0]                     # a GPT-2 or a Llama
-        own = Path(args.hf) / "tokenizer.model"          # what export-hf copies in
-        tokenizer = Tokenizer.load(own) if own.exists() else _HFTokenizer(args.hf)
-        return Source(config, hf=args.hf), tokenizer
+        return hf_source(args.hf)
     if args.checkpoint is None:
         raise ValueError("name the model: --checkpoint RUN or --hf DIR")
-    meta = read_metadata(args.checkpoint)
-    config = config_from_dict(meta["config"])
+    config = config_from_dict(read_metadata(args.checkpoint)["config"])
     check_left_to_right(config, args.task)                 # the model's kind first
-    if meta["tokenizer"] is None:
-        raise ValueError(f"checkpoint {meta['path']} holds no tokenizer")
-    return Source(config, checkpoint=meta), Tokenizer.load(meta["tokenizer"])
+    return checkpoint_source(args.checkpoint)
 
 
 def _check_layout(args: argparse.Namespace, config: GPTConfig) -> None:

@@ -41,12 +41,11 @@ import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 
 from megatron_edu import comm
-from megatron_edu.checkpoint import load_model_chunks, read_metadata, resolve_checkpoint
+from megatron_edu.checkpoint import resolve_checkpoint
 from megatron_edu.cli import (
     Parser,
     nonnegative_int,
@@ -58,11 +57,11 @@ from megatron_edu.cli import (
 from megatron_edu.data.tokenizer import Tokenizer
 from megatron_edu.grid import ParallelGrid
 from megatron_edu.launch import RankError, run
-from megatron_edu.model import GPT, BertConfig, GPTConfig, config_from_dict
+from megatron_edu.model import GPT, BertConfig, GPTConfig
 from megatron_edu.model.gpt import KVCache
-from megatron_edu.pipeline.engine import build_chunks
 from megatron_edu.pipeline.schedules import Action, messages_of
 from megatron_edu.pipeline.stages import Message, StageMap
+from megatron_edu.sources import HFTokenizer, Source, checkpoint_source, hf_source
 
 __all__ = ["Sampling", "sample", "generate", "main", "NonFiniteLogits"]
 
@@ -288,9 +287,13 @@ def generate(model: GPT | Sequence[GPT], grid: ParallelGrid | None,
 
 def _parser() -> Parser:
     parser = Parser(prog="python -m megatron_edu.generate",
-                    description="Continue a prompt with a trained GPT checkpoint.")
-    parser.add_argument("--checkpoint", required=True,
-                        help="a checkpoint folder, or a run folder (its latest checkpoint)")
+                    description="Continue a prompt with a trained GPT or Llama: a checkpoint "
+                    "or a Hugging Face folder.")
+    model = parser.add_mutually_exclusive_group(required=True)
+    model.add_argument("--checkpoint",
+                       help="a checkpoint folder, or a run folder (its latest checkpoint)")
+    model.add_argument("--hf", help="a Hugging Face GPT-2 or Llama folder (its tokenizer with "
+                       "it: a tokenizer.model, or a Hugging Face tokenizer)")
     parser.add_argument("--step", type=nonnegative_int,
                         help="the checkpoint of this step of the run")
     parser.add_argument("--tokenizer", help="a sentencepiece .model (default: the checkpoint's)")
@@ -307,27 +310,25 @@ def _parser() -> Parser:
     return parser
 
 
-def _tokenizer_path(args: argparse.Namespace, meta: dict) -> str:
-    if args.tokenizer is None and meta.get("tokenizer") is None:
-        raise ValueError(f"the checkpoint {meta['path']} names no tokenizer: pass --tokenizer")
-    return args.tokenizer or meta["tokenizer"]
+def _source(args: argparse.Namespace) -> tuple[Source, Tokenizer | HFTokenizer]:
+    if args.hf is not None:
+        return hf_source(args.hf)
+    return checkpoint_source(resolve_checkpoint(args.checkpoint, args.step), args.tokenizer)
 
 
-def _prepare(args: argparse.Namespace) -> tuple[Path, GPTConfig, Tokenizer, list[int], Sampling]:
+def _prepare(args: argparse.Namespace) -> tuple[Source, Tokenizer, list[int], Sampling]:
     """Every check before launching (docs/principles.md, 7): a ValueError naming the numbers."""
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.greedy)
     if args.nproc != args.tp * args.pp:
         raise ValueError(f"--nproc {args.nproc} ≠ tp·pp = {args.tp}·{args.pp} = "
                          f"{args.tp * args.pp}")
-    path = resolve_checkpoint(args.checkpoint, args.step)
-    meta = read_metadata(path)
-    config = config_from_dict(meta["config"])
+    source, tokenizer = _source(args)
+    config = source.config
     if isinstance(config, BertConfig) or not config.causal:
         raise ValueError(f"--checkpoint {args.checkpoint} holds a {type(config).__name__} with "
                          f"bidirectional attention: generate continues text with a left-to-right"
                          f" GPT")
     config.validate(args.tp, args.pp)
-    tokenizer = Tokenizer.load(_tokenizer_path(args, meta))
     if tokenizer.vocab_size > config.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens, the model "
                          f"{config.vocab_size}: not the model's tokenizer")
@@ -338,16 +339,14 @@ def _prepare(args: argparse.Namespace) -> tuple[Path, GPTConfig, Tokenizer, list
         check_length(config, len(prompt), args.max_new_tokens)
     except ValueError as err:
         raise ValueError(f"--max-new-tokens {args.max_new_tokens}: {err}") from None
-    return path, config, tokenizer, prompt, sampling
+    return source, tokenizer, prompt, sampling
 
 
-def _generate_on_rank(path: Path, config: GPTConfig, tp: int, pp: int, prompt: list[int],
-                      max_new_tokens: int, sampling: Sampling, seed: int,
-                      eos_id: int) -> list[int] | str:
+def _generate_on_rank(source: Source, tp: int, pp: int, prompt: list[int], max_new_tokens: int,
+                      sampling: Sampling, seed: int, eos_id: int) -> list[int] | str:
     """The new tokens, or the message of non-finite logits (every rank meets them alike)."""
     grid = ParallelGrid(tp=tp, pp=pp)
-    chunks = build_chunks(config, grid)
-    load_model_chunks(path, chunks, grid)
+    chunks = source.chunks(grid)
     try:
         return generate(chunks, grid, prompt, max_new_tokens, seed=seed, eos_id=eos_id,
                         **asdict(sampling))
@@ -361,11 +360,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     try:
-        path, config, tokenizer, prompt, sampling = _prepare(args)
+        source, tokenizer, prompt, sampling = _prepare(args)
     except (ValueError, OSError) as err:          # CheckpointError is a ValueError too
         parser.error(str(err))
     try:
-        tokens = run(_generate_on_rank, args.nproc, path, config, args.tp, args.pp, prompt,
+        tokens = run(_generate_on_rank, args.nproc, source, args.tp, args.pp, prompt,
                      args.max_new_tokens, sampling, args.seed, tokenizer.eos_id,
                      capture_output=True)[0]
     except RankError as err:

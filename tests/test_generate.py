@@ -3,6 +3,7 @@ sampling is reproducible from its seed; bad requests are refused before any work
 
 import math
 import re
+import shutil
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from helpers import TOL, Launches, poisoned_checkpoint, tiny_config
 
 from megatron_edu import comm
 from megatron_edu import generate as generate_module
-from megatron_edu.checkpoint import load_full_model_state, save_checkpoint
+from megatron_edu.checkpoint import export_hf, load_full_model_state, save_checkpoint
 from megatron_edu.data import PRETRAINED_CHECKPOINT, train_tokenizer
 from megatron_edu.generate import NonFiniteLogits, Sampling, generate, main, sample
 from megatron_edu.grid import Layout, ParallelGrid
@@ -310,6 +311,20 @@ def test_the_command_prints_the_prompt_and_its_continuation_at_tp2_pp2(checkpoin
     tokens = generate(saved, None, tokenizer.encode("the quick"), 6, greedy=True,
                       eos_id=tokenizer.eos_id)
     assert capsys.readouterr().out == "the quick" + tokenizer.decode(tokens) + "\n"
+
+
+def test_a_hugging_face_folder_continues_the_prompt_as_its_checkpoint(checkpoint, tmp_path,
+                                                                     capsys):
+    """``--hf``: the checkpoint exported (weights, and its tokenizer.model copied in), then
+    continued at tp 2 from the folder: the checkpoint's greedy text."""
+    run_dir, tokenizer, _ = checkpoint
+    export_hf(run_dir, tmp_path / "hf")
+    shutil.copyfile(tokenizer.path, tmp_path / "hf" / "tokenizer.model")
+    flags = ["--prompt", "the quick", "--max-new-tokens", "6", "--greedy"]
+    cli(checkpoint, *flags[4:])
+    assert main(["--hf", str(tmp_path / "hf"), *flags, "--nproc", "2", "--tp", "2"]) == 0
+    ours, theirs = capsys.readouterr().out.strip().splitlines()
+    assert theirs == ours
 
 
 @pytest.fixture(scope="module")
