@@ -32,8 +32,8 @@ from megatron_edu import comm
 from megatron_edu.comm import CommGroup, P2POp
 from megatron_edu.tensor_parallel.random import Dropout, DropoutKey
 
-__all__ = ["chunk_ids", "parts_held", "positions_of", "split", "unsplit", "causal_work", "merge",
-           "ring_attention", "observers"]
+__all__ = ["chunk_ids", "parts_held", "positions_of", "each_head", "split", "unsplit",
+           "causal_work", "merge", "ring_attention", "observers"]
 
 
 def chunk_ids(rank: int, cp: int, zigzag: bool = True) -> tuple[int, int]:
@@ -122,6 +122,19 @@ def _dropout_scale(dropout: Dropout | None, key: DropoutKey | None, heads: int, 
     return dropout.keep_at(key, rows * s + chunks[1] * c + pos) * (1.0 / (1.0 - dropout.p))
 
 
+def each_head(kv: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """[b, g, t, d] → [b, a, t, d] for q's a heads: each kv head for each query head of its group
+    (grouped-query attention; a view when g = a). Cores expand inside themselves, so that the
+    ring carries and recomputation keeps g heads, not a."""
+    b, g, t, d = kv.shape
+    return kv[:, :, None].expand(b, g, q.shape[1] // g, t, d).reshape(b, q.shape[1], t, d)
+
+
+def _per_group(grad: torch.Tensor, g: int) -> torch.Tensor:
+    """``each_head``'s backward: [b, a, t, d] → [b, g, t, d], summed over each group's heads."""
+    return grad.unflatten(1, (g, -1)).sum(2)
+
+
 def _exchange(group: CommGroup, send: torch.Tensor, label: str) -> tuple[list, torch.Tensor]:
     """Start sending ``send`` to the next rank of the ring and receiving the previous one's."""
     r, cp = group.rank, group.size
@@ -200,7 +213,7 @@ class _RingAttention(torch.autograd.Function):
         ring = _Ring(group, backward=False)            # the travelling block [2, b, a, s/cp, d]
         for step, kv in ring.blocks(torch.stack([k, v]), "cp kv"):
             theirs = chunk_ids((r - step) % cp, cp, zigzag)
-            ks, vs = kv[0].chunk(2, 2), kv[1].chunk(2, 2)
+            ks, vs = each_head(kv[0], q).chunk(2, 2), each_head(kv[1], q).chunk(2, 2)
             for a, b, ids in _pairs(mine, theirs):
                 scores = _scores(qs[a], ks[b], ids[0] == ids[1])
                 block_lse = scores.logsumexp(-1, keepdim=True)
@@ -229,8 +242,8 @@ class _RingAttention(torch.autograd.Function):
         ring = _Ring(group, backward=True)
         for step, kv in ring.blocks(torch.stack([k, v]), "cp kv"):
             theirs = chunk_ids((r - step) % cp, cp, zigzag)
-            ks, vs = kv[0].chunk(2, 2), kv[1].chunk(2, 2)
-            dkv = torch.zeros_like(kv)                 # this rank's part of the block's dK, dV
+            ks, vs = each_head(kv[0], q).chunk(2, 2), each_head(kv[1], q).chunk(2, 2)
+            dkv = torch.zeros(2, *q.shape, dtype=kv.dtype, device=kv.device)  # per query head
             dks, dvs = dkv[0].chunk(2, 2), dkv[1].chunk(2, 2)
             for a, b, ids in _pairs(mine, theirs):
                 p = (_scores(qs[a], ks[b], ids[0] == ids[1]) - lses[a]).exp()
@@ -239,6 +252,7 @@ class _RingAttention(torch.autograd.Function):
                 ds = p * ((dos[a] @ vs[b].transpose(-2, -1)) * kept - ds_row[a]) * scale
                 dqs[a].add_(ds @ ks[b])
                 dks[b].add_(ds.transpose(-2, -1) @ qs[a])
+            dkv = _per_group(dkv.flatten(0, 1), k.shape[1]).unflatten(0, (2, -1))  # kv heads
             if step == 0:
                 own = dkv                              # the owner's part waits for the others'
             else:                                      # the others' sum moves on, one hop
@@ -251,7 +265,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Com
                    zigzag: bool = True, dropout: Dropout | None = None,
                    key: DropoutKey | None = None) -> torch.Tensor:
     """dropout(softmax(q·kᵀ/√d, causal))·v over the whole sequence, each rank holding its part
-    (``split``) of q, k, v [b, heads, s/cp, d]; returns this rank's part of the output.
+    (``split``) of q [b, heads, s/cp, d] and of k, v [b, kv heads, s/cp, d] (grouped-query
+    attention: the ring carries the kv heads only); returns this rank's part of the output.
     ``dropout`` (in training, with ``key``): on the probabilities, the serial model's masks."""
     if q.shape[2] % 2:
         raise ValueError(f"a rank holds two chunks of the sequence: {q.shape[2]} tokens is odd")

@@ -13,6 +13,7 @@ from megatron_edu.context_parallel import (
     _pairs,
     causal_work,
     chunk_ids,
+    each_head,
     merge,
     ring_attention,
     split,
@@ -31,20 +32,23 @@ def _dropout(p):
 
 
 def _serial(q, k, v, p):
-    """The model's eager attention core (``attention.EagerCore``), its dropout keyed by KEY."""
+    """The model's eager attention core (``attention.EagerCore``), its dropout keyed by KEY;
+    k, v of fewer heads than q: each serves its group of query heads."""
+    k, v = each_head(k, q), each_head(v, q)
     scores = q @ k.transpose(-2, -1) / D**0.5
     future = torch.ones(S, S, dtype=torch.bool).triu(1)
     return _dropout(p)(scores.masked_fill(future, float("-inf")).softmax(-1), KEY) @ v
 
 
-def _inputs():
+def _inputs(kv_heads=A):
     gen = torch.Generator().manual_seed(3)
-    return [torch.randn(B, A, S, D, generator=gen) for _ in range(4)]   # q, k, v, dO
+    return [torch.randn(B, heads, S, D, generator=gen)           # q, k, v, dO
+            for heads in (A, kv_heads, kv_heads, A)]
 
 
-def _ring_rank(zigzag, p):
+def _ring_rank(zigzag, p, kv_heads=A):
     group = comm.world()
-    q, k, v, grad = (split(x, group.rank, group.size, zigzag, dim=2) for x in _inputs())
+    q, k, v, grad = (split(x, group.rank, group.size, zigzag, dim=2) for x in _inputs(kv_heads))
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     with comm.record() as log:
         out = ring_attention(q, k, v, group, zigzag, _dropout(p), KEY)
@@ -54,21 +58,24 @@ def _ring_rank(zigzag, p):
     return out.detach(), q.grad, k.grad, v.grad, sends, recvs
 
 
-RINGS = [(2, True, 0.0), (4, True, 0.0), (4, False, 0.0), (2, True, 0.3), (4, True, 0.3),
-         (4, False, 0.3)]   # (cp, zigzag, dropout)
+RINGS = [(2, True, 0.0, A), (4, True, 0.0, A), (4, False, 0.0, A), (2, True, 0.3, A),
+         (4, True, 0.3, A), (4, False, 0.3, A),
+         (4, True, 0.3, 1)]   # (cp, zigzag, dropout, kv heads: 1 of 3, multi-query attention)
 
 
-@pytest.mark.parametrize(("cp", "zigzag", "p"), RINGS)
-def test_ring_attention_equals_serial_attention_and_its_gradients(cp, zigzag, p):
-    q, k, v, grad = (x.requires_grad_() for x in _inputs())
+@pytest.mark.parametrize(("cp", "zigzag", "p", "g"), RINGS)
+def test_ring_attention_equals_serial_attention_and_its_gradients(cp, zigzag, p, g):
+    """Grouped-query attention too: the ring carries the g kv heads, not the A query heads,
+    and each kv head's gradient sums its group's."""
+    q, k, v, grad = (x.requires_grad_() for x in _inputs(g))
     out = _serial(q, k, v, p)
     out.backward(grad.detach())
-    results = LAUNCHES[f"ring-{cp}-{zigzag}-{p}"]
+    results = LAUNCHES[f"ring-{cp}-{zigzag}-{p}-{g}"]
     for i, expected in enumerate([out, q.grad, k.grad, v.grad]):
         got = unsplit([r[i] for r in results], zigzag, dim=2)
         torch.testing.assert_close(got, expected.detach(), rtol=0, atol=1e-5)
 
-    block = B * A * (S // cp) * D * 4                 # one of K, V on one rank, fp32 bytes
+    block = B * g * (S // cp) * D * 4                 # one of K, V on one rank, fp32 bytes
     for rank, (*_, sends, recvs) in enumerate(results):
         nxt, prev = (rank + 1) % cp, (rank - 1) % cp
         assert sum(b for label, _, b in sends if label == "cp kv") == 2 * 2 * (cp - 1) * block
@@ -219,7 +226,8 @@ def test_a_context_parallel_gpt_equals_the_serial_gpt(tp, cp, dropout, recompute
 # --- the runs above: one launch per world size --------------------------------------------------
 
 LAUNCHES = Launches({  # name -> (world size, function, arguments)
-    **{f"ring-{cp}-{zigzag}-{p}": (cp, _ring_rank, (zigzag, p)) for cp, zigzag, p in RINGS},
+    **{f"ring-{cp}-{zigzag}-{p}-{g}": (cp, _ring_rank, (zigzag, p, g))
+       for cp, zigzag, p, g in RINGS},
     **{f"recorded-{zigzag}": (2, _recorded_rank, (zigzag,)) for zigzag in (True, False)},
     **{f"gpt-serial-{dropout}": (1, _gpt_rank, (1, 1, dropout, "none")) for dropout in (0.0, 0.1)},
     **{f"gpt-{'-'.join(map(str, case))}": (case[0] * case[1], _gpt_rank, case) for case in GPTS},

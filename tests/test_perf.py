@@ -942,16 +942,18 @@ def test_llama_activations_per_layer_in_closed_form(t):
     """16-bit, no dropout: 8·sbh whole (two norms' inputs, QKV and MLP inputs), 8·sb(h + f)/t
     split (Q, K, V, the projection's input; SwiGLU's gate and up, silu(gate), their product) and
     the 2·a·s²·b/t softmax output; sequence parallelism splits the 8·sbh; selective
-    recomputation drops the scores but keeps the core's inputs, which with one kv head per
-    query head (Llama-2-7B) hold the whole QKV output beside the turned Q and K."""
-    s, b, h, f, a = 8192, 1, 4096, 14336, 32
+    recomputation drops the scores but keeps the core's inputs: the whole QKV output (V is a
+    view of it, its g kv heads only: k = g·d columns each for K and V), the turned Q and the
+    turned K (k columns); Llama-2-7B's one kv head per query head is k = h."""
+    s, b, h, f, a, k = 8192, 1, 4096, 14336, 32, 1024
     whole, split_ = 8 * s * b * h, 8 * s * b * (h + f) // t
     scores = 2 * a * s * s * b // t
     assert activation_bytes_per_layer(LLAMA3_8B, b, tp=t) == whole + split_ + scores
     sp = replace(LLAMA3_8B, sequence_parallel=True)
     assert activation_bytes_per_layer(sp, b, tp=t) == (whole + 8 * s * b * (h + f)) // t + scores
     selective = replace(LLAMA3_8B, recompute="selective")
-    assert activation_bytes_per_layer(selective, b, tp=t) == whole + split_
+    assert activation_bytes_per_layer(selective, b, tp=t) == whole + (6 * h + 6 * k + 8 * f) \
+        * s * b // t
     llama2 = replace(selective, num_kv_heads=32, ffn_hidden=11008, seq_len=s)
     assert activation_bytes_per_layer(llama2, b, tp=t) == whole + (12 * h + 8 * 11008) * s * b // t
     full = replace(LLAMA3_8B, recompute="full")

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_edu.comm import CommGroup
-from megatron_edu.context_parallel import parts_held, positions_of, ring_attention
+from megatron_edu.context_parallel import each_head, parts_held, positions_of, ring_attention
 from megatron_edu.model.config import GPTConfig
 from megatron_edu.tensor_parallel.layers import (
     ColumnParallelLinear,
@@ -120,7 +120,8 @@ class EagerCore(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 dropout_key: DropoutKey | None, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """q [b, heads/t, s, d], k and v [b, heads/t, t, d] → [b, heads/t, s, d]."""
+        """q [b, heads/t, s, d], k and v [b, groups/t, t, d] → [b, heads/t, s, d]."""
+        k, v = each_head(k, q), each_head(v, q)                       # inside: recomputable
         scores = q @ k.transpose(-2, -1) * self.scale                  # [b, a/t, s, t]
         allowed = self.mask(q.shape[2], k.shape[2], mask, q.device)
         if allowed is not None:
@@ -148,7 +149,7 @@ class FusedCore(nn.Module):
         p = self.p if self.training else 0.0
         with _seeded(q.device, self._seed(dropout_key, p)):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, is_causal=whole,
-                                                  dropout_p=p)
+                                                  dropout_p=p, enable_gqa=True)  # kv heads kept
 
     def _seed(self, key: DropoutKey | None, p: float) -> int | None:
         """This call's seed, from the step, first sample, layer and tp rank; None: no dropout."""
@@ -202,13 +203,6 @@ class Recomputed(nn.Module):
     def forward(self, *args) -> torch.Tensor:
         """The core's output; under autograd, only its inputs kept."""
         return checkpoint(self.core, *args) if torch.is_grad_enabled() else self.core(*args)
-
-
-def _each_head(kv: torch.Tensor, n: int) -> torch.Tensor:
-    """[b, g, t, d] → [b, g·n, t, d]: each kv head for each of the n query heads of its group
-    (a view when n = 1)."""
-    b, g, t, d = kv.shape
-    return kv[:, :, None].expand(b, g, n, t, d).reshape(b, g * n, t, d)
 
 
 CORES = {"eager": EagerCore, "fused": FusedCore}
@@ -298,7 +292,6 @@ class Attention(nn.Module):
         q, k = self.rotary(q, k, 0 if kv is None or kv.k is None else kv.k.shape[2])
         if kv is not None:
             k, v = kv.extend(k, v)                               # [b, groups/t, t, d], t ≥ s
-        k, v = (_each_head(t, n) for t in (k, v))                # [b, heads/t, t, d]
         y = self.core(q, k, v, dropout_key, mask)                # [b, heads/t, s, d]
         y = y.transpose(1, 2).reshape(b, s, -1)                  # [b, s, h/t]
         return self.proj(y, add_bias)                            # [b, s, h], g inside

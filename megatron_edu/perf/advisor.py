@@ -236,9 +236,9 @@ def _layer_ops(config: GPTConfig, b: int, t: int, cp: int = 1) -> list[_Op]:
     and value columns, num_kv_heads·head_dim: grouped-query attention, 2305.13245), the MLP
     h → f, or h → 2f for SwiGLU's gate and up (2002.05202), whose fused activation reads both
     and writes f. Rotary positions (Llama) turn q and k in one fused pass; grouped-query
-    attention copies each kv head to its group's query heads (``attention._each_head``, as
-    megatron-core's unfused core repeats them). A residual add keeps a dropout mask only with
-    dropout; without biases (Llama) it is the same pass."""
+    attention copies each kv head to its group's query heads inside the core
+    (``context_parallel.each_head``, as megatron-core's unfused core repeats them). A residual
+    add keeps a dropout mask only with dropout; without biases (Llama) it is the same pass."""
     h = config.hidden
     tokens, f = b * config.seq_len // cp, config.ffn_hidden
     k = config.num_kv_heads * config.head_dim
@@ -390,8 +390,9 @@ def _pipeline_p2p_time(config: GPTConfig, parallelism: Parallelism, hw: Hardware
 def _context_parallel_time(config: GPTConfig, parallelism: Parallelism, hw: Hardware,
                            core: _Cost) -> float:
     """The ring's seconds per layer and microbatch that the attention core (``core``) does not
-    hide: cp − 1 hops of the K, V block (2·b·s·h/(t·cp) 16-bit values: under grouped-query
-    attention the ring takes K and V copied per query head, ``attention._each_head``) forward,
+    hide: cp − 1 hops of the K, V block (2·b·s·k/(t·cp) 16-bit values, k = num_kv_heads·d: under
+    grouped-query attention the ring carries the kv heads only, ``context_parallel.each_head``
+    copying them per query head inside each step) forward,
     twice that backward (K, V and their gradients), one more forward under full recomputation;
     each pass overlapped with the core's own (``core``: its forward and backward, one
     microbatch): max(0, ring − core)."""
@@ -399,7 +400,7 @@ def _context_parallel_time(config: GPTConfig, parallelism: Parallelism, hw: Hard
     if cp == 1:
         return 0.0
     b, t = parallelism.microbatch, parallelism.tp
-    block = 2 * b * config.seq_len * config.hidden // (t * cp) * WORD
+    block = 2 * b * config.seq_len * config.num_kv_heads * config.head_dim // (t * cp) * WORD
     hop = hw.latency + block / _group_bandwidth(hw, cp, t)
     forwards = 2 if config.recompute == "full" else 1
     return (forwards * max(0.0, (cp - 1) * hop - core.forward)

@@ -134,20 +134,14 @@ def _rotary(config: GPTConfig) -> bool:
 
 
 def _grouped(config: GPTConfig) -> bool:
-    """Grouped-query attention: ``attention._each_head`` copies each kv head per query head."""
+    """Grouped-query attention: several query heads share each kv head."""
     return config.num_kv_heads < config.num_heads
 
 
-def _qk_made_anew(config: GPTConfig) -> bool:
-    """Whether the block makes Q and K anew: turned by rotary positions, or (several query heads
-    a group) Q gathered from its groups and K copied per query head."""
+def _q_made_anew(config: GPTConfig) -> bool:
+    """Whether the block makes Q anew: turned by rotary positions, or (several query heads a
+    group) gathered from its groups; else a view of the QKV output."""
     return _rotary(config) or _grouped(config)
-
-
-def _one_kv_head_per_head(config: GPTConfig) -> bool:
-    """Whether V (and Q, K unless turned) reaches the core as a view of the QKV output: one kv
-    head per query head. The view keeps the QKV output whole, h + 2k values a token."""
-    return not _grouped(config)
 
 
 @dataclass(frozen=True)
@@ -170,18 +164,18 @@ _LAYER = (  # one transformer layer; GPT-2, 16-bit: 10·sbh replicated + 24·sbh
     _Saved("norm 1 input (= layer input)", 1, "sbh", "seq", "value"),
     _Saved("QKV input", 1, "sbh", "seq", "value", _KEPT_UNLESS_FULL),
     # Q, K, V: the op-by-op core's batched matmuls keep contiguous copies, a·d = h columns each
-    # whatever the kv heads (2205.05198's "Q and K" 4 + "V" 2 bytes); the core's inputs, which a
-    # checkpoint or the ring keeps instead, are GPT-2's views of the QKV output (3h), or tensors
-    # made anew: Q and K turned by rotary positions, K and V copied to every query head (a kv
-    # head per query head: V a view, the QKV output kept whole beside the turned Q and K)
+    # whatever the kv heads, the core copying each kv head to its query heads (2205.05198's
+    # "Q and K" 4 + "V" 2 bytes); the core's inputs, which a checkpoint or the ring keeps
+    # instead, hold the g kv heads only: V a view of the QKV output (kept whole, h + 2k a token),
+    # Q and K views of it too, or made anew (Q turned or gathered, K turned: k columns)
     _Saved("Q, K and V (the core's matmul copies)", 3, "sbh", "tp", "value", _ATTENTION_CORE,
            attention=_SCORES),
-    _Saved("QKV output (V, and Q and K unless turned, views of it)", 1, "sbq", "tp", "value",
-           _KEPT_UNLESS_FULL, attention=_INPUTS, block=_one_kv_head_per_head),
-    _Saved("Q and K turned, or gathered and copied per query head", 2, "sbh", "tp", "value",
-           _KEPT_UNLESS_FULL, attention=_INPUTS, block=_qk_made_anew),
-    _Saved("V copied per query head", 1, "sbh", "tp", "value", _KEPT_UNLESS_FULL,
-           attention=_INPUTS, block=_grouped),
+    _Saved("QKV output (V, and Q and K unless made anew, views of it)", 1, "sbq", "tp", "value",
+           _KEPT_UNLESS_FULL, attention=_INPUTS),
+    _Saved("Q turned by rotary positions, or gathered from its groups", 1, "sbh", "tp", "value",
+           _KEPT_UNLESS_FULL, attention=_INPUTS, block=_q_made_anew),
+    _Saved("K turned by rotary positions (its kv heads)", 1, "sbk", "tp", "value",
+           _KEPT_UNLESS_FULL, attention=_INPUTS, block=_rotary),
     _Saved("softmax output", 1, "as2b", "tp", "value", _ATTENTION_CORE, attention=_SCORES),
     _Saved("attention dropout mask", 1, "as2b", "tp", "mask", _ATTENTION_CORE, True, _SCORES),
     _Saved("attention dropout output", 1, "as2b", "tp", "value", _ATTENTION_CORE, True, _SCORES),
@@ -218,6 +212,7 @@ def _saved_bytes(table: tuple[_Saved, ...], config: GPTConfig, microbatch: int, 
     s, b, h, a = config.seq_len // cp, microbatch, config.hidden, config.num_heads
     qkv = h + 2 * config.num_kv_heads * config.head_dim
     units = {"sbh": s * b * h, "sbf": s * b * config.ffn_hidden, "sbq": s * b * qkv,
+             "sbk": s * b * config.num_kv_heads * config.head_dim,
              "as2b": a * s * s * b, "asb": a * s * b, "sbV": s * b * config.padded_vocab(tp)}
     dtype_bytes = {"value": bytes_per_value, "mask": 1, "fp32": 4}
     dropout = config.dropout > 0 if dropout is None else dropout
@@ -250,13 +245,13 @@ def activation_bytes_per_layer(config: GPTConfig, microbatch: int, *, tp: int = 
 
     8·sbh whole: both norms' inputs, the QKV and the MLP inputs (/t under sequence parallelism);
     per tensor rank 6·sbh/t of Q, K, V (the core's matmuls keep copies, a·d = h columns each:
-    grouped-query attention saves no activations here, its K and V are copied per query head,
-    ``attention._each_head``), 2·sbh/t of projection input, 2·a·s²·b/t of softmax output (no
-    dropout: no mask, no second copy), and SwiGLU's fc output [gate | up], silu(gate) and their
-    product, 2·(2 + 1 + 1)·sbf/t. Selective recomputation drops the scores and keeps the core's
-    inputs: Q, K, V made anew (6·sbh/t), or with one kv head per query head (Llama-2-7B) the
-    turned Q and K beside the QKV output, whole because V is a view of it (10·sbh/t). Full
-    recomputation keeps the layer's input.
+    grouped-query attention saves no activations here, the core copies its K and V per query
+    head, ``context_parallel.each_head``), 2·sbh/t of projection input, 2·a·s²·b/t of softmax
+    output (no dropout: no mask, no second copy), and SwiGLU's fc output [gate | up], silu(gate)
+    and their product, 2·(2 + 1 + 1)·sbf/t. Selective recomputation drops the scores and keeps
+    the core's inputs, the g kv heads only: the QKV output whole (V is a view of it, h + 2k a
+    token), the turned Q and the turned K (k = num_kv_heads·d), 2·(2h + 3k)·sb/t (10·sbh/t with
+    one kv head per query head, Llama-2-7B). Full recomputation keeps the layer's input.
 
     A norm's statistics (a float or two per token) are rounded away, as the paper does for
     LayerNorm's. A fused RMSNorm keeps only its input (megatron-core's; PyTorch's
