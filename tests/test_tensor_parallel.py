@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_edu import comm
 from megatron_edu.grid import ParallelGrid
-from megatron_edu.model import GPT
+from megatron_edu.model import GPT, LlamaConfig
 from megatron_edu.model.transformer import Block
 from megatron_edu.tensor_parallel import (
     ColumnParallelLinear,
@@ -223,10 +223,14 @@ def test_vocab_parallel_cross_entropy_exchanges_three_numbers_per_token_forward_
 WIRE_S = 8  # the sequence of the block below (split in two under sequence parallelism)
 
 
-def _block_on_the_wire(group, sp):
+def _block_on_the_wire(group, sp, llama=False):
     """(op, label, dtype, bytes) of every collective of one block, forward and backward, under
-    CPU bf16 autocast at tp = 2."""
+    CPU bf16 autocast at tp = 2 (``llama``: 4 heads sharing 2 kv heads, SwiGLU, RMSNorm)."""
     config = tiny_config(sequence_parallel=sp)
+    if llama:
+        config = LlamaConfig(**{k: getattr(config, k) for k in (
+            "vocab_size", "seq_len", "num_layers", "hidden", "num_heads", "sequence_parallel")},
+            num_kv_heads=2, ffn_hidden=96)
     block = Block(config, group)
     init_parameters(block, config.seed, group)
     x = _rand(B, WIRE_S // 2 if sp else WIRE_S, config.hidden, seed=2).requires_grad_()
@@ -253,6 +257,7 @@ def _overlap_step(config, grid, overlap, bf16):
 def _wire_and_overlap():
     grid = ParallelGrid(tp=2)
     wire = {sp: _block_on_the_wire(grid.tp_group, sp) for sp in (False, True)}
+    wire |= {("llama", sp): _block_on_the_wire(grid.tp_group, sp, True) for sp in (False, True)}
     same = {}
     for sp in (False, True):
         for bf16 in (False, True):
@@ -279,13 +284,18 @@ PER_LAYER = {  # (op, label) -> calls of one block, forward and backward, at tp 
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "sequence-parallel"])
-def test_under_autocast_a_layer_sends_activations_and_gradients_in_bf16(wire_and_overlap, sp):
+@pytest.mark.parametrize("block", ["gpt", "llama"])
+def test_under_autocast_a_layer_sends_activations_and_gradients_in_bf16(wire_and_overlap, sp,
+                                                                        block):
     """Megatron-LM's bytes: b·s·h values of 2 bytes per all-reduce (and per all-gather's output,
-    per reduce-scatter's input) — not the fp32 of a layer norm's output or of its gradient."""
+    per reduce-scatter's input) — not the fp32 of a layer norm's output or of its gradient. A
+    Llama block's are the same (``attention.Attention``): its kv heads and SwiGLU change the
+    matmuls, not what crosses tp."""
     bsh_bf16 = B * WIRE_S * tiny_config().hidden * 2
     for wire, _ in wire_and_overlap:
-        assert Counter((op, label) for op, label, _, _ in wire[sp]) == PER_LAYER[sp]
-        assert {(dtype, nbytes) for *_, dtype, nbytes in wire[sp]} == {(torch.bfloat16, bsh_bf16)}
+        calls = wire[sp] if block == "gpt" else wire["llama", sp]
+        assert Counter((op, label) for op, label, _, _ in calls) == PER_LAYER[sp]
+        assert {(dtype, nbytes) for *_, dtype, nbytes in calls} == {(torch.bfloat16, bsh_bf16)}
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "sequence-parallel"])

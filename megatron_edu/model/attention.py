@@ -259,7 +259,10 @@ class Attention(nn.Module):
     values, each serving a group of num_heads/num_kv_heads query heads. qkv's rows are grouped
     the same way, per kv head: its group's queries, its key, its value (Megatron-LM's query
     groups; per head q | k | v when every head has its own, GPT-2). A split over tp ranks then
-    hands each rank whole groups, and its kv heads' projection costs 2·h·(g/t)·d, not 2·h·h/t."""
+    hands each rank whole groups, and its kv heads' projection costs 2·h·(g/t)·d, not 2·h·h/t.
+    What crosses tp does not change: f's all-reduce of dX and g's of Y, b·s·h values each a
+    layer and pass (SP: the all-gather and reduce-scatter of as many); the kv heads shrink what
+    the context-parallel ring carries, 2·b·(s/cp)·(g/t)·d values a hop, and the KV cache."""
 
     def __init__(self, config: GPTConfig, group: CommGroup, layer: int = 0,
                  cp_group: CommGroup | None = None) -> None:
