@@ -210,7 +210,7 @@ class _RingAttention(torch.autograd.Function):
         mine = chunk_ids(r, cp, zigzag)
         qs = q.chunk(2, 2)
         out, lse = [None, None], [None, None]
-        ring = _Ring(group, backward=False)            # the travelling block [2, b, a, s/cp, d]
+        ring = _Ring(group, backward=False)            # the travelling block [2, b, g, s/cp, d]
         for step, kv in ring.blocks(torch.stack([k, v]), "cp kv"):
             theirs = chunk_ids((r - step) % cp, cp, zigzag)
             ks, vs = each_head(kv[0], q).chunk(2, 2), each_head(kv[1], q).chunk(2, 2)
