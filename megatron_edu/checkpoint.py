@@ -85,7 +85,8 @@ from megatron_edu.ptdp import PTDP, Parallelism
 __all__ = ["save_checkpoint", "Writer", "BackgroundWriter", "load_checkpoint",
            "load_model_chunks", "read_metadata", "load_full_model_state",
            "resolve_checkpoint", "check_model", "export_hf", "Read",
-           "CheckpointError", "NonFiniteError", "checkpoint_bytes", "withdraw_checkpoint"]
+           "CheckpointError", "NonFiniteError", "checkpoint_bytes", "withdraw_checkpoint",
+           "TOKENIZER"]
 
 FORMAT = 1
 MOMENTS = ("exp_avg", "exp_avg_sq")

@@ -49,6 +49,7 @@ import torch
 
 from megatron_edu import cli, comm
 from megatron_edu.checkpoint import (
+    TOKENIZER,
     BackgroundWriter,
     CheckpointError,
     NonFiniteError,
@@ -72,6 +73,7 @@ from megatron_edu.cli import (
 from megatron_edu.data import BatchSampler, TokenDataset, prepare_data, unigram_entropy
 from megatron_edu.data.bert import prepare_bert_data
 from megatron_edu.grid import Layout, ParallelGrid
+from megatron_edu.hf import config_from_hf, read_hf
 from megatron_edu.launch import RankError, resolve_backend, run, under_torchrun
 from megatron_edu.model import BertConfig, GPTConfig, LlamaConfig, compile_blocks
 from megatron_edu.model.config import ATTENTION, LN_PLACEMENTS, PRESETS, RECOMPUTE
@@ -190,6 +192,10 @@ def build_parser() -> argparse.ArgumentParser:
     run_.add_argument("--async-save", action="store_true", help="write each checkpoint in a "
                       "background thread from a host copy while training goes on; the next "
                       "save and the end of the run wait for it")
+    run_.add_argument("--init-from-hf", type=Path, metavar="DIR", help="start from a Hugging "
+                      "Face GPT-2 or Llama folder's weights, at any layout, its sizes the "
+                      "model's; the corpus read with the folder's tokenizer.model (a folder "
+                      "checkpoint export-hf wrote)")
     run_.add_argument("--resume", nargs="?", const="auto", default=None,
                       help="resume from OUT's latest checkpoint (the flag alone, or 'auto'; "
                       "none there yet: start afresh, so a requeued job can always pass it), or "
@@ -220,7 +226,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def model_config(args: argparse.Namespace) -> GPTConfig:
-    """The model the flags describe: the preset, with the sizes and switches given."""
+    """The model the flags describe: the preset, with the sizes and switches given; or with
+    ``--init-from-hf``, the folder's model with the switches."""
+    switches = dict(dropout=args.dropout, recompute=args.recompute, fused=args.fused,
+                    sequence_parallel=args.sequence_parallel, attention=args.attention,
+                    async_tp=args.async_tp, seed=args.seed)
+    if args.init_from_hf is not None:
+        hf = json.loads((args.init_from_hf / "config.json").read_text())
+        return config_from_hf(hf, **switches)
     overrides = {field: getattr(args, attr) for field, attr in (
         ("num_layers", "layers"), ("hidden", "hidden"), ("num_heads", "heads"),
         ("num_kv_heads", "kv_heads"), ("seq_len", "seq_len"), ("vocab_size", "vocab_size"))
@@ -229,11 +242,8 @@ def model_config(args: argparse.Namespace) -> GPTConfig:
         overrides["ffn_hidden"] = 0  # back to the model's rule: 4h, or Llama's 8h/3
     if "num_heads" in overrides and "num_kv_heads" not in overrides:
         overrides["num_kv_heads"] = 0  # one per head, unless said
-    return CONFIGS[args.model].preset(args.preset, dropout=args.dropout, recompute=args.recompute,
-                               sequence_parallel=args.sequence_parallel, fused=args.fused,
-                               attention=args.attention,
-                               async_tp=args.async_tp,
-                               seed=args.seed, ln_placement=args.ln_placement, **overrides)
+    return CONFIGS[args.model].preset(args.preset, ln_placement=args.ln_placement, **switches,
+                                      **overrides)
 
 
 @dataclass
@@ -268,6 +278,7 @@ def validate(args: argparse.Namespace, world_size: int | None = None) -> Plan:
                               args.global_batch // (args.dp * args.micro_batch))
     parallelism = Parallelism(Layout(args.tp, args.pp, args.dp, args.cp), pipeline, args.zero)
     parallelism.layout.check_world(world)
+    _check_hf_start(args)
     config = model_config(args)
     parallelism.check(config)
     if args.sequence_parallel and args.tp == 1:
@@ -286,6 +297,20 @@ def validate(args: argparse.Namespace, world_size: int | None = None) -> Plan:
                                               (args.out / "checkpoints" / "latest").exists()):
         check_model(read_metadata(resume_from), config)  # missing, incomplete or another model
     return Plan(parallelism, config)
+
+
+def _check_hf_start(args: argparse.Namespace) -> None:
+    """``--init-from-hf DIR``: a Hugging Face folder with the sentencepiece model its corpus is
+    read with (as ``checkpoint export-hf`` writes it), and a fresh run (not a resumed one)."""
+    if args.init_from_hf is None:
+        return
+    if args.resume is not None:
+        raise ValueError("--init-from-hf starts a run from a Hugging Face folder's weights, "
+                         "--resume continues a run from its checkpoint: give one of them")
+    for name in ("config.json", TOKENIZER):
+        if not (args.init_from_hf / name).exists():
+            raise FileNotFoundError(f"--init-from-hf {args.init_from_hf} holds no {name} (a "
+                                    f"folder checkpoint export-hf wrote has both)")
 
 
 def check_data(args: argparse.Namespace, train_set: TokenDataset) -> None:
@@ -312,6 +337,11 @@ def train(args: argparse.Namespace, plan: Plan) -> dict[str, Any]:
         scatter_gather=not args.no_scatter_gather, lr=args.lr, weight_decay=args.weight_decay,
         clip=args.clip, loss_scaling=args.dtype == "fp16"),
         pipeline=parallelism.pipeline, zero=parallelism.zero)
+    if args.init_from_hf is not None:            # this rank's slices of the folder's weights
+        state = read_hf(args.init_from_hf)[1]
+        with trainer.gathered():
+            for chunk in trainer.chunks:
+                chunk.load_full_state_dict(state)
     if args.compile:
         for chunk in trainer.chunks:
             compile_blocks(chunk)
@@ -434,7 +464,9 @@ def _data(args, config: GPTConfig):
     if isinstance(config, BertConfig):   # sentence pairs, masked (data/bert.py)
         return prepare_bert_data(source, config.vocab_size, config.seq_len, args.cache_dir,
                                  seed=args.seed)
-    return prepare_data(source, config.vocab_size, config.seq_len, args.cache_dir)
+    tokenizer = None if args.init_from_hf is None else args.init_from_hf / TOKENIZER
+    return prepare_data(source, config.vocab_size, config.seq_len, args.cache_dir,
+                        tokenizer_path=tokenizer)
 
 
 def _resume(args, trainer: PTDP, sampler: BatchSampler) -> tuple[int, Path | None]:

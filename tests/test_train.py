@@ -35,6 +35,10 @@ def _train(out, cache, *extra):
     return [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
 
 
+def _losses_records(out):
+    return [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+
+
 def _losses(records):
     return {r["step"]: r["loss"] for r in records if "loss" in r}
 
@@ -274,6 +278,9 @@ def _a_rank_fails(*args, **kwargs):
     (["--chunks", "2"], "the 1f1b schedule has one model chunk per rank; got v=2"),
     (["--nproc", "2", "--tp", "2", "--async-tp", "--schedule", "zb-h1"],
      "async_tp computes dX and dW in one node: zb-h1's B/W split would run it"),
+    (["--init-from-hf", "/nowhere"], "--init-from-hf /nowhere holds no config.json"),
+    (["--init-from-hf", "/nowhere", "--resume"], "--init-from-hf starts a run from a Hugging "
+                                                 "Face folder's weights, --resume continues"),
     (["--schedule", "zb-v", "--chunks", "3"], "the zb-v schedule has two model chunks per rank; "
                                               "got v=3"),
     (["--schedule", "interleaved"], "the interleaved schedule needs its number of chunks"),
@@ -396,6 +403,14 @@ def test_a_checkpoint_exports_to_hugging_face(tmp_path, cache):
     with torch.no_grad():
         torch.testing.assert_close(theirs(ids).logits, ours(ids)[..., :512], atol=1e-4, rtol=0)
     assert (tmp_path / "hf" / "tokenizer.model").exists()
+    # and back: a run started from the folder, at pp 2, holds the exported weights (a step of
+    # lr 1e-9 moves nothing), so its validation loss is the run's it was exported from
+    val = [r["val_loss"] for r in _train(tmp_path / "again", cache, "--init-from-hf",
+                                         str(tmp_path / "hf"), "--nproc", "2", "--pp", "2",
+                                         "--steps", "1", "--lr", "1e-9", "--min-lr", "0",
+                                         "--warmup", "0") if "val_loss" in r]
+    exported = [r["val_loss"] for r in _losses_records(tmp_path) if "val_loss" in r][-1]
+    assert val == [pytest.approx(exported, abs=1e-5)]
 
 
 def test_resuming_another_model_fails_before_launch(two_steps):
