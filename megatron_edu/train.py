@@ -179,7 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
                      "dynamic loss scaling (1909.08053); weights stay fp32")
     data = p.add_argument_group("data")
     data.add_argument("--data", nargs="+", default=["default"],
-                      help="'default' (built-in corpus), 'wikitext103', or .txt files/folders")
+                      help="'default' (built-in corpus), 'wikitext103', or .txt and .jsonl "
+                      "files, or folders of them")
+    data.add_argument("--text-field", default="text", help="the field of each .jsonl line "
+                      "that holds its document (default: %(default)s)")
     data.add_argument("--cache-dir", type=Path, help="default ~/.cache/megatron_edu")
     run_ = p.add_argument_group("run")
     run_.add_argument("--out", type=Path, default=Path("runs/default"))
@@ -466,7 +469,7 @@ def _data(args, config: GPTConfig):
                                  seed=args.seed)
     tokenizer = None if args.init_from_hf is None else args.init_from_hf / TOKENIZER
     return prepare_data(source, config.vocab_size, config.seq_len, args.cache_dir,
-                        tokenizer_path=tokenizer)
+                        tokenizer_path=tokenizer, text_field=args.text_field)
 
 
 def _resume(args, trainer: PTDP, sampler: BatchSampler) -> tuple[int, Path | None]:

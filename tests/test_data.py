@@ -1,5 +1,6 @@
 """The data pipeline: corpus, tokenizer, token dataset, deterministic data-parallel sampler."""
 
+import json
 import math
 import pickle
 import sys
@@ -157,6 +158,29 @@ def test_text_files_load_one_document_per_file_in_sorted_order(tmp_path):
     assert load_text_files([tmp_path]) == ["first", "second"]
 
 
+def test_a_jsonl_file_holds_one_document_a_line_in_its_text_field(tmp_path):
+    """The way corpora are kept on disk (The Pile, OpenWebText dumps, Megatron-LM's
+    preprocess_data.py input): one JSON object a line; a folder mixes them with .txt files."""
+    lines = [{"text": "first doc", "id": 1}, {"text": "second\ndoc", "id": 2}]
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines) + "\n")
+    (tmp_path / "b.txt").write_text("third")
+    assert load_text_files([tmp_path]) == ["first doc", "second\ndoc", "third"]
+    (tmp_path / "c.jsonl").write_text(json.dumps({"body": "fourth"}) + "\n")
+    assert load_corpus(str(tmp_path / "c.jsonl"), text_field="body") == ["fourth"]
+
+
+@pytest.mark.parametrize(("line", "message"), [
+    ('{"body": "x"}', r"c.jsonl:2 has no text in field 'text' \(its fields: \['body'\]\)"),
+    ('{"text": "  "}', r"c.jsonl:2 has no text in field 'text'"),
+    ('{"text": 3}', r"c.jsonl:2 has no text in field 'text'"),
+    ("not json", r"c.jsonl:2 is not JSON"),
+])
+def test_a_jsonl_line_without_text_is_named_by_file_and_line(tmp_path, line, message):
+    (tmp_path / "c.jsonl").write_text(json.dumps({"text": "ok"}) + "\n" + line + "\n")
+    with pytest.raises(ValueError, match=message):
+        load_text_files([tmp_path / "c.jsonl"])
+
+
 def test_load_corpus_accepts_a_single_path(tmp_path):
     (tmp_path / "a.txt").write_text("hello")
     assert load_corpus(str(tmp_path / "a.txt")) == ["hello"]
@@ -169,7 +193,7 @@ def test_missing_text_file_error_names_the_path(tmp_path):
 
 def test_folder_without_txt_files_error_names_the_folder(tmp_path):
     (tmp_path / "data").mkdir()
-    with pytest.raises(ValueError, match=r"data is a folder with no \.txt"):
+    with pytest.raises(ValueError, match=r"data is a folder with no \.txt or \.jsonl"):
         load_text_files([tmp_path / "data"])
 
 

@@ -301,6 +301,18 @@ def test_a_bad_argument_is_one_line_before_any_rank_starts(argv, message, tmp_pa
     assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
 
 
+def test_a_jsonl_corpus_without_its_text_field_is_one_line_before_any_rank_starts(
+        tmp_path, cache, capsys, monkeypatch):
+    monkeypatch.setattr(train_module, "run", _no_launch)
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text('{"body": "a document"}\n')
+    assert main([*TINY, "--out", str(tmp_path / "run"), "--cache-dir", str(cache),
+                 "--data", str(corpus)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "corpus.jsonl:1 has no text in field 'text'" in err, err
+    assert "--text-field" in err
+
+
 def test_an_output_folder_that_cannot_be_written_is_refused(tmp_path, cache, capsys,
                                                             monkeypatch):
     monkeypatch.setattr(train_module, "run", _no_launch)

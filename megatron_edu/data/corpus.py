@@ -12,7 +12,9 @@ the Python Software Foundation's, under the PSF License Agreement
 running Python.
 
 Other sources, same shape (a list of documents, strings):
-- `load_text_files(paths)`: local `.txt` files, or folders of them (one document per file);
+- `load_text_files(paths)`: local `.txt` files (one document per file) and `.jsonl` files (one
+  document per line: its `text_field`, "text" by default, as most corpora on disk keep it), or
+  folders of them;
 - `load_wikitext103(split)`: WikiText-103 (Merity et al. 2016, arXiv 1609.07843, the corpus of
   1909.08053 §5.1's perplexity evaluation) through the optional `datasets` package, online only.
 
@@ -26,6 +28,7 @@ import ast
 import gc
 import gzip
 import hashlib
+import json
 import os
 import re
 import sysconfig
@@ -53,8 +56,8 @@ _SKIP_DIRS = frozenset(
 )
 _DOCUMENTED = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
 _WIKITEXT_HINT = (
-    "Offline, train on local text instead: --data PATH (a .txt file or a folder of them), "
-    "or keep the built-in default corpus."
+    "Offline, train on local text instead: --data PATH (a .txt or .jsonl file, or a folder of "
+    "them), or keep the built-in default corpus."
 )
 
 
@@ -191,11 +194,14 @@ def pydoc_topics() -> list[str]:
 # ---------------------------------------------------------------------------------------------
 
 
-def load_text_files(paths: Sequence[str | Path]) -> list[str]:
-    """One document per UTF-8 text file; a folder stands for every .txt file below it, sorted."""
+def load_text_files(paths: Sequence[str | Path], text_field: str = "text") -> list[str]:
+    """Documents from UTF-8 files: a .jsonl file's lines (each a JSON object, its ``text_field``
+    the document), any other file whole; a folder stands for every .txt and .jsonl file below
+    it, sorted. A ValueError names the file (and line) of anything that is not text to train on."""
     if not paths:
-        raise ValueError("no text files given: pass at least one .txt file or folder")
-    return [_read_document(file) for path in paths for file in _text_files(Path(path))]
+        raise ValueError("no text files given: pass at least one .txt or .jsonl file or folder")
+    return [document for path in paths for file in _text_files(Path(path))
+            for document in _read_documents(file, text_field)]
 
 
 def _text_files(path: Path) -> list[Path]:
@@ -203,13 +209,14 @@ def _text_files(path: Path) -> list[Path]:
         raise FileNotFoundError(f"text data not found: {path}")
     if not path.is_dir():
         return [path]
-    files = sorted(file for file in path.rglob("*.txt") if file.is_file())
+    files = sorted(file for file in path.rglob("*") if file.suffix in (".txt", ".jsonl")
+                   and file.is_file())
     if not files:
-        raise ValueError(f"{path} is a folder with no .txt files in it")
+        raise ValueError(f"{path} is a folder with no .txt or .jsonl files in it")
     return files
 
 
-def _read_document(file: Path) -> str:
+def _read_documents(file: Path, text_field: str) -> list[str]:
     try:
         text = file.read_text(encoding="utf-8")
     except UnicodeDecodeError as error:
@@ -217,7 +224,25 @@ def _read_document(file: Path) -> str:
         raise ValueError(f"{file} is not UTF-8 text ({reason})") from None
     if not text.strip():
         raise ValueError(f"{file} is empty: it holds no text to train on")
-    return text
+    if file.suffix != ".jsonl":
+        return [text]
+    return [_field(file, i, line, text_field)
+            for i, line in enumerate(text.splitlines(), 1) if line.strip()]
+
+
+def _field(file: Path, number: int, line: str, text_field: str) -> str:
+    """The document of one JSON line: its ``text_field``, a non-empty string."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{file}:{number} is not JSON ({error.msg}): each line of a .jsonl "
+                         f"file is one object") from None
+    value = record.get(text_field) if isinstance(record, dict) else None
+    if not isinstance(value, str) or not value.strip():
+        fields = sorted(record) if isinstance(record, dict) else type(record).__name__
+        raise ValueError(f"{file}:{number} has no text in field {text_field!r} (its fields: "
+                         f"{fields}): name the field with --text-field")
+    return value
 
 
 def load_wikitext103(split: str = "train", cache_dir: str | Path | None = None) -> list[str]:
@@ -256,13 +281,15 @@ def wikitext_articles(lines: Sequence[str]) -> list[str]:
 
 
 def load_corpus(
-    source: str | Path | Sequence[str | Path] = "default", cache_dir: str | Path | None = None
+    source: str | Path | Sequence[str | Path] = "default", cache_dir: str | Path | None = None,
+    text_field: str = "text",
 ) -> list[str]:
-    """Documents from `source`: "default" (built in), "wikitext103", or text file/folder paths."""
+    """Documents from `source`: "default" (built in), "wikitext103", or .txt/.jsonl file and
+    folder paths (`text_field`: the .jsonl lines' field holding the text)."""
     if source == "default":
         return default_corpus(cache_dir)
     if source == "wikitext103":
         return load_wikitext103("train", cache_dir)
     paths = [source] if isinstance(source, (str, Path)) else list(source)
-    return load_text_files(paths)
+    return load_text_files(paths, text_field)
 

@@ -252,12 +252,14 @@ def prepare_data(
     val_fraction: float = 0.05,
     model_type: str = "bpe",
     tokenizer_path: str | Path | None = None,
+    text_field: str = "text",
 ) -> tuple[Tokenizer, TokenDataset, TokenDataset]:
     """(tokenizer, train, validation) for `source`, building whatever the cache lacks.
 
-    `tokenizer_path` loads an existing `.model` instead of training one on the corpus.
+    `tokenizer_path` loads an existing `.model` instead of training one on the corpus;
+    `text_field`: the field of a .jsonl file's lines that holds the text.
     """
-    documents = load_corpus(source, cache_dir)
+    documents = load_corpus(source, cache_dir, text_field)
     if tokenizer_path is not None:
         tokenizer = Tokenizer.load(tokenizer_path)
     else:
