@@ -3,6 +3,7 @@
 import json
 import math
 import pickle
+import shutil
 import sys
 import types
 from pathlib import Path
@@ -32,6 +33,7 @@ from megatron_edu.data import dataset as dataset_module
 from megatron_edu.data import tokenizer as tokenizer_module
 from megatron_edu.data.corpus import documents_sha256, stdlib_docstrings
 from megatron_edu.data.dataset import token_dtype
+from megatron_edu.data.prepare import main as prepare_main
 from megatron_edu.perf import num_parameters
 
 VOCAB = 512
@@ -427,3 +429,50 @@ def test_unigram_entropy_of_skewed_tokens_by_hand():
 
 def test_unigram_entropy_of_a_single_repeated_token_is_zero():
     assert unigram_entropy(np.full(10, 42, dtype=np.uint16)) == 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# A corpus tokenized once (python -m megatron_edu.data.prepare)
+# ---------------------------------------------------------------------------------------------
+
+def test_a_prepared_folder_gives_the_batches_of_the_text_it_was_prepared_from(
+        tmp_path, small_corpus, tokenizer, corpus_cache):
+    """Encoded in 2 processes, part by part: the same ids as the text's token file, every
+    document's end in the index, and training reads the folder instead of the text."""
+    (tmp_path / "corpus.jsonl").write_text("".join(json.dumps({"text": d}) + "\n"
+                                                   for d in small_corpus[:20]))
+    (tmp_path / "more.txt").write_text(small_corpus[20])
+    assert prepare_main(["--data", str(tmp_path / "corpus.jsonl"), str(tmp_path / "more.txt"),
+                         "--tokenizer", str(tokenizer.path), "--out", str(tmp_path / "ids"),
+                         "--workers", "2"]) == 0
+    _, train, val = prepare_data(str(tmp_path / "ids"), VOCAB, 64)
+    _, text_train, text_val = prepare_data([tmp_path / "corpus.jsonl", tmp_path / "more.txt"],
+                                           VOCAB, 64, corpus_cache, tokenizer_path=tokenizer.path)
+    assert np.array_equal(train.tokens, text_train.tokens)
+    assert np.array_equal(val.tokens, text_val.tokens)
+    ends = np.load(tmp_path / "ids" / "documents.npy")
+    assert len(ends) == 21 and ends[-1] == len(train.tokens) + len(val.tokens)
+    with pytest.raises(ValueError, match=f"prepared with a vocabulary of {VOCAB}: the model "
+                                         f"has 100 \\(pass --vocab-size {VOCAB}\\)"):
+        prepare_data(str(tmp_path / "ids"), 100, 64)
+
+
+def _rss() -> int:
+    return int(next(line for line in Path("/proc/self/status").read_text().splitlines()
+                    if line.startswith("VmRSS:")).split()[1]) * 1024
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads Linux's VmRSS")
+def test_a_gigabyte_of_prepared_tokens_opens_without_being_read(tmp_path, tokenizer):
+    """A 1 GB token file (5·10⁸ uint16 ids): opening it, splitting off validation and reading
+    a batch touch a few pages, not the file (a memory map; nothing tokenized, nothing hashed)."""
+    folder = tmp_path / "big"
+    folder.mkdir()
+    np.lib.format.open_memmap(folder / "tokens.npy", "w+", np.uint16, (500_000_000,)).flush()
+    shutil.copyfile(tokenizer.path, folder / "tokenizer.model")
+    (folder / "prepared.json").write_text("{}")
+    before = _rss()
+    _, train, val = prepare_data(str(folder), VOCAB, 1024)
+    inputs, labels = train.batch([0, len(train) // 2, len(train) - 1])
+    assert inputs.shape == (3, 1024) and len(train) + len(val) > 480_000
+    assert _rss() - before < 64 * 2**20

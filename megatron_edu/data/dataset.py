@@ -41,6 +41,8 @@ __all__ = ["token_dtype", "encode_documents", "split_point", "TokenDataset", "Ba
            "unigram_entropy", "prepare_data"]
 
 _ENCODE_BATCH = 256  # documents (or pieces of long ones) per sentencepiece call
+_NAMED = ("default", "wikitext103")  # the corpora named, not paths
+PREPARED = "prepared.json"  # the marker of a prepared folder (``data/prepare.py``), written last
 _PIECE_CHARS = 1 << 20  # a long document is encoded in pieces of about 1M characters
 
 
@@ -254,11 +256,15 @@ def prepare_data(
     tokenizer_path: str | Path | None = None,
     text_field: str = "text",
 ) -> tuple[Tokenizer, TokenDataset, TokenDataset]:
-    """(tokenizer, train, validation) for `source`, building whatever the cache lacks.
+    """(tokenizer, train, validation) for `source`, building whatever the cache lacks; a
+    folder `python -m megatron_edu.data.prepare` wrote is read as it is (`data/prepare.py`).
 
     `tokenizer_path` loads an existing `.model` instead of training one on the corpus;
     `text_field`: the field of a .jsonl file's lines that holds the text.
     """
+    paths = [source] if isinstance(source, (str, Path)) else list(source)
+    if len(paths) == 1 and str(paths[0]) not in _NAMED and (Path(paths[0]) / PREPARED).is_file():
+        return _prepared(Path(paths[0]), vocab_size, seq_len, val_fraction)   # tokenized once
     documents = load_corpus(source, cache_dir, text_field)
     if tokenizer_path is not None:
         tokenizer = Tokenizer.load(tokenizer_path)
@@ -268,3 +274,18 @@ def prepare_data(
     boundary = split_point(len(load_tokens(path)), seq_len, val_fraction)
     train, val = TokenDataset(path, seq_len, 0, boundary), TokenDataset(path, seq_len, boundary)
     return tokenizer, train, val
+
+
+def _prepared(folder: Path, vocab_size: int, seq_len: int,
+              val_fraction: float) -> tuple[Tokenizer, TokenDataset, TokenDataset]:
+    """A folder ``python -m megatron_edu.data.prepare`` wrote: its ids read as a memory map,
+    nothing tokenized, its tokenizer the model's."""
+    tokenizer = Tokenizer.load(folder / "tokenizer.model")
+    if tokenizer.vocab_size > vocab_size:
+        raise ValueError(f"--data {folder} was prepared with a vocabulary of "
+                         f"{tokenizer.vocab_size}: the model has {vocab_size} (pass "
+                         f"--vocab-size {tokenizer.vocab_size})")
+    path = folder / "tokens.npy"
+    boundary = split_point(len(load_tokens(path)), seq_len, val_fraction)
+    return tokenizer, TokenDataset(path, seq_len, 0, boundary), TokenDataset(path, seq_len,
+                                                                             boundary)
