@@ -31,12 +31,29 @@ DTYPES = ("auto", "fp32", "bf16", "fp16")  # --dtype of train and evaluate
 
 class Parser(argparse.ArgumentParser):
     """An ``argparse.ArgumentParser`` whose errors are one line on stderr — ``error: --flag
-    must be …, got …`` — without the usage text, exit status 2 (argparse's own)."""
+    must be …, got …`` — without the usage text, exit status 2 (argparse's own) — and whose
+    ``--help`` shows every default."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **{**kwargs, "formatter_class": _WithDefaults})
 
     def error(self, message: str) -> NoReturn:
         """Print ``message`` as one line naming the argument; exit with status 2."""
         print(f"error: {_one_line(message)}", file=sys.stderr)
         sys.exit(2)
+
+
+class _WithDefaults(argparse.RawDescriptionHelpFormatter):
+    """The description as written, and every option's default after its help (argparse's
+    own formatter skips an option without help text): "(default: 600)"; an off switch or a
+    None default says nothing."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if ("%(default)" in text or not action.option_strings or action.default is None
+                or action.default is False or action.default == argparse.SUPPRESS):
+            return text
+        return f"{text} (default: %(default)s)".lstrip()
 
 
 def _one_line(message: str) -> str:

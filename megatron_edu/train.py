@@ -93,6 +93,7 @@ from megatron_edu.run_folder import (
     refresh_lock,
     release_lock,
 )
+from megatron_edu.tools import StepProfiler, flags_from_file, step_range, write_run_record
 
 __all__ = ["parse_args", "validate", "main", "train"]
 
@@ -182,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="'default' (built-in corpus), 'wikitext103', or .txt and .jsonl "
                       "files, or folders of them")
     data.add_argument("--text-field", default="text", help="the field of each .jsonl line "
-                      "that holds its document (default: %(default)s)")
+                      "that holds its document")
     data.add_argument("--cache-dir", type=Path, help="default ~/.cache/megatron_edu")
     run_ = p.add_argument_group("run")
     run_.add_argument("--out", type=Path, default=Path("runs/default"))
@@ -203,6 +204,12 @@ def build_parser() -> argparse.ArgumentParser:
                       help="resume from OUT's latest checkpoint (the flag alone, or 'auto'; "
                       "none there yet: start afresh, so a requeued job can always pass it), or "
                       "from the given one (any layout; the lr schedule follows this run's --steps)")
+    run_.add_argument("--config", type=Path, metavar="FILE", help="a .toml or .json file of "
+                      "flags, named without the dashes; the command line overrides it")
+    run_.add_argument("--profile", type=step_range, metavar="START:END", help="a torch.profiler "
+                      "trace of steps START … END−1 in OUT/profile_rank{r}.json (Perfetto)")
+    run_.add_argument("--profile-ranks", choices=["0", "all"], default="0",
+                      help="the ranks --profile traces")
     run_.add_argument("--peak-tflops", type=_peak_tflops, help="per-rank peak for MFU: TFLOP/s, "
                       "or 'measured' (a matmul timed on every rank); default: the GPU's "
                       "datasheet dense bf16 peak (perf.DATASHEET_BF16_PEAKS: Blackwell, Hopper, "
@@ -224,8 +231,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The flags of ``argv`` (default: the command line's)."""
-    return build_parser().parse_args(argv)
+    """The flags of ``argv`` (default: the command line's), over those of ``--config FILE``."""
+    parser = build_parser()
+    config = argparse.ArgumentParser(add_help=False)
+    config.add_argument("--config", type=Path)
+    file = config.parse_known_args(argv)[0].config
+    if file is not None:
+        try:
+            parser.set_defaults(**flags_from_file(file, parser))
+        except ValueError as err:
+            parser.error(str(err))
+    return parser.parse_args(argv)
 
 
 def model_config(args: argparse.Namespace) -> GPTConfig:
@@ -356,7 +372,11 @@ def train(args: argparse.Namespace, plan: Plan) -> dict[str, Any]:
     meter = _Meter(args, config, grid, log, start)
     autocast = cli.autocast(args.dtype, grid.device)
     streak = _Streak(args.dtype == "fp16", grid)
+    traced = args.profile_ranks == "all" or grid.rank == 0
+    profiler = StepProfiler(args.profile if traced else None,
+                            args.out / f"profile_rank{grid.rank}.json", grid.device)
     for step in range(start, args.steps):
+        profiler.at(step + 1)
         ids, labels = train_set.batch(next(sampler))
         lr = warmup_cosine(step, args.warmup, args.steps, args.lr, args.min_lr)
         with autocast:
@@ -377,6 +397,7 @@ def train(args: argparse.Namespace, plan: Plan) -> dict[str, Any]:
                 meter.close()
                 return {"error": str(err)}
     meter.close()
+    profiler.close()
     try:
         writer.wait()                           # --async-save: the last save is published
     except CheckpointError as err:
@@ -687,6 +708,7 @@ def main(argv: list[str] | None = None) -> int:
         if owner:
             prepare_folder(args.out)
             acquire_lock(args.out)
+            write_run_record(args.out, args, plan.parallelism)
     except (ValueError, OSError, RunFolderError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

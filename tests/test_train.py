@@ -57,8 +57,18 @@ def _copy(run_dir, tmp_path):
 
 
 def test_loss_decreases_and_everything_is_written(tmp_path, cache):
-    records = _train(tmp_path, cache, "--nproc", "2", "--tp", "2", "--steps", "12",
-                     "--eval-interval", "6", "--save-interval", "6")
+    """Flags from a --config file, the command line overriding it; the run's record (run.json)
+    and a profiler trace of step 2 naming its tensor-parallel all-reduces, beside the log."""
+    config = tmp_path / "run.toml"
+    config.write_text('steps = 5\neval-interval = 6\nsave_interval = 6\n')
+    records = _train(tmp_path / "run", cache, "--nproc", "2", "--tp", "2", "--steps", "12",
+                     "--config", str(config), "--profile", "2:3")
+    tmp_path = tmp_path / "run"
+    run = json.loads((tmp_path / "run.json").read_text())
+    assert (run["args"]["steps"], run["args"]["eval_interval"]) == (12, 6)
+    assert run["layout"] == {"tp": 2, "pp": 1, "dp": 1, "cp": 1} and run["torch"]
+    trace = json.loads((tmp_path / "profile_rank0.json").read_text())["traceEvents"]
+    assert any(e.get("name") == "c10d::allreduce_" for e in trace)
     losses = _losses(records)
     assert sorted(losses) == list(range(1, 13))
     assert losses[12] < losses[1] - 0.5
@@ -279,6 +289,8 @@ def _a_rank_fails(*args, **kwargs):
     (["--nproc", "2", "--tp", "2", "--async-tp", "--schedule", "zb-h1"],
      "async_tp computes dX and dW in one node: zb-h1's B/W split would run it"),
     (["--init-from-hf", "/nowhere"], "--init-from-hf /nowhere holds no config.json"),
+    (["--config", "/nowhere.toml"], "--config /nowhere.toml: no such file"),
+    (["--profile", "3:2"], "--profile must be START:END with 1 ≤ START < END, got 3:2"),
     (["--init-from-hf", "/nowhere", "--resume"], "--init-from-hf starts a run from a Hugging "
                                                  "Face folder's weights, --resume continues"),
     (["--schedule", "zb-v", "--chunks", "3"], "the zb-v schedule has two model chunks per rank; "
@@ -299,6 +311,12 @@ def test_a_bad_argument_is_one_line_before_any_rank_starts(argv, message, tmp_pa
     assert main([*TINY, "--out", str(tmp_path / "run"), "--cache-dir", str(cache), *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
+
+
+def test_a_config_file_naming_no_flag_is_one_line(tmp_path, capsys):
+    (tmp_path / "run.toml").write_text("stepz = 3\n")
+    assert main(["--config", str(tmp_path / "run.toml")]) == 2
+    assert capsys.readouterr().err == f"error: --config {tmp_path / 'run.toml'}: no flag --stepz\n"
 
 
 def test_a_jsonl_corpus_without_its_text_field_is_one_line_before_any_rank_starts(
