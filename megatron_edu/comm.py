@@ -32,7 +32,7 @@ __all__ = [
     "CommGroup", "CommEvent", "CommLog", "record", "world",
     "all_reduce", "all_reduce_", "all_gather", "reduce_scatter", "broadcast", "barrier",
     "send", "isend", "recv", "irecv", "P2POp", "batch_isend_irecv",
-    "f", "g", "gather", "scatter", "all_gather_seq", "reduce_scatter_seq",
+    "f", "g", "gather", "scatter", "all_gather_seq", "reduce_scatter_seq", "compute_dtype",
 ]
 
 
@@ -315,13 +315,19 @@ def _split(x: torch.Tensor, n: int, dim: int) -> tuple[torch.Tensor, ...]:
 
 
 # --- the papers' autograd operators --------------------------------------------------------------
+def compute_dtype(device: str, otherwise: torch.dtype) -> torch.dtype:
+    """The dtype activations travel in: autocast's compute dtype where it is on for ``device``
+    (bf16: Megatron-LM's 2 bytes an element across tp and pp), else ``otherwise``."""
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else otherwise
+
+
 class _F(torch.autograd.Function):
     """f (1909.08053 §3, Fig. 3a): identity forward, all-reduce of the gradient backward."""
 
     @staticmethod
     def forward(ctx, x, group):  # autocast: x in its compute dtype (the gradient too, on the wire)
-        ctx.group, device = group, x.device.type
-        return x.to(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else x
+        ctx.group = group
+        return x.to(compute_dtype(x.device.type, x.dtype))
 
     @staticmethod
     def backward(ctx, grad):  # a copy: autograd may hand the same gradient to another branch

@@ -152,8 +152,7 @@ class ParameterSharding:
         if in_backward():                                # recomputed: backward gathered it
             self._gather(i)
             return
-        kind = self.device.type                          # autocast's dtype: FSDP2's param_dtype
-        dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else self.master
+        dtype = comm.compute_dtype(self.device.type, self.master)  # FSDP2's param_dtype
         self._gather(i, dtype)
         self._prefetch(i + 1, dtype)                     # the next unit, during this one
 

@@ -17,8 +17,9 @@ f the MLP's width (GPT-2: 4h), k the key and value columns (k = h without groupe
 attention), γ = 1 for SwiGLU's gate matmul (0 for GeLU).
 
 ``num_parameters`` and ``training_flops`` are the papers' GPT forms, in their letters;
-``num_parameters_of`` and ``training_flops_of`` read every shape from a ``GPTConfig`` (a
-``LlamaConfig`` too) and agree with them on a GPT.
+``training_flops_of`` reads every shape from a ``GPTConfig`` (a ``LlamaConfig`` too) and agrees
+with them on a GPT. Any model's exact count is ``GPTConfig.num_parameters`` (the published count,
+on the true vocabulary: with ``make_vocab_size_divisible_by=1``).
 
 Model FLOPs and hardware FLOPs: ``training_flops(..., recompute=False)`` counts what the model
 needs (3 passes: forward, and a backward of twice its cost), the numerator of model FLOPs
@@ -43,7 +44,7 @@ import torch
 from megatron_edu.model.config import GPTConfig
 
 __all__ = ["A100_BF16_PEAK", "H100_SXM_BF16_PEAK", "V100_FP16_PEAK", "DATASHEET_BF16_PEAKS",
-           "MATMUL_SIZE", "num_parameters", "num_parameters_of", "training_flops",
+           "MATMUL_SIZE", "num_parameters", "training_flops",
            "training_flops_of", "training_time_seconds",
            "model_flops_utilization", "datasheet_bf16_peak", "datasheet_peak_flops",
            "measure_matmul_flops"]
@@ -116,32 +117,6 @@ def num_parameters(layers: int, hidden: int, vocab: int, seq_len: int) -> int:
     """
     l, h = layers, hidden
     return 12 * l * h * h + 13 * l * h + vocab * h + seq_len * h
-
-
-def num_parameters_of(config: GPTConfig) -> int:
-    """The parameters of ``config``'s model, whole, on its true (unpadded) vocabulary: the
-    count a model card publishes. Per block, k = num_kv_heads·head_dim, f = ffn_hidden:
-
-        QKV h·(h + 2k) + projection h² + MLP (2 + γ)·h·f          weights (γ = 1: SwiGLU's gate)
-        + (h + 2k) + h + (1 + γ)·f + h                            biases, if any
-        + 2 norms: 2h each (LayerNorm: weight, bias), h (RMSNorm: weight)
-
-    plus V·h for the word table, another V·h for an untied output layer, s·h for learned
-    positions, and the final norm. GPT-2 (k = h, f = 4h, γ = 0, biases, LayerNorm, tied,
-    learned): ``num_parameters`` + 2h (2104.04473 §5.1 leaves out the final norm). Llama-2-7B
-    (2307.09288; l 32, h 4096, k = h, f 11008, V 32,000, untied, RMSNorm): 6,738,415,616, the
-    "6.74 B" of its Hugging Face card; Llama-3-8B (2407.21783 Table 3: k = 8·128 = 1024,
-    f 14336, V 128,256): 8,030,261,248, "8.03 B". ``GPTConfig.num_parameters`` counts what
-    ranks hold, on the padded vocabulary; the two agree where V is a multiple of 128 (both
-    Llamas)."""
-    h, f, k = config.hidden, config.ffn_hidden, config.num_kv_heads * config.head_dim
-    gamma = int(config.mlp == "swiglu")
-    norm = 2 * h if config.norm == "layernorm" else h
-    weights = h * (h + 2 * k) + h * h + (2 + gamma) * h * f
-    biases = (h + 2 * k) + h + (1 + gamma) * f + h if config.bias else 0
-    tables = (1 if config.tie_embeddings else 2) * config.vocab_size * h
-    positions = config.seq_len * h if config.positions == "learned" else 0
-    return config.num_layers * (weights + biases + 2 * norm) + tables + positions + norm
 
 
 def training_flops(

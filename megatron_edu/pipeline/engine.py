@@ -220,10 +220,8 @@ class _Run:
 def residual_dtype(chunk: nn.Module) -> torch.dtype:
     """The residual stream's dtype, so the messages' between stages: autocast's compute dtype
     (bf16: half the bytes of fp32, as Megatron-LM sends), else the parameters'."""
-    device = next(chunk.parameters()).device.type
-    if torch.is_autocast_enabled(device):
-        return torch.get_autocast_dtype(device)
-    return next(chunk.parameters()).dtype
+    param = next(chunk.parameters())
+    return comm.compute_dtype(param.device.type, param.dtype)
 
 
 class _Stopwatch:

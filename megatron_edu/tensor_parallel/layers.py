@@ -120,8 +120,7 @@ class RowParallelLinear(nn.Module):
 def in_compute_dtype(x: torch.Tensor) -> torch.Tensor:
     """x in autocast's compute dtype where autocast is on (bf16: the residual stream, and what
     crosses tp and pp, in Megatron-LM's 2 bytes an element), else unchanged."""
-    on, dtype = autocast_of(x)
-    return x.to(dtype) if on else x
+    return x.to(comm.compute_dtype(x.device.type, x.dtype))
 
 
 def autocast_of(x: torch.Tensor) -> tuple[bool, torch.dtype]:
