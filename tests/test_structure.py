@@ -33,8 +33,10 @@ FLAGS = {
 # (issue 32: one-buffer collectives, ZeRO-3 gathering in the compute dtype, a step without host
 # syncs, bf16 across the boundaries, sends left in flight, compile_blocks), then at most +300 for
 # the Llama block (issue 33: RMSNorm, rotary positions, SwiGLU, grouped-query attention, an
-# untied output layer). A new technique raises it in its own commit, saying what the lines buy.
-LINES_BUDGET = 5958 + 300
+# untied output layer) and +30 for its kv heads replicated when tp exceeds them (the grid's
+# blocks of tp ranks, f on a weight, a part held by several ranks in init, checkpoints and the
+# norm). A new technique raises it in its own commit, saying what the lines buy.
+LINES_BUDGET = 5958 + 330
 
 
 def _core() -> list[Path]:
