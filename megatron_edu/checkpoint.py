@@ -16,7 +16,8 @@ A checkpoint is a folder ``OUT/checkpoints/step_000100/`` holding
 * ``meta.json`` — written last: step, model config, layout, training state (data sampler
   position, ...), Adam's step count, the size of every file above (checked on load) and an
   ``index`` of the shard files: for each parameter name, the pipeline stages whose files hold
-  it (two for the tied embedding), its ``tp_dim`` and the shape of its shards.
+  it (two for the tied embedding), its ``tp_dim``, the shape of its shards and how many tp
+  ranks hold each of them (``replicas``: kv heads replicated when tp exceeds them).
 
 **Atomic.** Ranks write into ``step_000100.tmp/``; after a barrier rank 0 writes ``meta.json``,
 renames the folder in one step and then points ``OUT/checkpoints/latest`` at it (also by rename).
@@ -45,15 +46,16 @@ tp × pp × dp — so a run saved at tp=2, pp=2 resumes at tp=1, pp=4 (2104.0447
 layout; a learner tries several) — and no rank ever builds a whole tensor. Think of the whole
 tensor (the tp shards joined along ``tp_dim``, the vocabulary trimmed to ``vocab_size`` rows):
 a rank at tp rank r holds its elements ``[r·n, (r+1)·n)`` along ``tp_dim``, n being its
-shard's length. Knowing from the index which stage's files hold a name and how long the saved
-shards are, it memory-maps just those files (opening one reads no tensor data) and copies out
-of the one or few saved shards that intersect its range only the intersection (views of the
-mapped tensors); rows past the vocabulary are padding, zeros, never read. Of a tensor saved
-more than once (not split over tp; the tied embedding of the first and last stage) it reads
-the copy nearest to its own place in the grid: its own file, on the same layout. Parameters
-and AdamW moments alike. ``_record_reads`` lists every slice copied (tests/test_checkpoint.py
-proves that a rank reads only its own). ``load_full_model_state`` (export, generation) is the
-same read of the range ``[0, whole)`` of every tensor.
+shard's length (a part held by ``replicas`` ranks each: part r // replicas). Knowing from the
+index which stage's files hold a name and how long the saved shards are, it memory-maps just
+those files (opening one reads no tensor data) and copies out of the one or few saved shards
+that intersect its range only the intersection (views of the mapped tensors); rows past the
+vocabulary are padding, zeros, never read. Of a tensor saved more than once (not split over
+tp; the tied embedding of the first and last stage) it reads the copy nearest to its own place
+in the grid: its own file, on the same layout. Parameters and AdamW moments alike.
+``_record_reads`` lists every slice copied (tests/test_checkpoint.py proves that a rank reads
+only its own). ``load_full_model_state`` (export, generation) is the same read of the range
+``[0, whole)`` of every tensor.
 """
 
 from __future__ import annotations
@@ -352,13 +354,14 @@ def _local_shards(trainer: PTDP, adam_step: float) -> dict[str, Any]:
     shards them over dp (``_optimizer_pieces``) — their AdamW moments, each copied to the CPU
     on its own."""
     states = {} if trainer.ddp.shards_optimizer else trainer.optimizer.state
-    params, moments, tp_dims = {}, {}, {}
+    params, moments, tp_dims, replicas = {}, {}, {}, {}
     for chunk in trainer.chunks:
         for name, p in chunk.named_parameters():
-            params[name], tp_dims[name] = _on_cpu(p), p.tp_dim
+            params[name], tp_dims[name], replicas[name] = _on_cpu(p), p.tp_dim, p.tp_replicas
             if p in states:
                 moments[name] = {k: _on_cpu(states[p][k]) for k in MOMENTS}
-    return {"params": params, "moments": moments, "tp_dim": tp_dims, "adam_step": adam_step}
+    return {"params": params, "moments": moments, "tp_dim": tp_dims, "tp_replicas": replicas,
+            "adam_step": adam_step}
 
 
 def _optimizer_pieces(trainer: PTDP) -> dict[str, Any]:
@@ -458,6 +461,7 @@ def _describe(path: Path, pp: int) -> dict[str, Any]:
         saved = _load(path / f"model_tp0_pp{stage}.pt")
         for name, tensor in saved["params"].items():
             entry = index.setdefault(name, {"stages": [], "tp_dim": saved["tp_dim"][name],
+                                            "replicas": saved.get("tp_replicas", {}).get(name, 1),
                                             "shard": list(tensor.shape)})
             entry["stages"].append(stage)                # two for the tied embedding
     return {"index": index, "adam_step": saved["adam_step"]}
@@ -518,14 +522,15 @@ class _Shards:
         entry = self._entry(name)
         d, stage = entry["tp_dim"], self._stage(entry)
         if d is None:                      # not split: every tp shard is a whole copy
-            self._copy(out, self.near_tp, stage, name, kind)
+            self._copy(out, self.near_tp, 1, stage, name, kind)
             return out
-        m, n = entry["shard"][d], out.shape[d]               # saved and wanted lengths
+        m, n, r = entry["shard"][d], out.shape[d], entry.get("replicas", 1)  # (older: none)
         stop = max(start, min(start + n, self._length(name, entry)))
-        for t in range(self.tp):                             # saved shard t: [t·m, (t+1)·m)
-            lo, hi = max(start, t * m), min(stop, (t + 1) * m)
+        for k in range(self.tp // r):                        # saved part k: [k·m, (k+1)·m),
+            lo, hi = max(start, k * m), min(stop, (k + 1) * m)      # held by tp rank k·r
             if lo < hi:
-                self._copy(out.narrow(d, lo - start, hi - lo), t, stage, name, kind, (d, lo, hi))
+                self._copy(out.narrow(d, lo - start, hi - lo), k, r, stage, name, kind,
+                           (d, lo, hi))
         out.narrow(d, stop - start, start + n - stop).zero_()  # vocabulary padding
         return out
 
@@ -543,7 +548,7 @@ class _Shards:
         vocabulary's ``vocab_size`` rows (the padding of the saved layout trimmed)."""
         if name in (WORD_EMBEDDING, OUTPUT_LAYER):
             return self.vocab
-        return entry["shard"][entry["tp_dim"]] * self.tp
+        return entry["shard"][entry["tp_dim"]] * self.tp // entry.get("replicas", 1)
 
     def _stage(self, entry: dict[str, Any]) -> int:
         """Of the saved stages holding a tensor, the one nearest to the reader's."""
@@ -554,15 +559,15 @@ class _Shards:
             raise CheckpointError(f"checkpoint {self.path} holds no parameter {name}")
         return self.index[name]
 
-    def _copy(self, out: torch.Tensor, tp_rank: int, stage: int, name: str, kind: str,
-              piece: tuple[int, int, int] | None = None) -> None:
-        """Copy saved shard ``tp_rank`` into ``out``: whole, or ``piece`` = (dim, lo, hi), the
-        range [lo, hi) of the whole tensor, which lies inside that shard."""
-        file = f"model_tp{tp_rank}_pp{stage}.pt"
+    def _copy(self, out: torch.Tensor, part: int, replicas: int, stage: int, name: str,
+              kind: str, piece: tuple[int, int, int] | None = None) -> None:
+        """Copy saved part ``part`` (tp rank part·replicas's shard) into ``out``: whole, or
+        ``piece`` = (dim, lo, hi), the range [lo, hi) of the whole tensor, inside that part."""
+        file = f"model_tp{part * replicas}_pp{stage}.pt"
         saved = self._saved(file, name, kind)
         if piece is not None:
             d, lo, hi = piece
-            saved = saved.narrow(d, lo - tp_rank * saved.shape[d], hi - lo)  # a view: no read
+            saved = saved.narrow(d, lo - part * saved.shape[d], hi - lo)  # a view: no read
         out.copy_(saved)                                     # reads these pages only
         for log in _active_reads:
             log.append(Read(file, name, kind, None if piece is None else piece[1:],
@@ -639,7 +644,7 @@ def _read_chunks(shards: _Shards, chunks, grid: ParallelGrid,
     by_param: dict[torch.nn.Parameter, dict[str, torch.Tensor]] = {}
     for chunk in chunks:
         for name, p in chunk.named_parameters():
-            start = 0 if p.tp_dim is None else tp_rank * p.shape[p.tp_dim]
+            start = 0 if p.tp_dim is None else tp_rank // p.tp_replicas * p.shape[p.tp_dim]
             shards.read(name, "param", p, start)
             if moments and shards.adam_step:
                 by_param[p] = {k: shards.read(name, k, torch.empty_like(p), start)

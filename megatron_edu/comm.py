@@ -4,11 +4,11 @@ Plain collectives (``all_reduce``, ``all_gather``, ``reduce_scatter``, ``broadca
 ``recv``, ``batch_isend_irecv``, ...) wrap ``torch.distributed``, take a ``CommGroup`` and note
 each call; all-gathers and reduce-scatters move one contiguous buffer (a data-parallel bucket:
 in place), as Megatron-LM and FSDP2. The papers' autograd operators (1909.08053 §3, Figure 3):
-``f``, identity forward and all-reduce backward, and its conjugate ``g``, all-reduce forward and
-identity backward;
-``gather``/``scatter`` (last dimension) and ``all_gather_seq``/``reduce_scatter_seq`` (sequence)
-are conjugate pairs too. On a group of size 1 every operation is the identity and records
-nothing: a parallel layer at size 1 *is* the serial layer.
+``f``, identity forward and all-reduce backward (``f_param`` on a weight several ranks hold), and
+its conjugate ``g``, all-reduce forward and identity backward; ``gather``/``scatter`` (last
+dimension) and ``all_gather_seq``/``reduce_scatter_seq`` (sequence) are conjugate pairs too. On a
+group of size 1 every operation is the identity and records nothing: a parallel layer at size 1
+*is* the serial layer.
 
 ``record(timing.TimedLog(clock))`` also notes when each call was made and done, for the timelines
 of notebooks 06 and 13 (``timing.py``): no algorithm calls a timer. Bytes are the full buffer's
@@ -32,7 +32,8 @@ __all__ = [
     "CommGroup", "CommEvent", "CommLog", "record", "world",
     "all_reduce", "all_reduce_", "all_gather", "reduce_scatter", "broadcast", "barrier",
     "send", "isend", "recv", "irecv", "P2POp", "batch_isend_irecv",
-    "f", "g", "gather", "scatter", "all_gather_seq", "reduce_scatter_seq", "compute_dtype",
+    "f", "f_param", "g", "gather", "scatter", "all_gather_seq", "reduce_scatter_seq",
+    "compute_dtype",
 ]
 
 
@@ -44,6 +45,7 @@ class CommGroup:
     name: str
     ranks: tuple[int, ...]
     pg: dist.ProcessGroup | None = field(default=None, compare=False, repr=False)
+    blocks: dict[int, CommGroup] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def size(self) -> int:
@@ -57,6 +59,14 @@ class CommGroup:
     def rank(self) -> int:
         """This process's index in the group (0 in a group of one, torch.distributed or not)."""
         return 0 if self.size == 1 else self.ranks.index(dist.get_rank())
+
+    def block(self, r: int) -> CommGroup:
+        """The r consecutive ranks of this group that this rank is one of (a kv head's holders
+        when tp exceeds the kv heads): one of the ``blocks`` ``ParallelGrid`` made with it, as
+        making a group is a collective of all ranks, which a layer cannot call."""
+        if r == 1:
+            return CommGroup(self.name, (self.ranks[self.rank],))
+        return self if r == self.size else self.blocks[r]
 
 
 def world() -> CommGroup:
@@ -334,6 +344,16 @@ class _F(torch.autograd.Function):
         return all_reduce(grad, ctx.group, "f backward"), None
 
 
+class _FParam(_F):
+    """f on a parameter several ranks hold: the identity in its own dtype, so that its copies'
+    gradients are summed in fp32, as data parallelism sums gradients (not in the compute dtype)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+
 class _G(torch.autograd.Function):
     """g (1909.08053 §3, Fig. 3b): all-reduce forward, identity backward."""
 
@@ -389,6 +409,11 @@ def _conjugate(op: type[torch.autograd.Function], x: torch.Tensor, group: CommGr
 def f(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
     """Copy to the tensor-parallel region: identity forward, all-reduce backward."""
     return _conjugate(_F, x, group)
+
+
+def f_param(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
+    """f on a parameter each rank of ``group`` holds a copy of: its gradients summed backward."""
+    return _conjugate(_FParam, x, group)
 
 
 def g(x: torch.Tensor, group: CommGroup) -> torch.Tensor:

@@ -19,6 +19,7 @@ sequences, so gradients are reduced over the dp × cp ranks (``dp_cp_groups``).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 
@@ -84,6 +85,9 @@ class Layout:
     def tp_groups(self) -> list[list[int]]:
         return self._ranks.reshape(-1, self.tp).tolist()
 
+    def tp_blocks(self, r: int) -> list[list[int]]:  # r consecutive ranks of a tp group
+        return self._ranks.reshape(-1, r).tolist()
+
     def cp_groups(self) -> list[list[int]]:
         return self._ranks.permute(0, 1, 3, 2).reshape(-1, self.cp).tolist()
 
@@ -127,6 +131,11 @@ class ParallelGrid:
         self.tp_rank, self.pp_rank, self.dp_rank = self.layout.coords(self.rank)
         self.cp, self.cp_rank = self.layout.cp, self.layout.cp_rank(self.rank)
         self.tp_group = self._new_group("tp", self.layout.tp_groups())
+        # blocks of r consecutive tp ranks, every r dividing tp: a kv head's holders when tp
+        # exceeds the kv heads (model/attention.py, GroupedQKV)
+        blocks = {r: self._new_group(f"tp/{r}", self.layout.tp_blocks(r))
+                  for r in range(2, self.tp) if self.tp % r == 0}
+        self.tp_group = dataclasses.replace(self.tp_group, blocks=blocks)
         self.cp_group = self._new_group("cp", self.layout.cp_groups())
         self.pp_group = self._new_group("pp", self.layout.pp_groups())
         self.dp_group = self._new_group("dp", self.layout.dp_groups())

@@ -6,10 +6,10 @@ both ways. No files here: ``megatron_edu.hf`` reads and writes the directories (
 What differs between the two layouts, and what is done about it:
 
 * The attention projections: Hugging Face keeps q_proj [a·d, h], k_proj and v_proj [g·d, h]
-  (a heads, g kv heads, d = head_dim, each [out, in] like nn.Linear). Here they are one qkv
-  [(a + 2g)·d, h] grouped per kv head j: the d-row blocks of its n = a/g query heads (heads
-  j·n … j·n + n − 1), then k_j, then v_j (``model/attention.py``), so that a column split gives
-  each tensor-parallel rank whole groups → concatenated per group, and split back.
+  (a heads, g kv heads, d = head_dim, each [out, in] like nn.Linear). Here, with g < a, q_proj
+  as it is and one kv [2g·d, h], per kv head j its k_j then v_j (``attention.GroupedQKV``: kv
+  may be cut fewer ways than q); with g = a one qkv [3h, h], per head its q, k, v (GPT-2's
+  layout) → concatenated per group, and split back.
 * The MLP's gate_proj and up_proj, [f, h] each, are one fc [2f, h] with the two interleaved by
   row (row 2i: gate_proj row i; row 2i + 1: up_proj row i; ``fused.bias_swiglu``), so that a
   column split keeps each unit's gate and up on the same rank → interleaved, and apart again.
@@ -108,21 +108,30 @@ def hf_config(config: LlamaConfig) -> dict[str, Any]:
 
 # --- the name and layout mapping ----------------------------------------------------------------
 
-def _qkv_from_hf(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 config: LlamaConfig) -> torch.Tensor:
-    """q [a·d, h], k and v [g·d, h] → [(a + 2g)·d, h]: per kv head j, its queries, k_j, v_j."""
-    g, h = config.num_kv_heads, q.shape[-1]
-    return torch.cat([t.reshape(g, -1, h) for t in (q, k, v)], dim=1).reshape(-1, h)
+def _per_group(*parts: torch.Tensor, config: LlamaConfig) -> torch.Tensor:
+    """q [a·d, h], k and v [g·d, h] (or k and v alone) → per kv head j, its rows of each in
+    turn: its n query heads, k_j, v_j."""
+    g, h = config.num_kv_heads, parts[0].shape[-1]
+    return torch.cat([t.reshape(g, -1, h) for t in parts], dim=1).reshape(-1, h)
 
 
 def _qkv_to_hf(qkv: torch.Tensor, config: LlamaConfig) -> list[torch.Tensor]:
-    g, d, h = config.num_kv_heads, config.head_dim, qkv.shape[-1]
-    n = config.num_heads // g                                   # query heads per kv head
-    groups = qkv.reshape(g, (n + 2) * d, h).split([n * d, d, d], dim=1)
-    return [t.reshape(-1, h) for t in groups]                   # q, k, v
+    return _ungroup(qkv, config, config.num_heads // config.num_kv_heads, 1, 1)   # q, k, v
 
 
-def _fc_from_hf(gate: torch.Tensor, up: torch.Tensor, config: LlamaConfig) -> torch.Tensor:
+def _kv_to_hf(kv: torch.Tensor, config: LlamaConfig) -> list[torch.Tensor]:
+    return _ungroup(kv, config, 1, 1)                                             # k, v
+
+
+def _ungroup(x: torch.Tensor, config: LlamaConfig, *heads: int) -> list[torch.Tensor]:
+    """``_per_group`` undone, ``heads`` the heads of each part in a group."""
+    g, d, h = config.num_kv_heads, config.head_dim, x.shape[-1]
+    groups = x.reshape(g, sum(heads) * d, h).split([n * d for n in heads], dim=1)
+    return [t.reshape(-1, h) for t in groups]
+
+
+def _fc_from_hf(gate: torch.Tensor, up: torch.Tensor, *,
+                config: LlamaConfig) -> torch.Tensor:
     """gate, up [f, h] → [2f, h] with row 2i = gate row i, row 2i + 1 = up row i."""
     return torch.stack([gate, up], dim=1).reshape(-1, gate.shape[-1])
 
@@ -131,7 +140,7 @@ def _fc_to_hf(fc: torch.Tensor, config: LlamaConfig) -> list[torch.Tensor]:
     return list(fc.reshape(-1, 2, fc.shape[-1]).unbind(1))       # gate, up
 
 
-def _one(t: torch.Tensor, config: LlamaConfig) -> torch.Tensor:
+def _one(t: torch.Tensor, *, config: LlamaConfig) -> torch.Tensor:
     return t
 
 
@@ -139,10 +148,14 @@ def _one_to_hf(t: torch.Tensor, config: LlamaConfig) -> list[torch.Tensor]:
     return [t]
 
 
-# per block: (our name, Hugging Face's names, join them into ours, split ours into theirs)
+_Q, _K, _V = (f"self_attn.{x}_proj.weight" for x in "qkv")
+# the attention projections: q and kv apart under grouped-query attention (``GroupedQKV``),
+# else one weight per head q | k | v (``attention.qkv_projection`` chooses the same way)
+_GROUPED = (("attn.qkv.q_weight", (_Q,), _one, _one_to_hf),
+            ("attn.qkv.kv_weight", (_K, _V), _per_group, _kv_to_hf))
+_PER_HEAD = (("attn.qkv.weight", (_Q, _K, _V), _per_group, _qkv_to_hf),)
+# the rest of a block: (our name, Hugging Face's names, join them into ours, split ours)
 _BLOCK = (("ln1.weight", ("input_layernorm.weight",), _one, _one_to_hf),
-          ("attn.qkv.weight", ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
-                               "self_attn.v_proj.weight"), _qkv_from_hf, _qkv_to_hf),
           ("attn.proj.weight", ("self_attn.o_proj.weight",), _one, _one_to_hf),
           ("ln2.weight", ("post_attention_layernorm.weight",), _one, _one_to_hf),
           ("mlp.fc.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
@@ -156,9 +169,10 @@ def _pairs(config: LlamaConfig) -> list[tuple[str, tuple[str, ...], Join, Split]
              ("ln_f.weight", ("model.norm.weight",), _one, _one_to_hf)]
     if not config.tie_embeddings:
         pairs.append(("output.weight", ("lm_head.weight",), _one, _one_to_hf))
+    block = _BLOCK + (_GROUPED if config.num_kv_heads < config.num_heads else _PER_HEAD)
     for i in range(config.num_layers):
         pairs += [(f"blocks.{i}.{ours}", tuple(f"model.layers.{i}.{t}" for t in theirs), join,
-                   split) for ours, theirs, join, split in _BLOCK]
+                   split) for ours, theirs, join, split in block]
     return pairs
 
 
@@ -170,7 +184,7 @@ def from_hf(hf: Tensors, config: LlamaConfig) -> Tensors:
         missing = [name for name in theirs if name not in hf]
         if missing:
             raise ValueError(f"the checkpoint has no tensor {missing[0]!r} (for {ours})")
-        state[ours] = join(*(hf[name].float() for name in theirs), config)
+        state[ours] = join(*(hf[name].float() for name in theirs), config=config)
     return state
 
 

@@ -7,11 +7,11 @@ cosine schedule from SGDR 2017); 2104.04473 for Megatron-LM's norm over a split 
 each rank sums the squares of its part, the sums are added over ``grid.mp_group`` (the tp × pp
 ranks of a replica), and a parameter held twice counts once (Megatron-LM's
 ``param_is_not_tensor_parallel_duplicate``, ``param_is_not_shared``): one replicated across tp
-(``tp_dim`` None) on tp rank 0 only, the last stage's copy of the tied embedding (``tied_copies``)
-never. Replicas hold the same gradients after the dp all-reduce; under ZeRO each rank holds a
-1/(dp·cp) shard, so the sums are also added over ``grid.dp_cp_group`` (``sum_over``). A NaN or
-inf on any rank makes the norm inf on all, so every rank skips the step together (a replica that
-stepped alone would drift).
+(``tp_dim`` None) on tp rank 0 only, a kv head held by r tp ranks on the first of them, the
+last stage's copy of the tied embedding (``tied_copies``) never. Replicas hold the same
+gradients after the dp all-reduce; under ZeRO each rank holds a 1/(dp·cp) shard, so the sums are
+also added over ``grid.dp_cp_group`` (``sum_over``). A NaN or inf on any rank makes the norm inf
+on all, so every rank skips the step together (a replica that stepped alone would drift).
 """
 
 from __future__ import annotations
@@ -33,8 +33,11 @@ EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_: max_norm / (norm + 1e-6)
 
 
 def counted_in_norm(param: torch.Tensor, tp_rank: int) -> bool:
-    """Does this tp rank count ``param`` in the global norm? (split: yes; replicated: rank 0)"""
-    return getattr(param, "tp_dim", None) is not None or tp_rank == 0
+    """Does this tp rank count ``param`` in the global norm? (split: yes, or the first of the
+    ``tp_replicas`` ranks holding each part; replicated: rank 0)"""
+    if getattr(param, "tp_dim", None) is None:
+        return tp_rank == 0
+    return tp_rank % getattr(param, "tp_replicas", 1) == 0
 
 
 @torch.no_grad()

@@ -29,8 +29,10 @@ from megatron_edu.model.transformer import WORD_EMBEDDING
 from megatron_edu.ptdp import PTDP, PTDPOptions
 from megatron_edu.tensor_parallel.init import shard
 
-# vocab 200 is padded to 256 rows at tp 1 and 2, to 512 at tp 4: padding on every layout
-CONFIG = GPTConfig(vocab_size=200, seq_len=8, num_layers=4, hidden=32, num_heads=4, dropout=0.0)
+# vocab 200 is padded to 256 rows at tp 1 and 2, to 512 at tp 4: padding on every layout; 2 kv
+# heads for 4 query heads: at tp 4 each kv head is held by 2 ranks (saved twice, read once)
+CONFIG = GPTConfig(vocab_size=200, seq_len=8, num_layers=4, hidden=32, num_heads=4,
+                   num_kv_heads=2, dropout=0.0)
 KINDS = ("param", *MOMENTS)
 
 
@@ -64,7 +66,8 @@ def _bytes(obj) -> int:
 
 def _whole_path(path):
     """The loader this one replaced, as the oracle: every shard file read whole, the tp shards
-    joined along tp_dim, the vocabulary trimmed; by kind, then name."""
+    joined along tp_dim (one copy of each replicated part), the vocabulary trimmed; by kind,
+    then name."""
     meta = json.loads((path / "meta.json").read_text())
     layout = meta["layout"]
     whole = {kind: {} for kind in KINDS}
@@ -83,7 +86,7 @@ def _whole_path(path):
         for name, d in files[0]["tp_dim"].items():
             for kind in KINDS:
                 shards = [f["params"][name] if kind == "param" else f["moments"][name][kind]
-                          for f in files]
+                          for f in files[::files[0]["tp_replicas"][name]]]
                 joined = shards[0] if d is None else torch.cat(shards, dim=d)
                 whole[kind][name] = joined[:CONFIG.vocab_size] if name == WORD_EMBEDDING else joined
     return whole
@@ -92,7 +95,7 @@ def _whole_path(path):
 def _cut(whole, name, p, group):
     if name == WORD_EMBEDDING:
         whole = F.pad(whole, (0, 0, 0, CONFIG.padded_vocab(group.size) - whole.shape[0]))
-    return shard(whole, p.tp_dim, group)
+    return shard(whole, p.tp_dim, group, p.tp_replicas)
 
 
 def _held(name, p, tp_rank):
@@ -136,6 +139,7 @@ RELOADS = [  # (saved layout, the layout that loads it); a layout is (tp, pp, dp
     (TP2PP2, (1, 1, 1, 0)),
     ((1, 4, 1, 0), TP2PP2),
     ((4, 1, 1, 0), (1, 2, 2, 1)),
+    ((4, 1, 1, 0), (2, 1, 2, 1)),           # replicated kv heads read by the ranks that split them
     ((2, 1, 2, 1), (4, 1, 1, 0)),
     ((1, 1, 1, 0), TP2PP2),
     ((1, 1, 4, 3), (2, 1, 2, 1)),           # ZeRO-3 at dp = 4 read as ZeRO-1 at dp = 2
@@ -212,8 +216,9 @@ def test_a_tp4_rank_reads_only_its_quarter_of_each_split_tensor(layouts):
         assert {r.file for r in result["reads"] if r.name != WORD_EMBEDDING} == {
             f"model_tp{tp_rank // 2}_pp0.pt", f"model_tp{tp_rank // 2}_pp1.pt"}
         assert _read(result) == _needed(result)
-    qkv = "blocks.0.attn.qkv.weight"
-    assert _read(results[0])[qkv, "param"] == 3 * CONFIG.hidden ** 2 // 4   # a quarter
+    q, kv = "blocks.0.attn.qkv.q_weight", "blocks.0.attn.qkv.kv_weight"
+    assert _read(results[0])[q, "param"] == CONFIG.hidden ** 2 // 4        # a quarter
+    assert _read(results[0])[kv, "param"] == CONFIG.hidden ** 2 // 2       # its kv head, a half
     # the vocabulary is padded per layout: 256 rows saved at tp 2 (128 a shard), 512 at tp 4
     # (128 a rank): rank 1's rows [128, 200) are in saved shard 1; ranks 2 and 3 hold padding
     spans = [[(r.file, r.span) for r in result["reads"]

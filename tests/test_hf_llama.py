@@ -1,6 +1,7 @@
 """Hugging Face Llama in and out: the same logits, loss and every gradient as
-``LlamaForCausalLM``, serial and at tp = 2, for a grouped-query model with its own output layer
-and a tied one (SmolLM-like); saved back, ``from_pretrained`` gives the same logits.
+``LlamaForCausalLM``, serial and at tp = 2 and 4 (each of 2 kv heads on 2 ranks), for a
+grouped-query model with its own output layer and a tied one (SmolLM-like); saved back,
+``from_pretrained`` gives the same logits.
 
 The outside reference: randomly initialised tiny LlamaForCausalLMs, saved with
 ``save_pretrained`` — nothing is downloaded. Only this process imports transformers; the ranks
@@ -31,7 +32,7 @@ from megatron_edu.hf import (
     save_hf_llama,
 )
 from megatron_edu.launch import run
-from megatron_edu.model import Llama
+from megatron_edu.model import Llama, LlamaConfig
 
 VOCAB, TOL = 100, 1e-5
 # one batch of 16 positions: the inputs TOKENS[:, :-1], the next-token labels TOKENS[:, 1:]
@@ -107,9 +108,10 @@ def _ours(model: Llama) -> Result:
     return Result(logits, loss.detach(), grads)
 
 
-def _at_tp2(paths: dict[str, Path], out: Path) -> dict[str, Result]:
-    """Each rank, each shape: the tp = 2 model's result; then save it back into out/shape."""
-    grid = ParallelGrid(tp=2)
+def _at_tp(paths: dict[str, Path], out: Path) -> dict[str, Result]:
+    """Each rank, each shape: the model's result at tp = the ranks; then save it back into
+    out/shape."""
+    grid = ParallelGrid(tp=dist.get_world_size())
     results = {}
     for shape, path in paths.items():
         model = load_hf_llama(path, grid)
@@ -119,11 +121,19 @@ def _at_tp2(paths: dict[str, Path], out: Path) -> dict[str, Result]:
     return results
 
 
+# tp = 4 replicates each of the 2 kv heads on 2 ranks (the tied shape's 6 heads do not split 4)
+LAYOUTS = [(2, "gqa"), (2, "tied"), (4, "gqa")]
+
+
 @pytest.fixture(scope="module")
-def tp2(saved, tmp_path_factory) -> tuple[list[dict[str, Result]], Path]:
-    """Every rank's results at tp = 2, and the directory of the models it saved: one launch."""
-    out = tmp_path_factory.mktemp("exported_tp2")
-    return run(_at_tp2, 2, {shape: path for shape, (path, _) in saved.items()}, out), out
+def parallel(saved, tmp_path_factory) -> dict[int, tuple[list[dict[str, Result]], Path]]:
+    """By tp: every rank's results and the directory of the models it saved (one launch a tp)."""
+    runs = {}
+    for tp in sorted({tp for tp, _ in LAYOUTS}):
+        out = tmp_path_factory.mktemp(f"exported_tp{tp}")
+        paths = {shape: saved[shape][0] for t, shape in LAYOUTS if t == tp}
+        runs[tp] = run(_at_tp, tp, paths, out), out
+    return runs
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -132,15 +142,16 @@ def test_serial_logits_loss_and_gradients_equal_hugging_face(saved, shape):
     _assert_same(_ours(load_hf_llama(path)), theirs)
 
 
-@pytest.mark.parametrize("shape", SHAPES)
-def test_tp2_logits_loss_and_gradients_equal_hugging_face(saved, tp2, shape):
-    for rank in tp2[0]:
+@pytest.mark.parametrize(("tp", "shape"), LAYOUTS)
+def test_parallel_logits_loss_and_gradients_equal_hugging_face(saved, parallel, tp, shape):
+    for rank in parallel[tp][0]:
         _assert_same(rank[shape], saved[shape][1])
 
 
-@pytest.mark.parametrize("shape", SHAPES)
-def test_tp2_export_loads_in_hugging_face_with_the_same_logits(transformers, saved, tp2, shape):
-    exported = transformers.LlamaForCausalLM.from_pretrained(tp2[1] / shape).eval()
+@pytest.mark.parametrize(("tp", "shape"), LAYOUTS)
+def test_parallel_export_loads_in_hugging_face_with_the_same_logits(transformers, saved,
+                                                                     parallel, tp, shape):
+    exported = transformers.LlamaForCausalLM.from_pretrained(parallel[tp][1] / shape).eval()
     assert (_hf_logits(exported) - saved[shape][1].logits).abs().max() < TOL
 
 
@@ -154,13 +165,12 @@ def test_serial_export_round_trips_through_hugging_face(transformers, saved, sha
     assert read_hf_llama(tmp_path)[0] == read_hf_llama(path)[0]      # the same LlamaConfig
 
 
-def test_tp4_with_two_kv_heads_is_refused_by_the_config(saved):
-    """tp = 4 over 2 kv heads would need each kv head replicated on 2 ranks, which the model
-    does not do yet: refused before any rank builds anything. (When replication lands, this
-    becomes an equality test at tp = 4.)"""
-    config = read_hf_llama(saved["gqa"][0])[0]
-    with pytest.raises(ValueError, match="num_kv_heads = 2 is not divisible by .* tp = 4"):
-        config.validate(tp=4)
+def test_a_layout_splitting_kv_heads_unevenly_is_refused_by_the_config():
+    """6 heads in 2 kv groups at tp = 3: two heads a rank, but neither whole kv heads per rank
+    nor whole replicas of one; refused before any rank builds anything."""
+    config = LlamaConfig(hidden=96, num_heads=6, num_kv_heads=2, ffn_hidden=96)
+    with pytest.raises(ValueError, match="num_kv_heads = 2 and tp = 3"):
+        config.validate(tp=3)
 
 
 def test_load_hf_and_save_hf_follow_the_model_type_and_the_gpt2_functions_refuse_a_llama(

@@ -12,7 +12,7 @@ from helpers import TOL, assert_two_stages_chain_into_serial, batch, max_diff, t
 from megatron_edu import comm
 from megatron_edu.grid import ParallelGrid
 from megatron_edu.launch import run
-from megatron_edu.model import GPT, GPTConfig
+from megatron_edu.model import GPT, GPTConfig, Llama, LlamaConfig
 from megatron_edu.pipeline.stages import StageMap
 
 # --- configuration: pure checks, before any launch ------------------------------------------
@@ -176,8 +176,12 @@ def _tensor_parallel_vs_serial():
            "grads": max_diff(parallel.full_state_dict(grads=True),
                              serial.full_state_dict(grads=True)),
            "events": log.summary(), "block_events": _block_events(parallel),
-           "params": (parallel.num_parameters(), config.num_parameters(grid.tp))}
+           "params": [(m.num_parameters(), m.config.num_parameters(grid.tp))
+                      for m in (parallel, Llama(GQA, grid))]}
     return {**out, **_with_dropout(grid)}
+
+
+GQA = LlamaConfig(vocab_size=100, seq_len=16, num_layers=2, hidden=32, num_heads=4, num_kv_heads=2)
 
 
 def _with_dropout(grid):
@@ -217,7 +221,8 @@ def test_every_parameter_gradient_equals_serial(tp_run):
 
 
 def test_parameters_per_rank_match_the_config_formula(tp_run):
-    assert all(model == formula for model, formula in (r["params"] for r in tp_run[1]))
+    """The GPT, and a Llama of 2 kv heads (at tp 4 each on 2 ranks)."""
+    assert all(model == formula for r in tp_run[1] for model, formula in r["params"])
 
 
 def test_a_block_all_reduces_twice_forward_and_twice_backward(tp_run):

@@ -922,23 +922,26 @@ def test_llama_shards_add_up_to_the_model_plus_replicated_norms(tp, pp):
     assert held == 8_030_261_248 + (tp - 1) * (2 * l + 1) * h + padding
 
 
-@pytest.mark.parametrize("t", [1, 2, 8])
+@pytest.mark.parametrize("t", [1, 2, 8, 16])
 def test_llama_activations_per_layer_in_closed_form(t):
     """16-bit, no dropout: 8·sbh whole (two norms' inputs, QKV and MLP inputs), 8·sb(h + f)/t
     split (Q, K, V, the projection's input; SwiGLU's gate and up, silu(gate), their product) and
     the 2·a·s²·b/t softmax output; sequence parallelism splits the 8·sbh; selective
     recomputation drops the scores but keeps the core's inputs: the whole QKV output (V is a
     view of it, its g kv heads only: k = g·d columns each for K and V), the turned Q and the
-    turned K (k columns); Llama-2-7B's one kv head per query head is k = h."""
-    s, b, h, f, a, k = 8192, 1, 4096, 14336, 32, 1024
+    turned K (k columns); Llama-2-7B's one kv head per query head is k = h. Grouped-query
+    attention keeps its QKV weight put together, (h + 2k)·h/t values; at t = 16 > g each rank
+    holds one kv head, which counts as k = t·d."""
+    s, b, h, f, a, k = 8192, 1, 4096, 14336, 32, max(8, t) * 128  # t = 16: 2 copies a kv head
     whole, split_ = 8 * s * b * h, 8 * s * b * (h + f) // t
-    scores = 2 * a * s * s * b // t
-    assert activation_bytes_per_layer(LLAMA3_8B, b, tp=t) == whole + split_ + scores
+    scores, weight = 2 * a * s * s * b // t, 2 * (h + 2 * k) * h // t
+    assert activation_bytes_per_layer(LLAMA3_8B, b, tp=t) == whole + split_ + scores + weight
     sp = replace(LLAMA3_8B, sequence_parallel=True)
-    assert activation_bytes_per_layer(sp, b, tp=t) == (whole + 8 * s * b * (h + f)) // t + scores
+    assert activation_bytes_per_layer(sp, b, tp=t) == (whole + 8 * s * b * (h + f)) // t \
+        + scores + weight
     selective = replace(LLAMA3_8B, recompute="selective")
     assert activation_bytes_per_layer(selective, b, tp=t) == whole + (6 * h + 6 * k + 8 * f) \
-        * s * b // t
+        * s * b // t + weight
     llama2 = replace(selective, num_kv_heads=32, ffn_hidden=11008, seq_len=s)
     assert activation_bytes_per_layer(llama2, b, tp=t) == whole + (12 * h + 8 * 11008) * s * b // t
     full = replace(LLAMA3_8B, recompute="full")

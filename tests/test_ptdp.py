@@ -90,7 +90,8 @@ def _check_equal_to_serial(serial, out):
     held = set()
     for rank, (losses, norms, params, _) in enumerate(out):
         assert losses == pytest.approx(serial_losses, abs=1e-5), rank
-        assert norms == pytest.approx(serial_norms, abs=1e-5), rank
+        # a norm sums ~10⁵ squares, after Adam has scaled rounding in near-zero gradients up
+        assert norms == pytest.approx(serial_norms, rel=5e-5, abs=1e-5), rank
         for name, value in params.items():
             torch.testing.assert_close(value, serial_params[name], atol=1e-5, rtol=0,
                                        msg=f"rank {rank}: {name}")
@@ -118,9 +119,10 @@ def _every_layout_of_8(config=CONFIG):
 
 
 # The Llama block (issue 33): RMSNorm, rotary positions, SwiGLU, grouped-query attention (16
-# heads in 8 groups: every tp of 8 ranks splits whole groups), no biases, an untied output layer.
+# heads in 2 groups: tp = 4 and 8 replicate each kv head on 2 and 4 ranks), no biases, an
+# untied output layer.
 LLAMA = LlamaConfig(vocab_size=100, seq_len=8, num_layers=8, hidden=64, num_heads=16,
-                    num_kv_heads=8, ffn_hidden=96)
+                    num_kv_heads=2, ffn_hidden=96)
 
 
 def _inf_on_one_rank(tp, pp, dp, zero1, bad_rank):
@@ -253,7 +255,9 @@ CASES = {  # name -> (world size, function, arguments); every case of one size i
                                   cp=2),
     "llama-interleaved-zero1": _training(1, 2, 2, LLAMA, schedule="interleaved", chunks=2,
                                          zero=1),
-    "llama-zero3-dp4": _training(1, 1, 4, LLAMA, zero=3),
+    "llama-tp4-sp-zero3-dp2": _training(4, 1, 2, dataclasses.replace(LLAMA,
+                                                                    sequence_parallel=True),
+                                        zero=3),
     "bf16-tp2-pp2-dp2": (8, _a_bf16_step, (2, 2, 2, DROPOUT, 1, "interleaved", 2)),
     "bf16-sp-tp2-dp4-zero3": (8, _a_bf16_step, (2, 1, 4, dataclasses.replace(
         DROPOUT, sequence_parallel=True), 3)),
@@ -389,13 +393,16 @@ def llama_serial():
 @pytest.mark.parametrize("index", range(len(all_layouts(8))),
                          ids=[f"tp{g.tp}-pp{g.pp}-dp{g.dp}" for g in all_layouts(8)])
 def test_every_layout_of_8_ranks_takes_the_serial_llamas_steps(llama_serial, index):
-    """Grouped-query attention split by whole kv groups, SwiGLU's gate/up pairs, RMSNorm, and
-    the untied output layer (no embedding group between the pipeline's ends)."""
+    """Grouped-query attention split by whole kv groups (tp ≤ 2) and with each kv head
+    replicated (tp = 4, 8; its gradient summed over the copies, counted once in the norm),
+    SwiGLU's gate/up pairs, RMSNorm, and the untied output layer (no embedding group between
+    the pipeline's ends)."""
     _check_equal_to_serial(llama_serial, [r[index] for r in LAUNCHES["llama-every-layout-of-8"]])
 
 
-@pytest.mark.parametrize("name", ["tp2-cp2-sp", "interleaved-zero1", "zero3-dp4"])
+@pytest.mark.parametrize("name", ["tp2-cp2-sp", "interleaved-zero1", "tp4-sp-zero3-dp2"])
 def test_the_llama_under_sp_cp_interleaving_and_zero_takes_the_serial_steps(llama_serial, name):
     """Rotary positions on each cp rank's zig-zag chunks, RMSNorm's gradient summed over tp
-    under SP; the interleaved schedule and ZeRO-1/3 over dp."""
+    under SP; the interleaved schedule and ZeRO-1 over dp; replicated kv heads (tp = 4) whose
+    copies ZeRO-3 shards over dp."""
     _check_equal_to_serial(llama_serial, LAUNCHES[f"llama-{name}"])

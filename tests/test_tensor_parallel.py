@@ -224,8 +224,8 @@ WIRE_S = 8  # the sequence of the block below (split in two under sequence paral
 
 
 def _block_on_the_wire(group, sp, llama=False):
-    """(op, label, dtype, bytes) of every collective of one block, forward and backward, under
-    CPU bf16 autocast at tp = 2 (``llama``: 4 heads sharing 2 kv heads, SwiGLU, RMSNorm)."""
+    """(group, op, label, dtype, bytes) of every collective of one block, forward and backward,
+    under CPU bf16 autocast (``llama``: 4 heads sharing 2 kv heads, SwiGLU, RMSNorm)."""
     config = tiny_config(sequence_parallel=sp)
     if llama:
         config = LlamaConfig(**{k: getattr(config, k) for k in (
@@ -238,7 +238,7 @@ def _block_on_the_wire(group, sp, llama=False):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             y = block(x)
         y.sum().backward()
-    return [(e.op, e.label, e.dtype, e.bytes) for e in log.events]
+    return [(e.group, e.op, e.label, e.dtype, e.bytes) for e in log.events]
 
 
 def _overlap_step(config, grid, overlap, bf16):
@@ -294,8 +294,19 @@ def test_under_autocast_a_layer_sends_activations_and_gradients_in_bf16(wire_and
     bsh_bf16 = B * WIRE_S * tiny_config().hidden * 2
     for wire, _ in wire_and_overlap:
         calls = wire[sp] if block == "gpt" else wire["llama", sp]
-        assert Counter((op, label) for op, label, _, _ in calls) == PER_LAYER[sp]
+        assert Counter((op, label) for _, op, label, _, _ in calls) == PER_LAYER[sp]
         assert {(dtype, nbytes) for *_, dtype, nbytes in calls} == {(torch.bfloat16, bsh_bf16)}
+
+
+def test_a_kv_head_held_by_two_ranks_sums_its_copies_gradients_in_fp32():
+    """tp = 4 over 2 kv heads, under bf16 autocast: tp's activations cross in bf16 as at tp = 2,
+    and one more all-reduce, over the 2 holders of a kv head (``tp/2``), sums the gradient of
+    its copies (2·d·h values) in fp32, as data parallelism sums gradients."""
+    h = tiny_config().hidden
+    for calls in LAUNCHES["kv-copies"]:
+        assert Counter((op, label) for g, op, label, _, _ in calls if g == "tp") == PER_LAYER[False]
+        assert [c for c in calls if c[0] != "tp"] == [
+            ("tp/2", "all_reduce", "f backward", torch.float32, 2 * (h // 4) * h * 4)]
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "sequence-parallel"])
@@ -336,6 +347,7 @@ def _check_dropout():
 LAUNCHES = Launches({  # name -> (world size, function, arguments): one launch per world size
     **{f"layers-tp{tp}": (tp, _check_layers, ()) for tp in (1, 2, 4)},
     "wire-and-overlap": (2, _wire_and_overlap, ()),
+    "kv-copies": (4, lambda: _block_on_the_wire(ParallelGrid(tp=4).tp_group, False, True), ()),
     "dropout": (2, _check_dropout, ()),
 })
 

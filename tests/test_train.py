@@ -155,8 +155,9 @@ def test_a_checkpoint_reshards_to_other_layouts(tmp_path, cache):
 
 def test_a_llama_trains_reshards_and_exports_to_hugging_face(tmp_path, cache, capsys):
     """``--model llama`` (4 heads sharing 2 kv heads, SwiGLU, rotary positions, an untied
-    output layer) at tp 2 × pp 2 with ZeRO-1, resumed at pp 4 and at cp 2 × dp 2: the same next
-    loss, and its first losses fall; then exported (``_exported_llama_equals_the_checkpoint``)."""
+    output layer) at tp 2 × pp 2 with ZeRO-1, resumed at tp 4 (each kv head on 2 ranks) and at
+    cp 2 × dp 2: the same next loss, and its first losses fall; then exported
+    (``_exported_llama_equals_the_checkpoint``)."""
     steps = ["--model", "llama", "--kv-heads", "2", "--steps", "4", "--save-interval", "3",
              "--eval-interval", "100"]
     whole = _losses(_train(tmp_path / "tp2pp2", cache, "--nproc", "4", "--tp", "2", "--pp", "2",
@@ -164,7 +165,7 @@ def test_a_llama_trains_reshards_and_exports_to_hugging_face(tmp_path, cache, ca
     assert whole[4] < whole[1]
     saved = tmp_path / "tp2pp2" / "checkpoints" / "step_000003"
     assert read_metadata(saved)["config"]["model"] == "llama"
-    for layout in (["--pp", "4"], ["--cp", "2", "--dp", "2"]):
+    for layout in (["--tp", "4"], ["--cp", "2", "--dp", "2"]):
         resumed = _losses(_train(tmp_path / "_".join(layout), cache, "--nproc", "4", *layout,
                                  *steps, "--resume", str(saved)))
         assert resumed[4] == pytest.approx(whole[4], abs=1e-5), layout

@@ -21,6 +21,8 @@ The qkv weight is stored [3h, h] (nn.Linear's [out, in]) with rows grouped per h
 k, v, then head 1's, … (Megatron's [np, 3, hn]). A column split into t blocks then gives each
 rank whole heads at every t, and the whole tensor does not depend on t (layout-independent
 initialisation and checkpoints). ``megatron_edu/hf.py`` permutes Hugging Face's q | k | v c_attn.
+With fewer kv heads than query heads (grouped-query attention) q and kv are two weights, since
+kv may be split fewer ways than q (``GroupedQKV``).
 """
 
 from __future__ import annotations
@@ -34,19 +36,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron_edu import comm
 from megatron_edu.comm import CommGroup
 from megatron_edu.context_parallel import each_head, parts_held, positions_of, ring_attention
 from megatron_edu.model.config import GPTConfig
+from megatron_edu.tensor_parallel.init import check_initialised, normal, placeholder, zeros
 from megatron_edu.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
+    TensorParallel,
     serial_group,
 )
 from megatron_edu.tensor_parallel.random import Dropout, DropoutKey, checkpoint, mask_seed
 from megatron_edu.tensor_parallel.sequence_parallel import STYLES
 
 __all__ = ["LayerKV", "KVCache", "EagerCore", "FusedCore", "RingCore", "Recomputed", "Rotary",
-           "Attention"]
+           "GroupedQKV", "Attention"]
 
 
 @dataclass
@@ -250,16 +255,63 @@ def _unturned(q: torch.Tensor, k: torch.Tensor, past: int) -> tuple[torch.Tensor
     return q, k                                          # learned positions: in the embeddings
 
 
+class GroupedQKV(nn.Module):
+    """Grouped-query attention's projections: q [a·d, h], cut into t parts of a/t heads, and kv
+    [2·g·d, h] (per kv head j: k_j, then v_j), cut into min(t, g) parts. At t ≤ g a rank holds
+    g/t whole groups. At t > g (Llama 3 8B's 8 kv heads at t = 16) each kv head is held by the
+    r = t/g ranks whose query heads form its group (vLLM's ``num_kv_head_replicas``), each
+    using it for its own n/r heads: each copy's gradient is a part of the whole, and ``f`` on
+    the weight — the paper's identity forward, all-reduce backward (1909.08053 §3) — sums them
+    over those r ranks, 2·d·h values a layer and microbatch, so the copies stay equal. The
+    forward puts a rank's rows in ``Attention``'s per-group order (its q heads of group j, k_j,
+    v_j) and runs one GEMM behind one ``f`` of the input, as the fused qkv does; that GEMM keeps
+    the weight put together for backward, a copy a microbatch (``perf.memory`` counts it)."""
+
+    def __init__(self, config: GPTConfig, group: CommGroup, style: type[TensorParallel]) -> None:
+        super().__init__()
+        t, d, h = group.size, config.head_dim, config.hidden
+        r = max(t // config.num_kv_heads, 1)             # the ranks holding each kv head
+        self.local_groups, self.style = config.num_kv_heads * r // t, style(group)
+        self.holders = group.block(r)
+        q_rows, kv_rows = config.num_heads * d // t, 2 * d * self.local_groups
+        self.q_weight = placeholder((q_rows, h), 0, normal(config.init_std))
+        self.kv_weight = placeholder((kv_rows, h), 0, normal(config.init_std), replicas=r)
+        self.q_bias = placeholder((q_rows,), 0, zeros) if config.bias else None
+        self.kv_bias = placeholder((kv_rows,), 0, zeros, replicas=r) if config.bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [b, s, h] → [b, s, (a/t + 2·groups)·d]: per local group its queries, k, v."""
+        check_initialised(self)
+        bias = None if self.q_bias is None else self._per_group(self.q_bias, self.kv_bias)
+        return self.style.column_linear(x, self._per_group(self.q_weight, self.kv_weight), bias)
+
+    def _per_group(self, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        kv = comm.f_param(kv, self.holders)              # the copies' gradients summed
+        groups = [w.unflatten(0, (self.local_groups, -1)) for w in (q, kv)]
+        return torch.cat(groups, dim=1).flatten(0, 1)
+
+
+def qkv_projection(config: GPTConfig, group: CommGroup, style: type[TensorParallel]) -> nn.Module:
+    """The qkv projection of ``config``, chosen once: one weight per head q | k | v (multi-head
+    attention, GPT-2), or ``GroupedQKV`` (fewer kv heads than query heads)."""
+    if config.num_kv_heads < config.num_heads:
+        return GroupedQKV(config, group, style)
+    return ColumnParallelLinear(config.hidden, 3 * config.hidden, group, bias=config.bias,
+                                init_std=config.init_std, style=style)
+
+
 class Attention(nn.Module):
     """Self-attention split by heads: each tp rank computes num_heads/t of them (§3). Causal (GPT)
     or bidirectional (BERT) as ``config.causal`` says; ``mask`` [b, t] (False: padding) keeps
     padded keys out of every softmax. ``layer``: the global index, which keys the dropout masks.
 
     Grouped-query attention (Ainslie et al. 2023; Llama 2 70B, Llama 3): num_kv_heads keys and
-    values, each serving a group of num_heads/num_kv_heads query heads. qkv's rows are grouped
-    the same way, per kv head: its group's queries, its key, its value (Megatron-LM's query
-    groups; per head q | k | v when every head has its own, GPT-2). A split over tp ranks then
-    hands each rank whole groups, and its kv heads' projection costs 2·h·(g/t)·d, not 2·h·h/t.
+    values, each serving a group of num_heads/num_kv_heads query heads. The projection's rows
+    are grouped the same way, per kv head: its group's queries, its key, its value (Megatron-
+    LM's query groups; per head q | k | v when every head has its own, GPT-2), so each rank
+    computes its query heads with their kv head — g/t whole groups, or a/t of one group's n heads
+    and a copy of its kv head when t > g (``GroupedQKV``) — and its kv heads' projection costs
+    2·h·max(g/t, 1)·d, not 2·h·h/t.
     What crosses tp does not change: f's all-reduce of dX and g's of Y, b·s·h values each a
     layer and pass (SP: the all-gather and reduce-scatter of as many); the kv heads shrink what
     the context-parallel ring carries, 2·b·(s/cp)·(g/t)·d values a hop, and the KV cache."""
@@ -270,13 +322,11 @@ class Attention(nn.Module):
         style, cp_group = STYLES[config.sequence_parallel, config.async_tp], \
             cp_group or serial_group("cp")
         self.local_heads, self.head_dim = config.num_heads // group.size, config.head_dim
-        self.local_groups = config.num_kv_heads // group.size
+        self.local_groups = max(config.num_kv_heads // group.size, 1)
         self.core = attention_core(config, group, layer, cp_group)
         self.rotary = Rotary(config, cp_group) if config.positions == "rope" else _unturned
         residual_std = config.init_std / math.sqrt(2 * config.num_layers)  # GPT-2 §2.3
-        rows = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
-        self.qkv = ColumnParallelLinear(config.hidden, rows, group, bias=config.bias,
-                                        init_std=config.init_std, style=style)
+        self.qkv = qkv_projection(config, group, style)
         self.proj = RowParallelLinear(config.hidden, config.hidden, group, bias=config.bias,
                                       init_std=residual_std, style=style)
 

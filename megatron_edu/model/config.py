@@ -126,12 +126,16 @@ class GPTConfig:
         for name, n in (("tp", tp), ("pp", pp), ("chunks", chunks), ("cp", cp)):
             if not isinstance(n, int) or n < 1:
                 raise ValueError(f"{name} must be a positive integer, got {n!r}")
-        # §3: attention is split by heads, the MLP by its ffn columns (tp | heads ⇒ tp | hidden);
-        # grouped-query attention by kv heads, each rank holding whole groups
-        for name in ("num_heads", "num_kv_heads", "ffn_hidden"):
+        # §3: attention is split by heads, the MLP by its ffn columns (tp | heads ⇒ tp | hidden)
+        for name in ("num_heads", "ffn_hidden"):
             if getattr(self, name) % tp:
                 raise ValueError(f"{name} = {getattr(self, name)} is not divisible by the "
                                  f"tensor-parallel size tp = {tp}")
+        # grouped-query attention: whole kv heads per rank, or each kv head on tp/g ranks
+        if self.num_kv_heads % tp and tp % self.num_kv_heads:
+            raise ValueError(f"num_kv_heads = {self.num_kv_heads} and tp = {tp}: each rank holds "
+                             f"whole kv heads (tp divides them) or one kv head replicated on "
+                             f"tp/num_kv_heads ranks (they divide tp); neither divides the other")
         if self.sequence_parallel and self.seq_len % tp:
             raise ValueError(f"sequence parallelism splits the sequence over tp: seq_len = "
                              f"{self.seq_len} is not divisible by tp = {tp}")
@@ -156,14 +160,15 @@ class GPTConfig:
         (a copy of the word table unless also first): what ``GPT(config, grid, …)`` builds. The
         package's one exact count; ``perf.parameters_per_rank`` sums a pipeline rank's stages.
 
-        Per block, f = ffn_hidden, k = num_kv_heads·head_dim: QKV (h + 2k rows) and fc (f rows,
-        2f for SwiGLU's gate and up) column-parallel, biases split too; both projections
+        Per block, f = ffn_hidden, k = num_kv_heads·head_dim: QKV (h + 2k rows; at tp > g kv
+        heads one kv head a rank, k = tp·head_dim counting the copies) and fc (f rows, 2f for
+        SwiGLU's gate and up) column-parallel, biases split too; both projections
         row-parallel, biases replicated; two replicated norms (LayerNorm 2h, RMSNorm h). GPT-2
         (k = h, f = 4h): (4h² + 3h + 2h·f + f)/tp + 6h a block; whole at tp = 1, 12·l·h² + 13·l·h
         + (V + s)·h + 2h (2104.04473 §5.1, + ln_f). An untied output layer is a second V·h.
         """
         self.validate(tp)
-        h, f, k = self.hidden, self.ffn_hidden, self.num_kv_heads * self.head_dim
+        h, f, k = self.hidden, self.ffn_hidden, max(self.num_kv_heads, tp) * self.head_dim
         gates = 2 if self.mlp == "swiglu" else 1
         norm = 2 * h if self.norm == "layernorm" else h
         split = h * (h + 2 * k) + h * h + (gates + 1) * h * f + self.bias * (h + 2 * k + gates * f)

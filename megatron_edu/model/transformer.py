@@ -373,7 +373,7 @@ class TransformerStage(nn.Module):
             tensor = param.grad if grads else param
             if tensor is None:
                 raise ValueError(f"{name} has no gradient: run backward first")
-            full = gather_full(tensor, param.tp_dim, self.tp_group)
+            full = gather_full(tensor, param.tp_dim, self.tp_group, param.tp_replicas)
             state[name] = full[: self.config.vocab_size] if name in self.vocab_rows else full
         return {name: t.detach().clone() for name, t in state.items()}
 
@@ -389,4 +389,4 @@ class TransformerStage(nn.Module):
             if name in self.vocab_rows:                      # pad the vocabulary (dim 0)
                 rows = self.config.padded_vocab(self.tp_group.size) - full.shape[0]
                 full = F.pad(full, (0, 0) * (full.dim() - 1) + (0, rows))
-            param.copy_(shard(full, param.tp_dim, self.tp_group))
+            param.copy_(shard(full, param.tp_dim, self.tp_group, param.tp_replicas))

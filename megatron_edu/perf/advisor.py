@@ -241,7 +241,7 @@ def _layer_ops(config: GPTConfig, b: int, t: int, cp: int = 1) -> list[_Op]:
     add keeps a dropout mask only with dropout; without biases (Llama) it is the same pass."""
     h = config.hidden
     tokens, f = b * config.seq_len // cp, config.ffn_hidden
-    k = config.num_kv_heads * config.head_dim
+    k = max(config.num_kv_heads, t) * config.head_dim   # at t > g: one kv head a rank
     gates = 2 if config.mlp == "swiglu" else 1
     replicated = tokens * h // (t if config.sequence_parallel else 1)  # split only under sp
     mask = 1 if config.dropout > 0 else 0
@@ -390,9 +390,10 @@ def _pipeline_p2p_time(config: GPTConfig, parallelism: Parallelism, hw: Hardware
 def _context_parallel_time(config: GPTConfig, parallelism: Parallelism, hw: Hardware,
                            core: _Cost) -> float:
     """The ring's seconds per layer and microbatch that the attention core (``core``) does not
-    hide: cp − 1 hops of the K, V block (2·b·s·k/(t·cp) 16-bit values, k = num_kv_heads·d: under
-    grouped-query attention the ring carries the kv heads only, ``context_parallel.each_head``
-    copying them per query head inside each step) forward,
+    hide: cp − 1 hops of the K, V block (2·b·s·k/(t·cp) 16-bit values, k = num_kv_heads·d, or
+    t·d when each rank holds a copy of one: under grouped-query attention the ring carries the
+    kv heads only, ``context_parallel.each_head`` copying them per query head inside each step)
+    forward,
     twice that backward (K, V and their gradients), one more forward under full recomputation;
     each pass overlapped with the core's own (``core``: its forward and backward, one
     microbatch): max(0, ring − core)."""
@@ -400,7 +401,8 @@ def _context_parallel_time(config: GPTConfig, parallelism: Parallelism, hw: Hard
     if cp == 1:
         return 0.0
     b, t = parallelism.microbatch, parallelism.tp
-    block = 2 * b * config.seq_len * config.num_kv_heads * config.head_dim // (t * cp) * WORD
+    k = max(config.num_kv_heads, t) * config.head_dim
+    block = 2 * b * config.seq_len * k // (t * cp) * WORD
     hop = hw.latency + block / _group_bandwidth(hw, cp, t)
     forwards = 2 if config.recompute == "full" else 1
     return (forwards * max(0.0, (cp - 1) * hop - core.forward)

@@ -151,6 +151,7 @@ class _Saved:
     what: str
     count: int  # how many units of `unit` (s: the s/cp tokens of a context-parallel rank)
     unit: str  # "sbh"; "sbf" (the MLP's width f); "sbq" (the QKV output, h + 2k a token);
+    #            "qh" (the QKV weight, (h + 2k)·h);
     #            "as2b" (attention scores), "asb" (one per head and token), "sbV" (logits)
     split: str  # "tp": split over tensor ranks; "seq": split only under sequence parallelism
     dtype: str  # "value" (activation bytes), "mask" (1 byte), "fp32" (4 bytes)
@@ -176,6 +177,10 @@ _LAYER = (  # one transformer layer; GPT-2, 16-bit: 10·sbh replicated + 24·sbh
            _KEPT_UNLESS_FULL, attention=_INPUTS, block=_q_made_anew),
     _Saved("K turned by rotary positions (its kv heads)", 1, "sbk", "tp", "value",
            _KEPT_UNLESS_FULL, attention=_INPUTS, block=_rotary),
+    # grouped-query attention's one GEMM takes q's and kv's rows put together (GroupedQKV): a
+    # weight-sized copy each microbatch keeps, (h + 2k)·h/t values, not a view of a parameter
+    _Saved("the QKV weight, q's and kv's rows put together", 1, "qh", "tp", "value",
+           _KEPT_UNLESS_FULL, block=_grouped),
     _Saved("softmax output", 1, "as2b", "tp", "value", _ATTENTION_CORE, attention=_SCORES),
     _Saved("attention dropout mask", 1, "as2b", "tp", "mask", _ATTENTION_CORE, True, _SCORES),
     _Saved("attention dropout output", 1, "as2b", "tp", "value", _ATTENTION_CORE, True, _SCORES),
@@ -210,9 +215,10 @@ def _saved_bytes(table: tuple[_Saved, ...], config: GPTConfig, microbatch: int, 
     the attention core's rows are the scores' at cp = 1, the ring's at cp > 1, its inputs' where
     a checkpoint or the ring keeps them."""
     s, b, h, a = config.seq_len // cp, microbatch, config.hidden, config.num_heads
-    qkv = h + 2 * config.num_kv_heads * config.head_dim
-    units = {"sbh": s * b * h, "sbf": s * b * config.ffn_hidden, "sbq": s * b * qkv,
-             "sbk": s * b * config.num_kv_heads * config.head_dim,
+    k = max(config.num_kv_heads, tp) * config.head_dim  # at tp > g: one kv head a rank
+    units = {"sbh": s * b * h, "sbf": s * b * config.ffn_hidden, "sbq": s * b * (h + 2 * k),
+             "qh": (h + 2 * k) * h,
+             "sbk": s * b * k,
              "as2b": a * s * s * b, "asb": a * s * b, "sbV": s * b * config.padded_vocab(tp)}
     dtype_bytes = {"value": bytes_per_value, "mask": 1, "fp32": 4}
     dropout = config.dropout > 0 if dropout is None else dropout

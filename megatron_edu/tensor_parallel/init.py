@@ -12,7 +12,9 @@ picotron draws per shard, which cannot be compared with serial.)
 Layers are built on the meta device (``placeholder``s), filled by ``init_parameters``; used
 before, they raise (``check_initialised``). Each parameter carries ``tp_dim``, the dimension it
 is split along over tp (None: whole on every tp rank, e.g. layer norms, row-parallel biases,
-positions), and ``init``, an ``Init``.
+positions), ``tp_replicas``, the tp ranks holding each part (1; r when t > g kv heads: the whole
+cut into t/r parts, rank i holding part i // r, ``attention.GroupedQKV``), and ``init``, an
+``Init``.
 
 GPT-2's initialisation (Radford et al. 2019 §2.3; 1909.08053 §3 follows it): weights normal(0,
 0.02), residual output projections scaled by 1/sqrt(2·layers), biases zero, layer-norm weights one.
@@ -58,15 +60,17 @@ zeros = Init(value=0.0)
 ones = Init(value=1.0)
 
 
-def mark(param: nn.Parameter, tp_dim: int | None, init: Init) -> nn.Parameter:
-    """Attach the split dimension and the initialiser to a parameter; return it."""
-    param.tp_dim, param.init = tp_dim, init
+def mark(param: nn.Parameter, tp_dim: int | None, init: Init, replicas: int = 1) -> nn.Parameter:
+    """Attach the split dimension, the initialiser and the ranks holding each part (``replicas``
+    consecutive tp ranks) to a parameter; return it."""
+    param.tp_dim, param.init, param.tp_replicas = tp_dim, init, replicas
     return param
 
 
-def placeholder(shape: tuple[int, ...], tp_dim: int | None, init: Init) -> nn.Parameter:
+def placeholder(shape: tuple[int, ...], tp_dim: int | None, init: Init,
+                replicas: int = 1) -> nn.Parameter:
     """A marked parameter of ``shape`` on the meta device, until ``init_parameters`` fills it."""
-    return mark(nn.Parameter(torch.empty(shape, device="meta")), tp_dim, init)
+    return mark(nn.Parameter(torch.empty(shape, device="meta")), tp_dim, init, replicas)
 
 
 def check_initialised(module: nn.Module) -> None:
@@ -86,22 +90,29 @@ def param_seed(seed: int, name: str, block: int | None = None) -> int:
 
 
 def full_shape(param: torch.Tensor, tp_size: int) -> tuple[int, ...]:
-    """The shape of the whole tensor of which ``param`` is one of ``tp_size`` slices."""
+    """The shape of the whole tensor of which ``param`` is one of tp_size / tp_replicas parts."""
     shape = list(param.shape)
     if param.tp_dim is not None:
-        shape[param.tp_dim] *= tp_size
+        shape[param.tp_dim] *= tp_size // param.tp_replicas
     return tuple(shape)
 
 
-def shard(full: torch.Tensor, tp_dim: int | None, group: CommGroup) -> torch.Tensor:
-    """This rank's slice of a whole tensor (the whole tensor when ``tp_dim`` is None)."""
-    return full if tp_dim is None else full.chunk(group.size, dim=tp_dim)[group.rank]
+def shard(full: torch.Tensor, tp_dim: int | None, group: CommGroup,
+          replicas: int = 1) -> torch.Tensor:
+    """This rank's part of a whole tensor, rank // replicas of size / replicas (the whole tensor
+    when ``tp_dim`` is None)."""
+    parts, part = group.size // replicas, group.rank // replicas
+    return full if tp_dim is None else full.chunk(parts, dim=tp_dim)[part]
 
 
-def gather_full(shard_: torch.Tensor, tp_dim: int | None, group: CommGroup) -> torch.Tensor:
-    """The whole tensor from every rank's slice (a collective: all tp ranks must call it)."""
-    return shard_ if tp_dim is None else comm.all_gather(shard_.detach(), group, dim=tp_dim,
-                                                         label="gather params")
+def gather_full(shard_: torch.Tensor, tp_dim: int | None, group: CommGroup,
+                replicas: int = 1) -> torch.Tensor:
+    """The whole tensor from every rank's slice, each part once (a collective: all tp ranks
+    must call it)."""
+    if tp_dim is None:
+        return shard_
+    every = comm.all_gather(shard_.detach(), group, dim=tp_dim, label="gather params")
+    return torch.cat(every.chunk(group.size, dim=tp_dim)[::replicas], dim=tp_dim)
 
 
 def blocks(length: int, lo: int, hi: int) -> range:
@@ -143,7 +154,7 @@ def _draw(param: nn.Parameter, seed: int, name: str, group: CommGroup,
         gen.manual_seed(param_seed(seed, name))
         param[: drawn[0]].copy_(torch.empty(drawn).normal_(0.0, init.std, generator=gen))
         return
-    _draw_slice(param, init.std, drawn, seed, name, group.rank, gen)
+    _draw_slice(param, init.std, drawn, seed, name, group.rank // param.tp_replicas, gen)
 
 
 @torch.no_grad()
@@ -151,7 +162,7 @@ def init_parameters(module: nn.Module, seed: int, group: CommGroup,
                     device: torch.device | str = "cpu") -> None:
     """Make every parameter real on ``device`` (placeholders or not) and fill its slice on this
     rank, drawing only the blocks that meet it: the same numbers on any device."""
-    marks = {name: (p.tp_dim, p.init) for name, p in module.named_parameters()}
+    marks = {name: (p.tp_dim, p.init, p.tp_replicas) for name, p in module.named_parameters()}
     module.to_empty(device=device)                    # new tensors: their marks are put back
     gen = torch.Generator()                           # CPU: the same numbers on any device
     for name, param in module.named_parameters():

@@ -147,7 +147,7 @@ def check_swiglu_rows(fn) -> str:
     total = 0
     for r in range(t):
         rows = fn(torch.cat([gate, up]), r, t)
-        if not torch.equal(rows, _fc_from_hf(gate, up, None).chunk(t)[r]):
+        if not torch.equal(rows, _fc_from_hf(gate, up, config=None).chunk(t)[r]):
             raise Hint(f"on real weights rank {r}'s rows differ from the package's layout "
                        "(megatron_edu/hf_llama.py); take rows of gate_up as they are")
         cols = slice(r * _F // t, (r + 1) * _F // t)
