@@ -682,11 +682,14 @@ def check_model(meta: dict[str, Any], config: GPTConfig) -> None:
 
 def export_hf(checkpoint: str | Path, out_dir: str | Path, force: bool = False) -> Path:
     """Write a checkpoint (any layout) as a Hugging Face directory, GPT-2 or Llama, tokenizer
-    included.
+    included: the sentencepiece tokenizer.model, and the same as a fast tokenizer
+    (``Tokenizer.save_hf``) that ``AutoTokenizer`` and ``pipeline("text-generation")`` load,
+    its bos, eos and pad ids written into config.json.
 
     ``out_dir`` must be new or an empty folder, or ``force``: then files there of the same
     names are overwritten. A FileExistsError otherwise, before anything is read or written.
     """
+    from megatron_edu.data.tokenizer import Tokenizer
     from megatron_edu.hf import save_hf
     from megatron_edu.model import BertConfig, build_model
 
@@ -709,6 +712,12 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, force: bool = False) 
     save_hf(model, out_dir)
     if meta["tokenizer"] is not None:
         shutil.copyfile(meta["tokenizer"], out_dir / TOKENIZER)
+        tokenizer = Tokenizer.load(meta["tokenizer"])
+        tokenizer.save_hf(out_dir, config.seq_len)
+        hf = json.loads((out_dir / "config.json").read_text())
+        hf.update({f"{name}_token_id": i if i >= 0 else None for name, i in (
+            ("bos", tokenizer.bos_id), ("eos", tokenizer.eos_id), ("pad", tokenizer.pad_id))})
+        (out_dir / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     return out_dir
 
 

@@ -197,6 +197,27 @@ def _exported_llama_equals_the_checkpoint(saved, tmp_path, capsys):
         perplexity.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
     assert perplexity[1]["word_perplexity"] == pytest.approx(perplexity[0]["word_perplexity"],
                                                              rel=1e-4)
+    _exported_tokenizer_is_the_runs(saved, tmp_path / "hf", transformers)
+
+
+def _exported_tokenizer_is_the_runs(saved, folder, transformers):
+    """AutoTokenizer reads the export's tokenizer.json (no sentencepiece, no conversion) and
+    gives the run's ids, whose special ids config.json carries; pipeline() generates with it."""
+    from megatron_edu.data.corpus import default_corpus
+    from megatron_edu.data.tokenizer import Tokenizer
+
+    ours = Tokenizer.load(read_metadata(saved)["tokenizer"])
+    theirs = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    text = "The cat  sat.\n\tOn the mat — naïve 日本 ✓\n" + "\n".join(default_corpus()[:20])
+    assert theirs(text)["input_ids"] == ours.encode(text)
+    assert theirs.decode(ours.encode(text)) == text
+    config = json.loads((folder / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (
+        theirs.bos_token_id, theirs.eos_token_id, theirs.pad_token_id) == (
+        ours.bos_id, ours.eos_id, ours.pad_id)
+    generate = transformers.pipeline("text-generation", model=str(folder), device="cpu")
+    out = generate("The", max_new_tokens=4, do_sample=False)[0]["generated_text"]
+    assert out.startswith("The") and len(out) > len("The")
 
 
 def test_a_context_parallel_run_resumes_at_other_cp(tmp_path, cache):

@@ -20,6 +20,7 @@ size and the model type.
 from __future__ import annotations
 
 import io
+import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -82,6 +83,56 @@ class Tokenizer:
 
     def __reduce__(self) -> tuple:
         return (Tokenizer.load, (self.path,))  # ranks started by spawn reload the cached file
+
+    def save_hf(self, out_dir: str | Path, max_length: int) -> None:
+        """Write this tokenizer as Hugging Face's fast tokenizer (tokenizer.json, read by the
+        ``tokenizers`` library: no sentencepiece or conversion needed) with its
+        tokenizer_config.json, so that ``AutoTokenizer.from_pretrained(out_dir)`` gives the
+        same ids; ``max_length``: the model's sequence length."""
+        sp, out_dir = self._processor, Path(out_dir)
+        specials = {name: sp.id_to_piece(i) for name, i in (("unk", sp.unk_id()),
+                    ("bos", sp.bos_id()), ("eos", sp.eos_id()), ("pad", sp.pad_id())) if i >= 0}
+        (out_dir / "tokenizer.json").write_text(json.dumps(_hf_tokenizer(sp), ensure_ascii=False))
+        (out_dir / "tokenizer_config.json").write_text(json.dumps({
+            "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length,
+            "add_bos_token": False, "add_eos_token": False,
+            **{f"{name}_token": piece for name, piece in specials.items()}}, indent=2))
+
+
+def _hf_tokenizer(sp: spm.SentencePieceProcessor) -> dict:
+    """The ``tokenizers`` JSON of a sentencepiece model trained as ``train_tokenizer`` does (no
+    normalization, no dummy prefix, byte fallback): spaces become ▁, then BPE whose merges are
+    every split of a piece into two pieces, ranked by the merged piece's score as sentencepiece
+    ranks its merges (transformers' ``SentencePieceExtractor``): the same ids; or Unigram with
+    the scores: the same ids but where two segmentations score the same (a run of spaces)."""
+    n = sp.get_piece_size()
+    vocab = {sp.id_to_piece(i): i for i in range(n)}
+    model: dict = {"type": "Unigram", "unk_id": sp.unk_id(), "byte_fallback": True,
+                   "vocab": [[sp.id_to_piece(i), sp.get_score(i)] for i in range(n)]}
+    if all(sp.get_score(i).is_integer() for i in range(n) if _normal(sp, i)):
+        merges = sorted((-sp.get_score(i), vocab[p[:k]], vocab[p[k:]], p[:k], p[k:])
+                        for p, i in vocab.items() if _normal(sp, i)
+                        for k in range(1, len(p)) if p[:k] in vocab and p[k:] in vocab)
+        model = {"type": "BPE", "unk_token": sp.id_to_piece(sp.unk_id()), "fuse_unk": True,
+                 "byte_fallback": True, "vocab": vocab, "merges": [m[3:] for m in merges]}
+    return {"version": "1.0",
+            "added_tokens": [{"id": i, "content": sp.id_to_piece(i), "special": True,
+                              "normalized": False, "single_word": False, "lstrip": False,
+                              "rstrip": False} for i in range(n)
+                             if not _normal(sp, i) and not sp.is_byte(i)],
+            "normalizer": {"type": "Replace", "pattern": {"String": " "}, "content": "▁"},
+            "pre_tokenizer": None, "post_processor": None,
+            "decoder": {"type": "Sequence", "decoders": [
+                {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
+                {"type": "ByteFallback"}, {"type": "Fuse"}]},
+            "model": model}
+
+
+def _normal(sp: spm.SentencePieceProcessor, i: int) -> bool:
+    """A piece of text, not a special token or a byte (BPE's scores: −rank, whole numbers;
+    Unigram's: log-probabilities)."""
+    return not (sp.is_control(i) or sp.is_unknown(i) or sp.is_byte(i) or sp.is_unused(i))
+
 
     def __repr__(self) -> str:
         return f"Tokenizer(vocab_size={self.vocab_size}, path={str(self.path)!r})"
