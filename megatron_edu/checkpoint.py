@@ -11,8 +11,8 @@ A checkpoint is a folder ``OUT/checkpoints/step_000100/`` holding
   parameter name, its offset in the flattened shard, the two moments' values) — no rank ever
   gathers the whole state, and ZeRO-1's saving holds at every save. Everything is copied to the
   CPU one tensor at a time: the device never holds a second copy of the weights or the state.
-* ``tokenizer.model`` — the sentencepiece model the run trained with, so that the folder
-  stands on its own (generation, export).
+* ``tokenizer.model`` — the sentencepiece model the run trained with (or ``tokenizer.json``, a
+  Hugging Face one), so that the folder stands on its own (generation, export).
 * ``meta.json`` — written last: step, model config, layout, training state (data sampler
   position, ...), Adam's step count, the size of every file above (checked on load) and an
   ``index`` of the shard files: for each parameter name, the pipeline stages whose files hold
@@ -78,6 +78,7 @@ import torch.distributed as dist
 
 from megatron_edu import comm
 from megatron_edu.cli import Parser
+from megatron_edu.data.tokenizer import Tokenizer, tokenizer_name
 from megatron_edu.grid import ParallelGrid
 from megatron_edu.model import GPTConfig, config_from_dict
 from megatron_edu.model.transformer import OUTPUT_LAYER, WORD_EMBEDDING
@@ -92,7 +93,7 @@ __all__ = ["save_checkpoint", "Writer", "BackgroundWriter", "load_checkpoint",
 
 FORMAT = 1
 MOMENTS = ("exp_avg", "exp_avg_sq")
-TOKENIZER = "tokenizer.model"
+TOKENIZER = "tokenizer.model"   # a sentencepiece model; a Hugging Face one is tokenizer.json
 
 
 class CheckpointError(ValueError):
@@ -131,7 +132,7 @@ def save_checkpoint(out_dir: str | Path, step: int, trainer: PTDP,
                        "num_chunks": trainer.parallelism.chunks,
                        "zero": trainer.parallelism.zero},
             "state": json.loads(json.dumps(state or {})),    # as it is now, JSON-able
-            "tokenizer": TOKENIZER if tokenizer is not None else None}
+            "tokenizer": tokenizer_name(tokenizer) if tokenizer is not None else None}
     save = _Save(final, _snapshot(trainer), meta, tokenizer, keep_last, grid.rank == 0)
     writer.start(save.write)
     return final
@@ -214,7 +215,7 @@ class _Save:
     def _publish(self) -> None:
         staging, root = self.staging, self.final.parent
         if self.tokenizer is not None:
-            shutil.copyfile(self.tokenizer, staging / TOKENIZER)
+            shutil.copyfile(self.tokenizer, staging / tokenizer_name(self.tokenizer))
         meta = {**self.meta, **_describe(staging, self.meta["layout"]["pp"]),
                 "files": {f.name: f.stat().st_size for f in sorted(staging.iterdir())}}
         (staging / "meta.json").write_text(json.dumps(meta, indent=1))
@@ -682,14 +683,13 @@ def check_model(meta: dict[str, Any], config: GPTConfig) -> None:
 
 def export_hf(checkpoint: str | Path, out_dir: str | Path, force: bool = False) -> Path:
     """Write a checkpoint (any layout) as a Hugging Face directory, GPT-2 or Llama, tokenizer
-    included: the sentencepiece tokenizer.model, and the same as a fast tokenizer
-    (``Tokenizer.save_hf``) that ``AutoTokenizer`` and ``pipeline("text-generation")`` load,
-    its bos, eos and pad ids written into config.json.
+    included: a sentencepiece tokenizer.model, and the same as a fast tokenizer.json
+    (``Tokenizer.save_hf``; a run's tokenizer.json as it is) that ``AutoTokenizer`` and
+    ``pipeline("text-generation")`` load, its bos, eos and pad ids written into config.json.
 
     ``out_dir`` must be new or an empty folder, or ``force``: then files there of the same
     names are overwritten. A FileExistsError otherwise, before anything is read or written.
     """
-    from megatron_edu.data.tokenizer import Tokenizer
     from megatron_edu.hf import save_hf
     from megatron_edu.model import BertConfig, build_model
 
@@ -711,7 +711,6 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, force: bool = False) 
     model.load_full_state_dict(load_full_model_state(checkpoint))
     save_hf(model, out_dir)
     if meta["tokenizer"] is not None:
-        shutil.copyfile(meta["tokenizer"], out_dir / TOKENIZER)
         tokenizer = Tokenizer.load(meta["tokenizer"])
         tokenizer.save_hf(out_dir, config.seq_len)
         hf = json.loads((out_dir / "config.json").read_text())

@@ -296,7 +296,8 @@ def _parser() -> Parser:
                        "it: a tokenizer.model, or a Hugging Face tokenizer)")
     parser.add_argument("--step", type=nonnegative_int,
                         help="the checkpoint of this step of the run")
-    parser.add_argument("--tokenizer", help="a sentencepiece .model (default: the checkpoint's)")
+    parser.add_argument("--tokenizer", help="a sentencepiece .model or a tokenizer.json "
+                        "(default: the checkpoint's)")
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--max-new-tokens", type=positive_int, default=50)
     parser.add_argument("--temperature", type=positive_float, default=1.0)

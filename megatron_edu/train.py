@@ -49,7 +49,6 @@ import torch
 
 from megatron_edu import cli, comm
 from megatron_edu.checkpoint import (
-    TOKENIZER,
     BackgroundWriter,
     CheckpointError,
     NonFiniteError,
@@ -72,6 +71,7 @@ from megatron_edu.cli import (
 )
 from megatron_edu.data import BatchSampler, TokenDataset, prepare_data, unigram_entropy
 from megatron_edu.data.bert import prepare_bert_data
+from megatron_edu.data.tokenizer import Tokenizer
 from megatron_edu.grid import Layout, ParallelGrid
 from megatron_edu.hf import config_from_hf, read_hf
 from megatron_edu.launch import RankError, resolve_backend, run, under_torchrun
@@ -99,6 +99,7 @@ __all__ = ["parse_args", "validate", "main", "train"]
 
 BACKENDS = ("auto", "gloo", "nccl")
 CONFIGS = {"gpt": GPTConfig, "bert": BertConfig, "llama": LlamaConfig}  # --model
+TRAINED = {"sentencepiece": "bpe", "byte-bpe": "byte-bpe"}  # --tokenizer: trained on the corpus
 
 
 # --- the command line ----------------------------------------------------------------------------
@@ -184,6 +185,11 @@ def build_parser() -> argparse.ArgumentParser:
                       "files, or folders of them")
     data.add_argument("--text-field", default="text", help="the field of each .jsonl line "
                       "that holds its document")
+    data.add_argument("--tokenizer", default="sentencepiece", metavar="KIND_OR_PATH",
+                      help="'sentencepiece' (a BPE trained on the corpus), 'byte-bpe' (GPT-2's "
+                      "kind, trained on the corpus with the tokenizers library), or a file: a "
+                      "Hugging Face tokenizer.json or a folder holding one, or a sentencepiece "
+                      ".model; a file's vocabulary is the model's (--vocab-size ignored)")
     data.add_argument("--cache-dir", type=Path, help="default ~/.cache/megatron_edu")
     run_ = p.add_argument_group("run")
     run_.add_argument("--out", type=Path, default=Path("runs/default"))
@@ -198,8 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
                       "save and the end of the run wait for it")
     run_.add_argument("--init-from-hf", type=Path, metavar="DIR", help="start from a Hugging "
                       "Face GPT-2 or Llama folder's weights, at any layout, its sizes the "
-                      "model's; the corpus read with the folder's tokenizer.model (a folder "
-                      "checkpoint export-hf wrote)")
+                      "model's; the corpus read with the folder's tokenizer.model or "
+                      "tokenizer.json (a folder checkpoint export-hf wrote holds both)")
     run_.add_argument("--resume", nargs="?", const="auto", default=None,
                       help="resume from OUT's latest checkpoint (the flag alone, or 'auto'; "
                       "none there yet: start afresh, so a requeued job can always pass it), or "
@@ -257,6 +263,8 @@ def model_config(args: argparse.Namespace) -> GPTConfig:
         ("num_layers", "layers"), ("hidden", "hidden"), ("num_heads", "heads"),
         ("num_kv_heads", "kv_heads"), ("seq_len", "seq_len"), ("vocab_size", "vocab_size"))
         if getattr(args, attr) is not None}
+    if args.tokenizer not in TRAINED:                 # a file: its vocabulary is the model's
+        overrides["vocab_size"] = Tokenizer.load(args.tokenizer).vocab_size
     if "hidden" in overrides:
         overrides["ffn_hidden"] = 0  # back to the model's rule: 4h, or Llama's 8h/3
     if "num_heads" in overrides and "num_kv_heads" not in overrides:
@@ -326,10 +334,10 @@ def _check_hf_start(args: argparse.Namespace) -> None:
     if args.resume is not None:
         raise ValueError("--init-from-hf starts a run from a Hugging Face folder's weights, "
                          "--resume continues a run from its checkpoint: give one of them")
-    for name in ("config.json", TOKENIZER):
-        if not (args.init_from_hf / name).exists():
-            raise FileNotFoundError(f"--init-from-hf {args.init_from_hf} holds no {name} (a "
-                                    f"folder checkpoint export-hf wrote has both)")
+    if not (args.init_from_hf / "config.json").exists():
+        raise FileNotFoundError(f"--init-from-hf {args.init_from_hf} holds no config.json (a "
+                                f"folder checkpoint export-hf wrote has one)")
+    Tokenizer.load(args.init_from_hf)    # tokenizer.model or tokenizer.json, or a clear error
 
 
 def check_data(args: argparse.Namespace, train_set: TokenDataset) -> None:
@@ -488,9 +496,10 @@ def _data(args, config: GPTConfig):
     if isinstance(config, BertConfig):   # sentence pairs, masked (data/bert.py)
         return prepare_bert_data(source, config.vocab_size, config.seq_len, args.cache_dir,
                                  seed=args.seed)
-    tokenizer = None if args.init_from_hf is None else args.init_from_hf / TOKENIZER
+    tokenizer = args.init_from_hf or (None if args.tokenizer in TRAINED else args.tokenizer)
     return prepare_data(source, config.vocab_size, config.seq_len, args.cache_dir,
-                        tokenizer_path=tokenizer, text_field=args.text_field)
+                        model_type=TRAINED.get(args.tokenizer, "bpe"), tokenizer_path=tokenizer,
+                        text_field=args.text_field)
 
 
 def _resume(args, trainer: PTDP, sampler: BatchSampler) -> tuple[int, Path | None]:

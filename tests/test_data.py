@@ -54,9 +54,15 @@ def small_corpus(corpus):
     return corpus[:40]  # ~100 KB: enough for a 512-token vocabulary, trained in a blink
 
 
+@pytest.fixture(scope="module", params=["bpe", "byte-bpe"])
+def kind(request):
+    """sentencepiece's BPE (the default), and a byte-level BPE of the tokenizers library."""
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def tokenizer(small_corpus, corpus_cache):
-    return train_tokenizer(small_corpus, VOCAB, corpus_cache)
+def tokenizer(small_corpus, corpus_cache, kind):
+    return train_tokenizer(small_corpus, VOCAB, corpus_cache, model_type=kind)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -250,22 +256,54 @@ def test_tokenizer_special_ids_are_fixed(tokenizer):
     assert (tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id) == (3, 1, 2)
 
 
-def test_training_twice_gives_identical_models(tokenizer, small_corpus, tmp_path):
-    retrained = train_tokenizer(small_corpus, VOCAB, tmp_path)
+def test_training_twice_gives_identical_models(tokenizer, small_corpus, tmp_path, kind):
+    retrained = train_tokenizer(small_corpus, VOCAB, tmp_path, model_type=kind)
     assert retrained.path.read_bytes() == tokenizer.path.read_bytes()
 
 
-def test_tokenizer_is_reused_from_cache(tokenizer, small_corpus, corpus_cache, monkeypatch):
+def test_tokenizer_is_reused_from_cache(tokenizer, small_corpus, corpus_cache, monkeypatch, kind):
     def no_training(*args):
         raise AssertionError("the cached tokenizer should have been used")
 
     monkeypatch.setattr(tokenizer_module, "_train_sentencepiece", no_training)
-    assert train_tokenizer(small_corpus, VOCAB, corpus_cache).path == tokenizer.path
+    monkeypatch.setattr(tokenizer_module, "_train_byte_bpe", no_training)
+    assert train_tokenizer(small_corpus, VOCAB, corpus_cache, model_type=kind).path == \
+        tokenizer.path
 
 
-def test_tokenizer_cache_key_depends_on_the_text(tokenizer, small_corpus, corpus_cache):
-    other = train_tokenizer(small_corpus[1:], VOCAB, corpus_cache)
+def test_tokenizer_cache_key_depends_on_the_text(tokenizer, small_corpus, corpus_cache, kind):
+    other = train_tokenizer(small_corpus[1:], VOCAB, corpus_cache, model_type=kind)
     assert other.path != tokenizer.path
+
+
+def test_a_sentencepiece_tokenizer_saved_as_tokenizer_json_gives_its_ids(small_corpus,
+                                                                          corpus_cache, tmp_path):
+    """``Tokenizer.save_hf``'s tokenizer.json, read back by the tokenizers library."""
+    ours = train_tokenizer(small_corpus, VOCAB, corpus_cache)
+    ours.save_hf(tmp_path, 128)
+    theirs = Tokenizer.load(tmp_path / "tokenizer.json")
+    text = "\n".join(small_corpus[:20]) + " a  b\t✓ 日本"
+    assert theirs.encode(text) == ours.encode(text)
+    assert (theirs.bos_id, theirs.eos_id, theirs.pad_id) == (1, 2, 3)
+    assert type(Tokenizer.load(tmp_path)) is Tokenizer     # a folder: its tokenizer.model first
+
+
+def test_a_hugging_face_tokenizer_json_finds_its_special_tokens(tmp_path):
+    """GPT-2's kind: <|endoftext|> ends (and begins) a text, no padding token; without an end
+    of text, which separates documents, it is refused by name."""
+    tokenizers = pytest.importorskip("tokenizers")
+    bpe = tokenizers.ByteLevelBPETokenizer()
+    bpe.train_from_iterator(["some text " * 50], vocab_size=300, show_progress=False,
+                            special_tokens=["<|endoftext|>"])
+    bpe.save(str(tmp_path / "tokenizer.json"))
+    tokenizer = Tokenizer.load(tmp_path)                     # a folder holding tokenizer.json
+    assert (tokenizer.eos_id, tokenizer.bos_id, tokenizer.pad_id) == (0, 0, -1)
+    assert tokenizer.decode(tokenizer.encode("some text")) == "some text"
+    bare = tokenizers.ByteLevelBPETokenizer()
+    bare.train_from_iterator(["some text " * 50], vocab_size=300, show_progress=False)
+    bare.save(str(tmp_path / "bare.json"))
+    with pytest.raises(ValueError, match="bare.json names no end-of-text token"):
+        Tokenizer.load(tmp_path / "bare.json")
 
 
 def test_tokenizer_survives_pickling_for_spawned_ranks(tokenizer):
@@ -469,7 +507,7 @@ def test_a_gigabyte_of_prepared_tokens_opens_without_being_read(tmp_path, tokeni
     folder = tmp_path / "big"
     folder.mkdir()
     np.lib.format.open_memmap(folder / "tokens.npy", "w+", np.uint16, (500_000_000,)).flush()
-    shutil.copyfile(tokenizer.path, folder / "tokenizer.model")
+    shutil.copyfile(tokenizer.path, folder / ("tokenizer" + tokenizer.path.suffix))
     (folder / "prepared.json").write_text("{}")
     before = _rss()
     _, train, val = prepare_data(str(folder), VOCAB, 1024)

@@ -631,3 +631,27 @@ def test_an_async_save_is_published_before_the_run_goes_on_to_its_end(tmp_path, 
         train(args, plan)
     assert events == ["checkpoint writer", "end"]
     assert read_metadata(tmp_path)["step"] == 1
+
+
+def test_a_byte_level_bpe_run_carries_its_tokenizer_json_which_a_later_run_starts_from(
+        tmp_path, cache):
+    """--tokenizer byte-bpe (GPT-2's kind, trained on the corpus) at tp 2: the checkpoint holds
+    the tokenizer.json, the export loads in AutoTokenizer with the same ids; a run given that
+    file as --tokenizer takes the model's vocabulary from it, --vocab-size notwithstanding."""
+    from megatron_edu.data.tokenizer import Tokenizer
+
+    steps = ["--nproc", "2", "--tp", "2", "--steps", "2", "--save-interval", "2"]
+    _train(tmp_path / "bpe", cache, *steps, "--tokenizer", "byte-bpe", "--vocab-size", "700")
+    saved = tmp_path / "bpe" / "checkpoints" / "step_000002"
+    meta = read_metadata(saved)
+    assert (meta["tokenizer"], meta["config"]["vocab_size"]) == (str(saved / "tokenizer.json"),
+                                                                700)
+    ours = Tokenizer.load(saved)
+    _train(tmp_path / "again", cache, *steps, "--tokenizer", str(saved / "tokenizer.json"),
+           "--vocab-size", "4096")
+    assert read_metadata(tmp_path / "again")["config"]["vocab_size"] == ours.vocab_size
+    transformers = pytest.importorskip("transformers")
+    assert checkpoint.main(["export-hf", str(saved), str(tmp_path / "hf")]) == 0
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf", local_files_only=True)
+    text = "The cat  sat.\n\tOn the mat — naïve 日本 ✓"
+    assert theirs(text)["input_ids"] == ours.encode(text) and ours.decode(ours.encode(text)) == text

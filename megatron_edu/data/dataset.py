@@ -280,7 +280,7 @@ def _prepared(folder: Path, vocab_size: int, seq_len: int,
               val_fraction: float) -> tuple[Tokenizer, TokenDataset, TokenDataset]:
     """A folder ``python -m megatron_edu.data.prepare`` wrote: its ids read as a memory map,
     nothing tokenized, its tokenizer the model's."""
-    tokenizer = Tokenizer.load(folder / "tokenizer.model")
+    tokenizer = Tokenizer.load(folder)                 # its tokenizer.model or tokenizer.json
     if tokenizer.vocab_size > vocab_size:
         raise ValueError(f"--data {folder} was prepared with a vocabulary of "
                          f"{tokenizer.vocab_size}: the model has {vocab_size} (pass "

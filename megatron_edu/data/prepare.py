@@ -9,7 +9,7 @@ prepared folder holds
   the vocabulary fits (else uint32) — the file ``prepare_data`` builds in its cache, read the
   same way, as a memory map: opening it reads nothing;
 * ``documents.npy``: the index, where each document ends in ``tokens.npy`` (int64 offsets);
-* ``tokenizer.model``: the sentencepiece model the ids are of;
+* ``tokenizer.model`` (or ``tokenizer.json``): the tokenizer the ids are of;
 * ``prepared.json``: what was prepared from, and the sizes (written last: a folder without it is
   not a prepared folder).
 
@@ -34,7 +34,7 @@ import numpy as np
 from megatron_edu.cli import Parser, positive_int
 from megatron_edu.data.corpus import load_corpus, write_atomically
 from megatron_edu.data.dataset import PREPARED, encode_documents, token_dtype
-from megatron_edu.data.tokenizer import Tokenizer, train_tokenizer
+from megatron_edu.data.tokenizer import Tokenizer, tokenizer_name, train_tokenizer
 
 __all__ = ["prepare", "main"]
 
@@ -49,7 +49,7 @@ def prepare(documents: Sequence[str], tokenizer: Tokenizer, out: str | Path,
     ends = np.flatnonzero(tokens == tokenizer.eos_id).astype(np.int64) + 1  # eos ends each
     _save(out / "tokens.npy", tokens)
     _save(out / "documents.npy", ends)
-    shutil.copyfile(tokenizer.path, out / "tokenizer.model")
+    shutil.copyfile(tokenizer.path, out / tokenizer_name(tokenizer.path))
     meta = {"source": source, "documents": len(ends), "tokens": len(tokens),
             "vocab_size": tokenizer.vocab_size, "dtype": str(tokens.dtype)}
     write_atomically(out / PREPARED, lambda tmp: tmp.write_text(json.dumps(meta, indent=1)))
@@ -103,7 +103,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="'default', 'wikitext103', or .txt and .jsonl files or folders")
     parser.add_argument("--text-field", default="text", help="a .jsonl line's text field")
     which = parser.add_mutually_exclusive_group(required=True)
-    which.add_argument("--tokenizer", type=Path, help="a sentencepiece .model to encode with")
+    which.add_argument("--tokenizer", type=Path, help="a sentencepiece .model or a Hugging Face "
+                       "tokenizer.json (or a folder holding one) to encode with")
     which.add_argument("--vocab-size", type=positive_int, help="train a tokenizer of this size")
     parser.add_argument("--out", type=Path, required=True, help="the folder to write")
     parser.add_argument("--workers", type=positive_int, default=1)

@@ -14,7 +14,10 @@ sentencepiece's BPE (Kudo & Richardson 2018, arXiv 1808.06226) with
   gives the same model byte for byte, and quiet logging (nothing on stderr in a notebook).
 
 Trained models are cached under `cache_dir/tokenizers/`, keyed by the corpus' sha256, the vocabulary
-size and the model type.
+size and the model type. `model_type="byte-bpe"` trains GPT-2's kind instead, a byte-level BPE
+with the `tokenizers` library (the same special ids), saved as a `tokenizer.json`; and
+`Tokenizer.load` reads any Hugging Face `tokenizer.json` (GPT-2's, a Llama 3's) as a
+`JsonTokenizer` with the same interface.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -29,10 +33,11 @@ import sentencepiece as spm
 
 from megatron_edu.data.corpus import documents_sha256, resolve_cache_dir, write_atomically
 
-__all__ = ["Tokenizer", "train_tokenizer"]
+__all__ = ["Tokenizer", "JsonTokenizer", "train_tokenizer", "tokenizer_name"]
 
 UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 3
-MODEL_TYPES = ("bpe", "unigram")
+SPECIALS = ("<unk>", "<s>", "</s>", "<pad>")   # sentencepiece's names of those ids
+MODEL_TYPES = ("bpe", "unigram", "byte-bpe")
 TOKENIZER_FORMAT = 1  # bump when the training options below change, so stale caches are not reused
 
 
@@ -44,11 +49,18 @@ class Tokenizer:
         self.path = path
 
     @classmethod
-    def load(cls, path: str | Path) -> Tokenizer:
-        """Load a sentencepiece `.model` file, with a clear error if it is missing or corrupt."""
+    def load(cls, path: str | Path) -> Tokenizer | JsonTokenizer:
+        """Load a sentencepiece `.model` file, a Hugging Face `tokenizer.json`, or a folder
+        holding one (its tokenizer.model first: an export holds both, with the same ids), with
+        a clear error if it is missing or corrupt."""
         path = Path(path)
+        if path.is_dir():
+            path = next((path / name for name in ("tokenizer.model", "tokenizer.json")
+                         if (path / name).is_file()), path / "tokenizer.model")
         if not path.is_file():
             raise FileNotFoundError(f"tokenizer model not found: {path}")
+        if path.suffix == ".json":
+            return JsonTokenizer(path)
         try:
             processor = spm.SentencePieceProcessor(model_file=str(path))
         except RuntimeError as error:
@@ -90,13 +102,96 @@ class Tokenizer:
         tokenizer_config.json, so that ``AutoTokenizer.from_pretrained(out_dir)`` gives the
         same ids; ``max_length``: the model's sequence length."""
         sp, out_dir = self._processor, Path(out_dir)
-        specials = {name: sp.id_to_piece(i) for name, i in (("unk", sp.unk_id()),
-                    ("bos", sp.bos_id()), ("eos", sp.eos_id()), ("pad", sp.pad_id())) if i >= 0}
+        shutil.copyfile(self.path, out_dir / "tokenizer.model")
         (out_dir / "tokenizer.json").write_text(json.dumps(_hf_tokenizer(sp), ensure_ascii=False))
-        (out_dir / "tokenizer_config.json").write_text(json.dumps({
-            "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length,
-            "add_bos_token": False, "add_eos_token": False,
-            **{f"{name}_token": piece for name, piece in specials.items()}}, indent=2))
+        _hf_tokenizer_config(out_dir, max_length, {name: sp.id_to_piece(i) for name, i in (
+            ("unk", sp.unk_id()), ("bos", self.bos_id), ("eos", self.eos_id),
+            ("pad", self.pad_id)) if i >= 0})
+
+
+class JsonTokenizer:
+    """A Hugging Face fast tokenizer, ``tokenizer.json`` (the ``tokenizers`` library: GPT-2's,
+    a Llama 3's, ``train_tokenizer(model_type="byte-bpe")``'s), with ``Tokenizer``'s interface.
+    Its end of text (the documents' separator), beginning and padding are the first of
+    ``NAMES`` it holds; -1 where none (an end of text it must have)."""
+
+    NAMES = {"bos": ("<s>", "<|begin_of_text|>", "<|endoftext|>", "<bos>"),
+             "eos": ("</s>", "<|end_of_text|>", "<|endoftext|>", "<eos>"),
+             "pad": ("<pad>", "<|finetune_right_pad_id|>")}
+
+    def __init__(self, path: Path) -> None:
+        tokenizers = _tokenizers(f"reading {path}")
+        try:
+            self._fast = tokenizers.Tokenizer.from_file(str(path))
+        except Exception as error:  # the library raises bare Exceptions
+            raise ValueError(f"{path} is not a valid tokenizer.json ({error})") from None
+        self.path = path
+        vocab = self._fast.get_vocab(with_added_tokens=True)
+        self._ids = {kind: next((vocab[t] for t in names if t in vocab), -1)
+                     for kind, names in self.NAMES.items()}
+        if self._ids["eos"] < 0:
+            raise ValueError(f"{path} names no end-of-text token ({', '.join(NAMES['eos'])}), "
+                             f"which separates the documents")
+
+    def encode(self, text: str) -> list[int]:
+        return self._fast.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [e.ids for e in self._fast.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._fast.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._fast.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eos_id(self) -> int:
+        return self._ids["eos"]
+
+    @property
+    def bos_id(self) -> int:
+        return self._ids["bos"]
+
+    @property
+    def pad_id(self) -> int:
+        return self._ids["pad"]
+
+    def __reduce__(self) -> tuple:
+        return (Tokenizer.load, (self.path,))
+
+    def save_hf(self, out_dir: str | Path, max_length: int) -> None:
+        """As ``Tokenizer.save_hf``: the tokenizer.json as it is, and its config."""
+        shutil.copyfile(self.path, Path(out_dir) / "tokenizer.json")
+        _hf_tokenizer_config(Path(out_dir), max_length, {
+            name: self._fast.id_to_token(i) for name, i in self._ids.items() if i >= 0})
+
+
+NAMES = JsonTokenizer.NAMES
+
+
+def tokenizer_name(path: str | Path) -> str:
+    """The name a tokenizer file takes in a checkpoint or a prepared folder: tokenizer.model
+    or tokenizer.json, as its suffix says (``Tokenizer.load`` reads either from the folder)."""
+    return "tokenizer" + Path(path).suffix
+
+
+def _tokenizers(why: str):
+    try:
+        import tokenizers
+    except ImportError:
+        raise ImportError(f"{why} needs the tokenizers package: pip install tokenizers") from None
+    return tokenizers
+
+
+def _hf_tokenizer_config(out_dir: Path, max_length: int, specials: dict[str, str]) -> None:
+    """tokenizer_config.json: ``AutoTokenizer`` reads tokenizer.json, with these special
+    tokens, adding none of them to what it encodes (as the package's tokenizers do)."""
+    (out_dir / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length,
+        "add_bos_token": False, "add_eos_token": False,
+        **{f"{name}_token": piece for name, piece in specials.items()}}, indent=2))
 
 
 def _hf_tokenizer(sp: spm.SentencePieceProcessor) -> dict:
@@ -154,10 +249,12 @@ def train_tokenizer(
         raise ValueError(f"model_type must be one of {MODEL_TYPES}, got {model_type!r}")
     documents = [text] if isinstance(text, str) else text
     key = documents_sha256(documents)[:16]
-    name = f"{model_type}-{vocab_size}-{key}-v{TOKENIZER_FORMAT}.model"
+    suffix = "json" if model_type == "byte-bpe" else "model"
+    name = f"{model_type}-{vocab_size}-{key}-v{TOKENIZER_FORMAT}.{suffix}"
     path = resolve_cache_dir(cache_dir) / "tokenizers" / name
     if not path.exists():
-        model = _train_sentencepiece(_training_lines(documents, max_lines), vocab_size, model_type)
+        train = _train_byte_bpe if model_type == "byte-bpe" else _train_sentencepiece
+        model = train(_training_lines(documents, max_lines), vocab_size, model_type)
         write_atomically(path, lambda tmp: tmp.write_bytes(model))
     return Tokenizer.load(path)
 
@@ -166,6 +263,19 @@ def _training_lines(documents: Sequence[str], max_lines: int) -> list[str]:
     """Non-empty lines of the corpus (sentencepiece trains on lines), every k-th if too many."""
     lines = [line for document in documents for line in document.splitlines() if line.strip()]
     return lines[:: math.ceil(len(lines) / max_lines)] if len(lines) > max_lines else lines
+
+
+def _train_byte_bpe(lines: list[str], vocab_size: int, model_type: str) -> bytes:
+    """A byte-level BPE (GPT-2's kind, Radford et al. 2019 §2.2) trained on `lines` with the
+    `tokenizers` library, the special tokens at sentencepiece's ids: its tokenizer.json."""
+    tokenizers = _tokenizers("--tokenizer byte-bpe")
+    fast = tokenizers.Tokenizer(tokenizers.models.BPE())
+    fast.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    fast.decoder = tokenizers.decoders.ByteLevel()
+    fast.train_from_iterator(lines, tokenizers.trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=list(SPECIALS), show_progress=False,
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()))
+    return fast.to_str().encode()
 
 
 def _train_sentencepiece(lines: list[str], vocab_size: int, model_type: str) -> bytes:
