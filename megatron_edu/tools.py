@@ -9,7 +9,9 @@
   as the log numbers them) in Chrome/Perfetto JSON, ``OUT/profile_rank{r}.json``, of rank 0 or
   of every rank (``--profile-ranks all``); the collectives appear under torch.distributed's own
   names (``c10d::allreduce_``, ``gloo:all_reduce``, ``nccl:all_reduce``). Open it in
-  https://ui.perfetto.dev or chrome://tracing (docs/troubleshooting.md).
+  https://ui.perfetto.dev or chrome://tracing (docs/troubleshooting.md). On a GPU also a memory
+  snapshot of the same steps, ``OUT/profile_rank{r}_memory.pickle``: every allocation with its
+  stack, for https://pytorch.org/memory_viz (``CudaMemorySnapshot``).
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["flags_from_file", "step_range", "write_run_record", "StepProfiler"]
+__all__ = ["flags_from_file", "step_range", "write_run_record", "StepProfiler",
+           "CudaMemorySnapshot"]
 
 
 def flags_from_file(path: Path, parser: argparse.ArgumentParser) -> dict[str, Any]:
@@ -88,6 +91,8 @@ class StepProfiler:
 
     def __init__(self, steps: tuple[int, int] | None, path: Path, device: torch.device) -> None:
         self.steps, self.path, self.device, self.profile = steps, path, device, None
+        self.memory = SNAPSHOTS.get(device.type, _NoSnapshot)(
+            path.with_name(f"{path.stem}_memory.pickle"))
 
     def at(self, step: int) -> None:
         if self.steps is None:
@@ -99,12 +104,49 @@ class StepProfiler:
             self.profile = torch.profiler.profile(activities=activities,
                                                   profile_memory=self.device.type == "cuda")
             self.profile.__enter__()
+            self.memory.start()
         elif step == self.steps[1]:
             self.close()
 
     def close(self) -> None:
-        """Stop and write the trace, if one is running."""
+        """Stop and write the trace (and the memory snapshot), if one is running."""
         if self.profile is not None:
             self.profile.__exit__(None, None, None)
             self.profile.export_chrome_trace(str(self.path))
+            self.memory.stop()
             self.profile = None
+
+
+class CudaMemorySnapshot:
+    """PyTorch's CUDA caching allocator recording every allocation and free with its stack
+    from ``start`` to ``stop``, then dumped to ``path`` (``torch.cuda.memory``'s documented
+    ``_record_memory_history`` / ``_dump_snapshot``, "Understanding CUDA Memory Usage"): open
+    it in https://pytorch.org/memory_viz. Recording off again after the dump."""
+
+    ENTRIES = 100_000   # the allocator's ring of events: enough for a few steps of a big model
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def start(self) -> None:
+        torch.cuda.memory._record_memory_history(max_entries=self.ENTRIES)
+
+    def stop(self) -> None:
+        torch.cuda.memory._dump_snapshot(str(self.path))
+        torch.cuda.memory._record_memory_history(enabled=None)
+
+
+class _NoSnapshot:
+    """A CPU keeps no allocator history: nothing to record."""
+
+    def __init__(self, path: Path) -> None:
+        pass
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+
+SNAPSHOTS = {"cuda": CudaMemorySnapshot}  # the device's memory snapshot, chosen once

@@ -182,7 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
     data = p.add_argument_group("data")
     data.add_argument("--data", nargs="+", default=["default"],
                       help="'default' (built-in corpus), 'wikitext103', or .txt and .jsonl "
-                      "files, or folders of them")
+                      "files, or folders of them, or a Hugging Face dataset: a folder "
+                      "save_to_disk wrote, or hf:NAME from the hub (needs datasets)")
     data.add_argument("--text-field", default="text", help="the field of each .jsonl line "
                       "that holds its document")
     data.add_argument("--tokenizer", default="sentencepiece", metavar="KIND_OR_PATH",
@@ -216,6 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "trace of steps START … END−1 in OUT/profile_rank{r}.json (Perfetto)")
     run_.add_argument("--profile-ranks", choices=["0", "all"], default="0",
                       help="the ranks --profile traces")
+    run_.add_argument("--tensorboard", action="store_true", help="also write each step's "
+                      "record (loss, lr, gradient norm, loss scale, tokens/s, MFU, memory) as "
+                      "TensorBoard scalars in OUT/tensorboard (needs the tensorboard package)")
     run_.add_argument("--peak-tflops", type=_peak_tflops, help="per-rank peak for MFU: TFLOP/s, "
                       "or 'measured' (a matmul timed on every rank); default: the GPU's "
                       "datasheet dense bf16 peak (perf.DATASHEET_BF16_PEAKS: Blackwell, Hopper, "
@@ -275,10 +279,14 @@ def model_config(args: argparse.Namespace) -> GPTConfig:
 
 @dataclass
 class Plan:
-    """What validation derives: how the run is split, and the model."""
+    """What validation derives: how the run is split, and the model; then ``data``, the
+    tokenizer and the datasets, built once by the process that checked the run and handed to
+    the ranks it launches (memory maps, pickled as their paths: no rank reads or hashes the
+    corpus again)."""
 
     parallelism: Parallelism
     config: GPTConfig
+    data: tuple | None = None
 
 
 def validate(args: argparse.Namespace, world_size: int | None = None) -> Plan:
@@ -311,13 +319,20 @@ def validate(args: argparse.Namespace, world_size: int | None = None) -> Plan:
     if args.sequence_parallel and args.tp == 1:
         raise ValueError("--sequence-parallel splits the sequence over the tensor-parallel "
                          "ranks: it needs --tp > 1")
+    if args.tensorboard:
+        try:
+            import tensorboard  # noqa: F401 (torch.utils.tensorboard needs it)
+        except ImportError:
+            raise ValueError("--tensorboard needs the optional tensorboard package: pip install "
+                             "tensorboard") from None
     if not args.min_lr <= args.lr:
         raise ValueError(f"--min-lr {args.min_lr:g} must be at most --lr {args.lr:g}")
     if args.backend == "nccl" and not torch.cuda.is_available():
         raise ValueError("--backend nccl needs CUDA GPUs, and this machine shows none "
                          "(torch.cuda.is_available() is False): use --backend gloo or auto")
     for source in args.data:
-        if source not in ("default", "wikitext103") and not Path(source).exists():
+        if source not in ("default", "wikitext103") and not source.startswith("hf:") \
+                and not Path(source).exists():
             raise FileNotFoundError(f"--data {source}: no such file or folder")
     resume_from = args.out if args.resume == "auto" else args.resume
     if args.resume not in (None, "auto") or (args.resume == "auto" and
@@ -359,7 +374,7 @@ def train(args: argparse.Namespace, plan: Plan) -> dict[str, Any]:
     grid = ParallelGrid(parallelism.layout, embedding_ranks=parallelism.stages.ends)
     torch.manual_seed(args.seed)
     config = plan.config
-    tokenizer, train_set, val_set = _data(args, config)
+    tokenizer, train_set, val_set = plan.data or _data(args, config)  # built by main, or here
     trainer = PTDP(config, grid, PTDPOptions(
         scatter_gather=not args.no_scatter_gather, lr=args.lr, weight_decay=args.weight_decay,
         clip=args.clip, loss_scaling=args.dtype == "fp16"),
@@ -376,7 +391,7 @@ def train(args: argparse.Namespace, plan: Plan) -> dict[str, Any]:
     start, resumed_from = _resume(args, trainer, sampler)
     saved: list[Path] = []                               # the checkpoints this run wrote
     writer = BackgroundWriter() if args.async_save else Writer()  # every rank: a collective
-    log = _Log(args.out / "log.jsonl", grid.rank == 0, start)
+    log = _Log(args.out / "log.jsonl", grid.rank == 0, start, args.tensorboard)
     meter = _Meter(args, config, grid, log, start)
     autocast = cli.autocast(args.dtype, grid.device)
     streak = _Streak(args.dtype == "fp16", grid)
@@ -403,8 +418,10 @@ def train(args: argparse.Namespace, plan: Plan) -> dict[str, Any]:
                                writer)
             except CheckpointError as err:  # a write failed on some rank: every rank stops
                 meter.close()
+                log.close()
                 return {"error": str(err)}
     meter.close()
+    log.close()
     profiler.close()
     try:
         writer.wait()                           # --async-save: the last save is published
@@ -526,10 +543,12 @@ def _validate(args, trainer: PTDP, val_set: TokenDataset, grid: ParallelGrid) ->
 # --- what rank 0 shows and writes ----------------------------------------------------------------
 
 class _Log:
-    """OUT/log.jsonl, appended by rank 0; a resumed run first drops records after its step."""
+    """OUT/log.jsonl, appended by rank 0; a resumed run first drops records after its step.
+    ``tensorboard``: every number of a record also a TensorBoard scalar of its step, in
+    OUT/tensorboard (a resumed run's event files purged past its step, as the log is)."""
 
-    def __init__(self, path: Path, active: bool, start: int) -> None:
-        self.path, self.active = path, active
+    def __init__(self, path: Path, active: bool, start: int, tensorboard: bool = False) -> None:
+        self.path, self.active, self.board = path, active, None
         self.records: list[dict] = []
         if active:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -537,12 +556,23 @@ class _Log:
                 self.records = [r for r in map(json.loads, path.read_text().splitlines())
                                 if r["step"] <= start]
             path.write_text("".join(json.dumps(r) + "\n" for r in self.records))
+        if active and tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            self.board = SummaryWriter(path.parent / "tensorboard", purge_step=start + 1)
 
     def write(self, record: dict) -> None:
         if self.active:
             self.records.append(record)
             with self.path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
+        if self.board is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, int | float):
+                    self.board.add_scalar(key, float(value), record["step"])
+
+    def close(self) -> None:
+        if self.board is not None:
+            self.board.close()
 
 
 class _Meter:
@@ -561,6 +591,7 @@ class _Meter:
         self.recompute = config.recompute != "none"
         self.fp16 = args.dtype == "fp16"
         self.peak_total = _peak_flops(args, grid)
+        self.device = grid.device
         self.bar = None
         if log.active and not args.no_progress:
             from tqdm.auto import tqdm
@@ -580,7 +611,8 @@ class _Meter:
         record = {"step": step, "loss": result.loss, "lr": lr,
                   "grad_norm": None if result.skipped else result.grad_norm,
                   "skipped": result.skipped, "skipped_steps": self.skipped,
-                  "tokens_per_s": self.tokens / seconds, "mfu": mfu, "hfu": hfu}
+                  "tokens_per_s": self.tokens / seconds, "mfu": mfu, "hfu": hfu,
+                  "max_memory_gib": _max_memory_gib(self.device)}
         if problem:
             record["reason"] = problem
         if self.fp16:
@@ -616,6 +648,15 @@ class _Meter:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def _max_memory_gib(device: torch.device) -> float:
+    """Rank 0's peak memory so far: allocated on its GPU (a host-side counter, no sync), or
+    its process's resident set on a CPU (``ru_maxrss``, KiB on Linux)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def _peak_tflops(text: str) -> float | str:
@@ -724,8 +765,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with exit_on_sigterm():               # SIGTERM (SLURM, torchrun) reaches the finally too
             try:
-                _, train_set, _ = _data(args, plan.config)  # build the caches once, here
-                check_data(args, train_set)
+                plan.data = _data(args, plan.config)      # build the caches once, here
+                check_data(args, plan.data[1])
                 if owner:
                     _check_space(args, plan)
             except (ValueError, OSError, RuntimeError) as err:

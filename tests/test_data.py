@@ -189,6 +189,32 @@ def test_a_jsonl_line_without_text_is_named_by_file_and_line(tmp_path, line, mes
         load_text_files([tmp_path / "c.jsonl"])
 
 
+def test_a_hugging_face_dataset_saved_to_disk_is_its_text_column(tmp_path, monkeypatch):
+    """A Dataset or a DatasetDict (its train split) that ``save_to_disk`` wrote, beside text
+    files; a missing column, an empty row, no train split and no ``datasets`` package each one
+    line naming it."""
+    datasets = pytest.importorskip("datasets")
+    rows = datasets.Dataset.from_dict({"body": ["first doc", "second\ndoc"], "id": [1, 2]})
+    rows.save_to_disk(tmp_path / "rows")
+    splits = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["a", "b"]}),
+                                   "test": datasets.Dataset.from_dict({"text": ["c"]})})
+    splits.save_to_disk(tmp_path / "splits")
+    (tmp_path / "c.txt").write_text("third")
+    assert load_corpus([tmp_path / "rows", tmp_path / "c.txt"], text_field="body") == [
+        "first doc", "second\ndoc", "third"]
+    assert load_corpus([tmp_path / "splits"]) == ["a", "b"]
+    datasets.Dataset.from_dict({"text": ["a", " "]}).save_to_disk(tmp_path / "blank")
+    datasets.DatasetDict({"valid": rows}).save_to_disk(tmp_path / "no_train")
+    for folder, message in [("rows", r"rows has no column 'text' \(its columns: body, id\)"),
+                            ("blank", r"blank: row 1's 'text' is empty"),
+                            ("no_train", r"no_train holds the splits \['valid'\], none called")]:
+        with pytest.raises(ValueError, match=message):
+            load_corpus([tmp_path / folder])
+    monkeypatch.setitem(sys.modules, "datasets", None)
+    with pytest.raises(ValueError, match="needs the optional datasets package"):
+        load_corpus([tmp_path / "splits"])
+
+
 def test_load_corpus_accepts_a_single_path(tmp_path):
     (tmp_path / "a.txt").write_text("hello")
     assert load_corpus(str(tmp_path / "a.txt")) == ["hello"]

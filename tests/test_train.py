@@ -4,6 +4,7 @@ it refuses before any rank starts, and a diverging run's clean stop."""
 import json
 import math
 import shutil
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -69,6 +70,7 @@ def test_loss_decreases_and_everything_is_written(tmp_path, cache):
     assert run["layout"] == {"tp": 2, "pp": 1, "dp": 1, "cp": 1} and run["torch"]
     trace = json.loads((tmp_path / "profile_rank0.json").read_text())["traceEvents"]
     assert any(e.get("name") == "c10d::allreduce_" for e in trace)
+    assert not list(tmp_path.glob("*memory.pickle"))     # a CPU keeps no allocator history
     losses = _losses(records)
     assert sorted(losses) == list(range(1, 13))
     assert losses[12] < losses[1] - 0.5
@@ -323,6 +325,7 @@ def _a_rank_fails(*args, **kwargs):
     (["--nproc", "2", "--pp", "2", "--schedule", "interleaved", "--chunks", "2",
       "--global-batch", "6"], "multiple of num_stages; got num_microbatches=3, num_stages=2"),
     (["--data", "/no/such/file.txt"], "--data /no/such/file.txt: no such file"),
+    (["--tokenizer", "/no/tokenizer.json"], "tokenizer model not found: /no/tokenizer.json"),
     (["--resume", "/no/such/run"], "no checkpoint at /no/such/run"),
     (["--global-batch", "100000", "--micro-batch", "1"], "--global-batch 100000 is larger than "
                                                          "the training data: it holds "),
@@ -633,6 +636,28 @@ def test_an_async_save_is_published_before_the_run_goes_on_to_its_end(tmp_path, 
     assert read_metadata(tmp_path)["step"] == 1
 
 
+def test_on_a_gpu_the_profiled_steps_record_a_cuda_memory_snapshot(tmp_path, monkeypatch):
+    """What --profile does on CUDA, checked on the CPU with the allocator's two functions
+    recorded: history on when the trace starts, the snapshot dumped beside the trace and
+    history off when it stops — once, whatever step the run ends at."""
+    from megatron_edu import tools
+
+    calls = []
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history",
+                        lambda **kw: calls.append(("record", kw)))
+    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", lambda p: calls.append(("dump", p)))
+    snapshot = tools.SNAPSHOTS["cuda"](tmp_path / "profile_rank0_memory.pickle")
+    profiler = tools.StepProfiler((2, 3), tmp_path / "profile_rank0.json", torch.device("cpu"))
+    profiler.memory = snapshot
+    for step in (1, 2, 3, 4):
+        profiler.at(step)
+    profiler.close()
+    assert calls == [("record", {"max_entries": 100_000}),
+                     ("dump", str(tmp_path / "profile_rank0_memory.pickle")),
+                     ("record", {"enabled": None})]
+    assert (tmp_path / "profile_rank0.json").exists()
+
+
 def test_a_byte_level_bpe_run_carries_its_tokenizer_json_which_a_later_run_starts_from(
         tmp_path, cache):
     """--tokenizer byte-bpe (GPT-2's kind, trained on the corpus) at tp 2: the checkpoint holds
@@ -655,3 +680,53 @@ def test_a_byte_level_bpe_run_carries_its_tokenizer_json_which_a_later_run_start
     theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf", local_files_only=True)
     text = "The cat  sat.\n\tOn the mat — naïve 日本 ✓"
     assert theirs(text)["input_ids"] == ours.encode(text) and ours.decode(ours.encode(text)) == text
+
+
+def test_tensorboard_scalars_are_the_logs_records(tmp_path, cache, monkeypatch, capsys):
+    """--tensorboard: each step's numbers as TensorBoard scalars, read back by tensorboard's own
+    reader equal to log.jsonl's; without the package, one line before anything starts."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    records = _train(tmp_path / "run", cache, "--nproc", "2", "--pp", "2", "--steps", "3",
+                     "--tensorboard")
+    board = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    board.Reload()
+    for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "max_memory_gib"):
+        logged = [(r["step"], r[key]) for r in records if key in r]
+        assert [(e.step, e.value) for e in board.Scalars(key)] == [
+            (step, pytest.approx(value, rel=1e-6)) for step, value in logged], key
+    assert all(r["max_memory_gib"] > 0 for r in records if "loss" in r)
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
+    assert main([*TINY, "--out", str(tmp_path / "none"), "--tensorboard"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: --tensorboard needs the optional tensorboard package: pip install tensorboard")
+
+
+def test_a_hugging_face_dataset_saved_to_disk_trains(tmp_path, cache):
+    datasets = pytest.importorskip("datasets")
+    from megatron_edu.data.corpus import default_corpus
+
+    datasets.Dataset.from_dict({"text": default_corpus()[:60]}).save_to_disk(tmp_path / "data")
+    records = _train(tmp_path / "run", cache, "--nproc", "1", "--steps", "2",
+                     "--data", str(tmp_path / "data"))
+    assert len(_losses(records)) == 2 and all(math.isfinite(x) for x in _losses(records).values())
+
+
+def test_the_ranks_never_read_the_corpus_the_launcher_prepared(tmp_path, cache, monkeypatch):
+    """The checking process builds the tokenizer and the token file once and hands them to the
+    ranks as memory maps: with the text deleted before launch, the run still trains."""
+    from megatron_edu.data.corpus import default_corpus
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(default_corpus()[:60]))
+    launch = train_module._launch
+
+    def without_the_text(*args):
+        corpus.unlink()
+        return launch(*args)
+
+    monkeypatch.setattr(train_module, "_launch", without_the_text)
+    records = _train(tmp_path / "run", cache, "--nproc", "2", "--dp", "2", "--steps", "2",
+                     "--data", str(corpus))
+    assert not corpus.exists() and len(_losses(records)) == 2

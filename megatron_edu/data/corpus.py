@@ -197,11 +197,51 @@ def pydoc_topics() -> list[str]:
 def load_text_files(paths: Sequence[str | Path], text_field: str = "text") -> list[str]:
     """Documents from UTF-8 files: a .jsonl file's lines (each a JSON object, its ``text_field``
     the document), any other file whole; a folder stands for every .txt and .jsonl file below
-    it, sorted. A ValueError names the file (and line) of anything that is not text to train on."""
+    it, sorted, unless it is a Hugging Face dataset (``save_to_disk``'s folder), or ``hf:NAME``
+    one on the hub (``_hf_dataset``). A ValueError names the file (and line, or row) of
+    anything that is not text to train on."""
     if not paths:
         raise ValueError("no text files given: pass at least one .txt or .jsonl file or folder")
-    return [document for path in paths for file in _text_files(Path(path))
+    return [document for path in paths for document in _documents(path, text_field)]
+
+
+def _documents(path: str | Path, text_field: str) -> list[str]:
+    if str(path).startswith("hf:") or any((Path(path) / name).is_file() for name in SAVED):
+        return _hf_dataset(str(path), text_field)
+    return [document for file in _text_files(Path(path))
             for document in _read_documents(file, text_field)]
+
+
+SAVED = ("state.json", "dataset_dict.json")  # a Dataset's, a DatasetDict's save_to_disk folder
+
+
+def _hf_dataset(source: str, text_field: str) -> list[str]:
+    """The ``text_field`` column of a Hugging Face dataset — a folder ``save_to_disk`` wrote, or
+    ``hf:NAME`` loaded from the hub — of its train split when it holds several; every row text."""
+    try:
+        import datasets
+    except ImportError:
+        raise ValueError(f"--data {source} is a Hugging Face dataset: reading it needs the "
+                         f"optional datasets package (pip install datasets)") from None
+    try:
+        data = (datasets.load_dataset(source[3:], split="train") if source.startswith("hf:")
+                else datasets.load_from_disk(source))
+    except Exception as error:  # datasets raises many types: network, hub, file system, ...
+        raise ValueError(f"--data {source}: cannot load the dataset ({error})") from None
+    if isinstance(data, datasets.DatasetDict):
+        if "train" not in data:
+            raise ValueError(f"--data {source} holds the splits {sorted(data)}, none called train")
+        data = data["train"]
+    if text_field not in data.column_names:
+        raise ValueError(f"--data {source} has no column {text_field!r} (its columns: "
+                         f"{', '.join(data.column_names)}): name the text with --text-field")
+    texts = data[text_field]
+    bad = next((i for i, text in enumerate(texts) if not isinstance(text, str)
+                or not text.strip()), None)
+    if bad is not None:
+        raise ValueError(f"--data {source}: row {bad}'s {text_field!r} is "
+                         f"{'empty' if isinstance(texts[bad], str) else 'not text'}")
+    return list(texts)
 
 
 def _text_files(path: Path) -> list[Path]:
