@@ -661,8 +661,10 @@ def test_on_a_gpu_the_profiled_steps_record_a_cuda_memory_snapshot(tmp_path, mon
 def test_a_byte_level_bpe_run_carries_its_tokenizer_json_which_a_later_run_starts_from(
         tmp_path, cache):
     """--tokenizer byte-bpe (GPT-2's kind, trained on the corpus) at tp 2: the checkpoint holds
-    the tokenizer.json, the export loads in AutoTokenizer with the same ids; a run given that
-    file as --tokenizer takes the model's vocabulary from it, --vocab-size notwithstanding."""
+    the tokenizer.json, generate reads it, the export loads in AutoTokenizer with the same ids;
+    a run given that file as --tokenizer takes the model's vocabulary from it, --vocab-size
+    notwithstanding."""
+    from megatron_edu import generate
     from megatron_edu.data.tokenizer import Tokenizer
 
     steps = ["--nproc", "2", "--tp", "2", "--steps", "2", "--save-interval", "2"]
@@ -672,6 +674,8 @@ def test_a_byte_level_bpe_run_carries_its_tokenizer_json_which_a_later_run_start
     assert (meta["tokenizer"], meta["config"]["vocab_size"]) == (str(saved / "tokenizer.json"),
                                                                 700)
     ours = Tokenizer.load(saved)
+    assert generate.main(["--checkpoint", str(saved), "--prompt", "The ", "--max-new-tokens",
+                          "4", "--greedy"]) == 0
     _train(tmp_path / "again", cache, *steps, "--tokenizer", str(saved / "tokenizer.json"),
            "--vocab-size", "4096")
     assert read_metadata(tmp_path / "again")["config"]["vocab_size"] == ours.vocab_size
@@ -730,3 +734,35 @@ def test_the_ranks_never_read_the_corpus_the_launcher_prepared(tmp_path, cache, 
     records = _train(tmp_path / "run", cache, "--nproc", "2", "--dp", "2", "--steps", "2",
                      "--data", str(corpus))
     assert not corpus.exists() and len(_losses(records)) == 2
+
+
+def test_a_run_from_a_hugging_face_gpt2_starts_at_transformers_loss(tmp_path, cache):
+    """A GPT2LMHeadModel built here, saved with a byte-level tokenizer.json beside it (no
+    sentencepiece anywhere): train --init-from-hf at tp 2, whose first step's loss is
+    transformers' on that step's batch."""
+    transformers = pytest.importorskip("transformers")
+    tokenizers = pytest.importorskip("tokenizers")
+    import torch.nn.functional as F
+
+    from megatron_edu.data import BatchSampler, prepare_data
+    from megatron_edu.data.corpus import default_corpus
+
+    text = tmp_path / "corpus.txt"
+    text.write_text("\n\n".join(default_corpus()[:60]))
+    folder = tmp_path / "gpt2"
+    folder.mkdir()
+    bpe = tokenizers.ByteLevelBPETokenizer()
+    bpe.train([str(text)], vocab_size=400, special_tokens=["<|endoftext|>"], show_progress=False)
+    bpe.save(str(folder / "tokenizer.json"))
+    torch.manual_seed(0)
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=400, n_positions=32, n_embd=64, n_layer=2, n_head=4)).eval()
+    gpt2.save_pretrained(folder)
+    records = _train(tmp_path / "run", cache, "--init-from-hf", str(folder), "--data", str(text),
+                     "--nproc", "2", "--tp", "2", "--steps", "1")
+    _, train_set, _ = prepare_data(str(text), 400, 32, cache, tokenizer_path=folder)
+    seed = parse_args(TINY).seed
+    inputs, labels = train_set.batch(next(BatchSampler(len(train_set), 8, seed=seed)))
+    with torch.no_grad():
+        theirs = F.cross_entropy(gpt2(inputs).logits.flatten(0, 1), labels.flatten())
+    assert _losses(records)[1] == pytest.approx(theirs.item(), rel=1e-5)
