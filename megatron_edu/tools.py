@@ -1,8 +1,8 @@
 """The tools of the trade around a training run: its flags from a file, its record, a trace.
 
-* ``--config run.toml`` (or ``.json``): any flag, named as on the command line without the
-  dashes (``global-batch = 32`` or ``global_batch``); the command line overrides the file. Each
-  value goes through the flag's own check, as if typed (``flags_from_file``).
+* ``--config run.toml`` (or ``.yaml``, ``.json``): any flag, named as on the command line
+  without the dashes (``global-batch = 32`` or ``global_batch``); the command line overrides the
+  file. Each value goes through the flag's own check, as if typed (``flags_from_file``).
 * ``OUT/run.json``, written before any rank starts: the resolved arguments, the package's and
   torch's versions, the layout (``write_run_record``) — what a run was, beside what it logged.
 * ``--profile START:END``: a ``torch.profiler`` trace of steps START … END − 1 (numbered from 1,
@@ -45,8 +45,16 @@ def flags_from_file(path: Path, parser: argparse.ArgumentParser) -> dict[str, An
             raise ValueError(f"--config {path}: TOML needs Python 3.11 (tomllib); give a .json")
         import tomllib
         table = tomllib.loads(text)
+    elif path.suffix in (".yaml", ".yml"):
+        try:
+            import yaml
+        except ImportError:
+            raise ValueError(f"--config {path}: YAML needs the pyyaml package (pip install "
+                             f"pyyaml); or give a .toml or a .json") from None
+        table = yaml.safe_load(text) or {}
     else:
-        raise ValueError(f"--config {path}: a .toml or a .json file, got {path.suffix or 'none'}")
+        raise ValueError(f"--config {path}: a .toml, .yaml or .json file, got "
+                         f"{path.suffix or 'none'}")
     actions = {a.dest: a for a in parser._actions if a.option_strings and a.dest != "config"}
     defaults = {}
     for key, value in table.items():

@@ -211,8 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="resume from OUT's latest checkpoint (the flag alone, or 'auto'; "
                       "none there yet: start afresh, so a requeued job can always pass it), or "
                       "from the given one (any layout; the lr schedule follows this run's --steps)")
-    run_.add_argument("--config", type=Path, metavar="FILE", help="a .toml or .json file of "
-                      "flags, named without the dashes; the command line overrides it")
+    run_.add_argument("--config", type=Path, metavar="FILE", help="a .toml, .yaml or .json file "
+                      "of flags, named without the dashes; the command line overrides it")
     run_.add_argument("--profile", type=step_range, metavar="START:END", help="a torch.profiler "
                       "trace of steps START … END−1 in OUT/profile_rank{r}.json (Perfetto)")
     run_.add_argument("--profile-ranks", choices=["0", "all"], default="0",

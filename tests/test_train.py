@@ -344,6 +344,13 @@ def test_a_config_file_naming_no_flag_is_one_line(tmp_path, capsys):
     assert capsys.readouterr().err == f"error: --config {tmp_path / 'run.toml'}: no flag --stepz\n"
 
 
+def test_a_yaml_config_file_sets_flags_the_command_line_overrides(tmp_path):
+    pytest.importorskip("yaml")
+    (tmp_path / "run.yaml").write_text("steps: 7\nglobal-batch: 16\nsequence_parallel: true\n")
+    args = parse_args(["--config", str(tmp_path / "run.yaml"), "--steps", "9"])
+    assert (args.steps, args.global_batch, args.sequence_parallel) == (9, 16, True)
+
+
 def test_a_jsonl_corpus_without_its_text_field_is_one_line_before_any_rank_starts(
         tmp_path, cache, capsys, monkeypatch):
     monkeypatch.setattr(train_module, "run", _no_launch)
