@@ -314,7 +314,7 @@ class Attention(nn.Module):
     2·h·max(g/t, 1)·d, not 2·h·h/t.
     What crosses tp does not change: f's all-reduce of dX and g's of Y, b·s·h values each a
     layer and pass (SP: the all-gather and reduce-scatter of as many); the kv heads shrink what
-    the context-parallel ring carries, 2·b·(s/cp)·(g/t)·d values a hop, and the KV cache."""
+    the ring carries, 2·b·(s/cp)·max(g/t, 1)·d values a hop, and the KV cache."""
 
     def __init__(self, config: GPTConfig, group: CommGroup, layer: int = 0,
                  cp_group: CommGroup | None = None) -> None:
