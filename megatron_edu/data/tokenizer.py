@@ -130,7 +130,8 @@ class JsonTokenizer:
         self._ids = {kind: next((vocab[t] for t in names if t in vocab), -1)
                      for kind, names in self.NAMES.items()}
         if self._ids["eos"] < 0:
-            raise ValueError(f"{path} names no end-of-text token ({', '.join(NAMES['eos'])}), "
+            raise ValueError(f"{path} names no end-of-text token "
+                             f"({', '.join(self.NAMES['eos'])}), "
                              f"which separates the documents")
 
     def encode(self, text: str) -> list[int]:
@@ -166,9 +167,6 @@ class JsonTokenizer:
         shutil.copyfile(self.path, Path(out_dir) / "tokenizer.json")
         _hf_tokenizer_config(Path(out_dir), max_length, {
             name: self._fast.id_to_token(i) for name, i in self._ids.items() if i >= 0})
-
-
-NAMES = JsonTokenizer.NAMES
 
 
 def tokenizer_name(path: str | Path) -> str:
