@@ -332,7 +332,7 @@ def compute_dtype(device: str, otherwise: torch.dtype) -> torch.dtype:
 
 
 class _F(torch.autograd.Function):
-    """f (1909.08053 §3, Fig. 3a): identity forward, all-reduce of the gradient backward."""
+    """f (1909.08053 §3, Figure 3): identity forward, all-reduce of the gradient backward."""
 
     @staticmethod
     def forward(ctx, x, group):  # autocast: x in its compute dtype (the gradient too, on the wire)
@@ -355,7 +355,7 @@ class _FParam(_F):
 
 
 class _G(torch.autograd.Function):
-    """g (1909.08053 §3, Fig. 3b): all-reduce forward, identity backward."""
+    """g (1909.08053 §3, Figure 3): all-reduce forward, identity backward."""
 
     @staticmethod
     def forward(ctx, x, group):

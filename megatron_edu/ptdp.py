@@ -96,8 +96,8 @@ class Parallelism:
             raise ValueError(f"ZeRO-{self.zero} reduce-scatters the gradients in every backward "
                              f"pass (and ZeRO-3 gathers the weights for each): with pp = "
                              f"{self.layout.pp} and the {self.pipeline.schedule} schedule that is "
-                             "every microbatch's; Megatron pairs pipelines with ZeRO-1 (2104.04473 "
-                             "§3), as DeepSpeed does: use zero = 1, or pp = 1 with 1f1b")
+                             "every microbatch's; Megatron-LM's code pairs pipelines with ZeRO-1, "
+                             "as DeepSpeed does: use zero = 1, or pp = 1 with 1f1b")
         if config.async_tp and splits:  # B and W: one node here
             raise ValueError(f"async_tp computes dX and dW in one node: {self.pipeline.schedule}'s "
                              "B/W split would run it, and its collectives, twice")

@@ -21,3 +21,26 @@ def test_every_count_of_the_exercises_is_the_checkers():
     counts = [(path.name, n) for path in texts
               for n in re.findall(r"\b(\d+) exercises\b", path.read_text())]
     assert counts and {n for _, n in counts} == {str(len(EXERCISES))}, counts
+
+
+def _notebook_minutes() -> dict[str, int]:
+    """Each notebook's own estimate of its reading time, from its "**Time** — about N minutes"."""
+    import json
+
+    minutes = {}
+    for path in sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")):
+        text = "".join("".join(c["source"]) for c in json.loads(path.read_text())["cells"][:4])
+        minutes[path.name[:2]] = int(re.search(r"\*\*Time\*\* — about (\d+) minutes", text)[1])
+    return minutes
+
+
+def test_the_syllabus_gives_each_notebook_its_own_time():
+    """The guide's minutes beside a notebook, "05 pipeline execution (20)" or "12 (…, ~20
+    minutes", are the notebook's own "**Time**" line: one estimate, not two that drift."""
+    text = (ROOT / "docs" / "course.md").read_text()
+    table = r"(?:\| \d \| |; )(\d\d) [^|;(\n]+\((\d+)(?: min)?\)"   # "| 3 | 04 pipel… (15)"
+    stated = {n: int(m) for n, m in re.findall(table, text)}
+    stated |= {n: int(m) for n, m in re.findall(
+        r"Notebook (\d\d)\b[^~.]*?(?:~|about )(\d+)\s+minutes", text)}
+    own = _notebook_minutes()
+    assert set(stated) == set(own) and {n: own[n] for n in stated} == stated

@@ -11,8 +11,8 @@ words in and scores them out, as FSDP2 keeps its root.
 
 Traffic per step, Ψ a unit's bytes, d ranks: two all-gathers and one reduce-scatter of
 (d − 1)/d · Ψ each, 1.5× data parallelism's all-reduce (the ZeRO paper's §7), and m times with
-m microbatches: why Megatron pairs pipelines with ZeRO-1 only (2104.04473 §3), and DeepSpeed
-refuses ZeRO-2/3 inside a pipeline.
+m microbatches: why Megatron-LM's code pairs pipelines with ZeRO-1 only (its distributed
+optimizer; 2104.04473 itself shards nothing), and DeepSpeed refuses ZeRO-2/3 inside a pipeline.
 
 An emptied parameter stays a view of its unit's flat buffer, whose storage is resized to nothing
 at rest and back when gathered (``_fill``, ``_free``; FSDP's mechanism): shapes stay intact, and
