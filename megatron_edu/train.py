@@ -342,13 +342,17 @@ def validate(args: argparse.Namespace, world_size: int | None = None) -> Plan:
 
 
 def _check_hf_start(args: argparse.Namespace) -> None:
-    """``--init-from-hf DIR``: a Hugging Face folder with the sentencepiece model its corpus is
-    read with (as ``checkpoint export-hf`` writes it), and a fresh run (not a resumed one)."""
+    """``--init-from-hf DIR``: a Hugging Face folder with the tokenizer its corpus is read with
+    (tokenizer.model or tokenizer.json, as ``checkpoint export-hf`` writes them), no other
+    ``--tokenizer``, and a fresh run (not a resumed one)."""
     if args.init_from_hf is None:
         return
     if args.resume is not None:
         raise ValueError("--init-from-hf starts a run from a Hugging Face folder's weights, "
                          "--resume continues a run from its checkpoint: give one of them")
+    if args.tokenizer != "sentencepiece":      # the default: nothing asked
+        raise ValueError("--init-from-hf reads the folder's own tokenizer, which its model's "
+                         f"vocabulary is of: drop --tokenizer {args.tokenizer}")
     if not (args.init_from_hf / "config.json").exists():
         raise FileNotFoundError(f"--init-from-hf {args.init_from_hf} holds no config.json (a "
                                 f"folder checkpoint export-hf wrote has one)")

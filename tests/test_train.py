@@ -326,6 +326,8 @@ def _a_rank_fails(*args, **kwargs):
       "--global-batch", "6"], "multiple of num_stages; got num_microbatches=3, num_stages=2"),
     (["--data", "/no/such/file.txt"], "--data /no/such/file.txt: no such file"),
     (["--tokenizer", "/no/tokenizer.json"], "tokenizer model not found: /no/tokenizer.json"),
+    (["--init-from-hf", "/nowhere", "--tokenizer", "byte-bpe"], "--init-from-hf reads the "
+                                                                "folder's own tokenizer"),
     (["--resume", "/no/such/run"], "no checkpoint at /no/such/run"),
     (["--global-batch", "100000", "--micro-batch", "1"], "--global-batch 100000 is larger than "
                                                          "the training data: it holds "),

@@ -55,8 +55,11 @@ class Tokenizer:
         a clear error if it is missing or corrupt."""
         path = Path(path)
         if path.is_dir():
-            path = next((path / name for name in ("tokenizer.model", "tokenizer.json")
-                         if (path / name).is_file()), path / "tokenizer.model")
+            found = [path / name for name in ("tokenizer.model", "tokenizer.json")
+                     if (path / name).is_file()]
+            if not found:
+                raise FileNotFoundError(f"{path} holds no tokenizer.model or tokenizer.json")
+            path = found[0]
         if not path.is_file():
             raise FileNotFoundError(f"tokenizer model not found: {path}")
         if path.suffix == ".json":
