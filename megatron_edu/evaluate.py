@@ -40,8 +40,8 @@ continuation after a token it was not fed is not known. ``--stop-word-filter`` m
 ``accuracy`` the filtered one; both are always reported.
 
 Both tasks take a checkpoint of any layout (``--checkpoint``: each rank reads only its slices,
-``checkpoint.load_model_chunks``) or a Hugging Face GPT-2 directory (``--hf``; its own
-tokenizer through ``transformers``, offline, or the ``tokenizer.model`` an export wrote), on any
+``checkpoint.load_model_chunks``) or a Hugging Face GPT-2 or Llama directory (``--hf``; the
+``tokenizer.model`` an export wrote, else its own ``tokenizer.json``), on any
 tp × pp × dp. The batches run through the pipeline engine's forward-only schedule; for LAMBADA
 the last stage counts right answers instead of summing losses (the engine adds up whatever the
 last stage returns), from a vocabulary-parallel argmax — the logits are never gathered. The

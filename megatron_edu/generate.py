@@ -54,14 +54,14 @@ from megatron_edu.cli import (
     probability,
     random_seed,
 )
-from megatron_edu.data.tokenizer import Tokenizer
+from megatron_edu.data.tokenizer import JsonTokenizer, Tokenizer
 from megatron_edu.grid import ParallelGrid
 from megatron_edu.launch import RankError, run
 from megatron_edu.model import GPT, BertConfig, GPTConfig
 from megatron_edu.model.gpt import KVCache
 from megatron_edu.pipeline.schedules import Action, messages_of
 from megatron_edu.pipeline.stages import Message, StageMap
-from megatron_edu.sources import HFTokenizer, Source, checkpoint_source, hf_source
+from megatron_edu.sources import Source, checkpoint_source, hf_source
 
 __all__ = ["Sampling", "sample", "generate", "main", "NonFiniteLogits"]
 
@@ -311,7 +311,7 @@ def _parser() -> Parser:
     return parser
 
 
-def _source(args: argparse.Namespace) -> tuple[Source, Tokenizer | HFTokenizer]:
+def _source(args: argparse.Namespace) -> tuple[Source, Tokenizer | JsonTokenizer]:
     if args.hf is not None:
         return hf_source(args.hf)
     return checkpoint_source(resolve_checkpoint(args.checkpoint, args.step), args.tokenizer)

@@ -13,12 +13,13 @@ from torch import nn
 
 from megatron_edu.checkpoint import load_model_chunks, read_metadata
 from megatron_edu.data import Tokenizer
+from megatron_edu.data.tokenizer import JsonTokenizer
 from megatron_edu.grid import ParallelGrid
 from megatron_edu.hf import read_hf
 from megatron_edu.model import GPTConfig, config_from_dict
 from megatron_edu.pipeline.engine import build_chunks
 
-__all__ = ["Source", "HFTokenizer", "hf_source", "checkpoint_source"]
+__all__ = ["Source", "hf_source", "checkpoint_source"]
 
 
 @dataclass(frozen=True)
@@ -44,42 +45,11 @@ class Source:
         return chunks
 
 
-class HFTokenizer:
-    """A Hugging Face tokenizer saved with the model (``transformers``, offline), spoken to as
-    this package's ``Tokenizer``: ids without special tokens, text back."""
-
-    def __init__(self, path: str) -> None:
-        try:
-            from transformers import AutoTokenizer
-            self._tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        except (ImportError, OSError, ValueError) as error:
-            raise ValueError(f"no tokenizer in {path}: save one there (tokenizer.save_pretrained"
-                             f", or the tokenizer.model of an export) — {error}") from None
-
-    def encode(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text, add_special_tokens=False)
-
-    def decode(self, ids) -> str:
-        return self._tokenizer.decode([int(i) for i in ids])
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self._tokenizer)
-
-    @property
-    def eos_id(self) -> int:
-        """The end-of-text id (−1, matching no token, if the tokenizer has none)."""
-        eos = self._tokenizer.eos_token_id
-        return -1 if eos is None else eos
-
-
-def hf_source(path: str) -> tuple[Source, Tokenizer | HFTokenizer]:
+def hf_source(path: str) -> tuple[Source, Tokenizer | JsonTokenizer]:
     """A Hugging Face folder's model and tokenizer: the sentencepiece model an export copies in,
-    else the folder's own Hugging Face tokenizer."""
-    config = read_hf(path)[0]                            # a GPT-2 or a Llama
-    own = Path(path) / "tokenizer.model"
-    tokenizer = Tokenizer.load(own) if own.exists() else HFTokenizer(path)
-    return Source(config, hf=path), tokenizer
+    else the folder's own tokenizer.json (``Tokenizer.load``; ``tokenizer.save_pretrained``
+    writes one)."""
+    return Source(read_hf(path)[0], hf=path), Tokenizer.load(path)   # a GPT-2 or a Llama
 
 
 def checkpoint_source(path: str | Path,

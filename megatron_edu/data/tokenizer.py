@@ -115,8 +115,9 @@ class Tokenizer:
 class JsonTokenizer:
     """A Hugging Face fast tokenizer, ``tokenizer.json`` (the ``tokenizers`` library: GPT-2's,
     a Llama 3's, ``train_tokenizer(model_type="byte-bpe")``'s), with ``Tokenizer``'s interface.
-    Its end of text (the documents' separator), beginning and padding are the first of
-    ``NAMES`` it holds; -1 where none (an end of text it must have)."""
+    Its end of text (the documents' separator), beginning and padding are those its folder's
+    tokenizer_config.json names (``save_pretrained`` writes one), else the first of ``NAMES``
+    it holds; -1 where none (an end of text it must have)."""
 
     NAMES = {"bos": ("<s>", "<|begin_of_text|>", "<|endoftext|>", "<bos>"),
              "eos": ("</s>", "<|end_of_text|>", "<|endoftext|>", "<eos>"),
@@ -130,8 +131,10 @@ class JsonTokenizer:
             raise ValueError(f"{path} is not a valid tokenizer.json ({error})") from None
         self.path = path
         vocab = self._fast.get_vocab(with_added_tokens=True)
-        self._ids = {kind: next((vocab[t] for t in names if t in vocab), -1)
-                     for kind, names in self.NAMES.items()}
+        config = path.with_name("tokenizer_config.json")
+        named = json.loads(config.read_text()) if config.is_file() else {}
+        self._ids = {kind: next((vocab[t] for t in (_content(named.get(f"{kind}_token")), *names)
+                                 if t in vocab), -1) for kind, names in self.NAMES.items()}
         if self._ids["eos"] < 0:
             raise ValueError(f"{path} names no end-of-text token "
                              f"({', '.join(self.NAMES['eos'])}), "
@@ -170,6 +173,11 @@ class JsonTokenizer:
         shutil.copyfile(self.path, Path(out_dir) / "tokenizer.json")
         _hf_tokenizer_config(Path(out_dir), max_length, {
             name: self._fast.id_to_token(i) for name, i in self._ids.items() if i >= 0})
+
+
+def _content(token: str | dict | None) -> str | None:
+    """A special token as tokenizer_config.json names it: a string, or {"content": …}."""
+    return token.get("content") if isinstance(token, dict) else token
 
 
 def tokenizer_name(path: str | Path) -> str:
