@@ -512,6 +512,8 @@ class _Shards:
         self.owners = layout["dp"] * layout.get("cp", 1)   # the ranks sharing the optimizer
         described = meta if "index" in meta else _describe(self.path, pp)
         self.index, self.adam_step = described["index"], described["adam_step"]
+        for entry in self.index.values():           # an index from before replicated kv heads
+            entry.setdefault("replicas", 1)
         self.near_tp = 0 if grid is None else grid.tp_rank * self.tp // grid.tp
         self.near_pp = 0 if grid is None else grid.pp_rank * pp // grid.pp
         self._files: dict[str, dict[str, Any]] = {}
@@ -525,7 +527,7 @@ class _Shards:
         if d is None:                      # not split: every tp shard is a whole copy
             self._copy(out, self.near_tp, 1, stage, name, kind)
             return out
-        m, n, r = entry["shard"][d], out.shape[d], entry.get("replicas", 1)  # (older: none)
+        m, n, r = entry["shard"][d], out.shape[d], entry["replicas"]  # saved, wanted lengths
         stop = max(start, min(start + n, self._length(name, entry)))
         for k in range(self.tp // r):                        # saved part k: [k·m, (k+1)·m),
             lo, hi = max(start, k * m), min(stop, (k + 1) * m)      # held by tp rank k·r
@@ -549,7 +551,7 @@ class _Shards:
         vocabulary's ``vocab_size`` rows (the padding of the saved layout trimmed)."""
         if name in (WORD_EMBEDDING, OUTPUT_LAYER):
             return self.vocab
-        return entry["shard"][entry["tp_dim"]] * self.tp // entry.get("replicas", 1)
+        return entry["shard"][entry["tp_dim"]] * self.tp // entry["replicas"]
 
     def _stage(self, entry: dict[str, Any]) -> int:
         """Of the saved stages holding a tensor, the one nearest to the reader's."""

@@ -645,6 +645,7 @@ def test_an_async_save_is_published_before_the_run_goes_on_to_its_end(tmp_path, 
     assert read_metadata(tmp_path)["step"] == 1
 
 
+@pytest.mark.filterwarnings("ignore:CUDA is not available")   # the profiler's, on this CPU
 def test_on_a_gpu_the_profiled_steps_record_a_cuda_memory_snapshot(tmp_path, monkeypatch):
     """What --profile does on CUDA, checked on the CPU with the allocator's two functions
     recorded: history on when the trace starts, the snapshot dumped beside the trace and
@@ -655,9 +656,8 @@ def test_on_a_gpu_the_profiled_steps_record_a_cuda_memory_snapshot(tmp_path, mon
     monkeypatch.setattr(torch.cuda.memory, "_record_memory_history",
                         lambda **kw: calls.append(("record", kw)))
     monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", lambda p: calls.append(("dump", p)))
-    snapshot = tools.SNAPSHOTS["cuda"](tmp_path / "profile_rank0_memory.pickle")
-    profiler = tools.StepProfiler((2, 3), tmp_path / "profile_rank0.json", torch.device("cpu"))
-    profiler.memory = snapshot
+    profiler = tools.StepProfiler((2, 3), tmp_path / "profile_rank0.json", torch.device("cuda"))
+    assert isinstance(profiler.memory, tools.CudaMemorySnapshot)   # chosen by the device
     for step in (1, 2, 3, 4):
         profiler.at(step)
     profiler.close()
