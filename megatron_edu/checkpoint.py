@@ -129,6 +129,7 @@ def save_checkpoint(out_dir: str | Path, step: int, trainer: PTDP,
     meta = {"format": FORMAT, "step": step, "config": dict(vars(trainer.config)),
             "layout": {"tp": grid.tp, "pp": grid.pp, "dp": grid.dp,
                        **({"cp": grid.cp} if grid.cp > 1 else {}),
+                       **({"ep": grid.ep} if grid.ep > 1 else {}),
                        "num_chunks": trainer.parallelism.chunks,
                        "zero": trainer.parallelism.zero},
             "state": json.loads(json.dumps(state or {})),    # as it is now, JSON-able
@@ -237,7 +238,10 @@ def _snapshot(trainer: PTDP) -> dict[str, Any]:
     adam_step, files = _adam_step(trainer), {}
     with trainer.gathered():                              # ZeRO-3: whole for a moment
         if grid.dp_rank == grid.cp_rank == 0:
-            files[f"model_{place}.pt"] = _local_shards(trainer, adam_step)
+            files[f"model_{place}.pt"] = _local_shards(trainer, adam_step, experts=False)
+        if grid.edp_group.rank == 0 and trainer.has_experts:  # each ep rank's experts
+            files[f"experts_{place}_ep{grid.ep_group.rank}.pt"] = _local_shards(
+                trainer, adam_step, experts=True)
     if trainer.ddp.shards_optimizer:                      # ZeRO-1 shards over dp × cp
         files[f"optim_{place}_dp{grid.dp_cp_group.rank}.pt"] = _optimizer_pieces(trainer)
     return files
@@ -350,19 +354,43 @@ def withdraw_checkpoint(out_dir: str | Path, step: int, previous: Path | None) -
         (root / "latest").unlink(missing_ok=True)
 
 
-def _local_shards(trainer: PTDP, adam_step: float) -> dict[str, Any]:
-    """This rank's parameter shards by name (vocabulary padding included), and — unless ZeRO-1
-    shards them over dp (``_optimizer_pieces``) — their AdamW moments, each copied to the CPU
-    on its own."""
+def saved_tensors(chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.nn.Parameter,
+                                                                   int | None]]:
+    """(name, parameter, i) of every tensor a checkpoint keeps: each parameter (i None), but each
+    expert of a stack [E/ep, …] on its own, ``{name}.{global id}`` (i: its place in the stack),
+    so that a checkpoint holds the same tensors at any ep."""
+    for chunk in chunks:
+        for name, p in chunk.named_parameters():
+            if p.expert_ids is None:
+                yield name, p, None
+            else:
+                yield from ((f"{name}.{e}", p, i) for i, e in enumerate(p.expert_ids))
+
+
+def _local_shards(trainer: PTDP, adam_step: float, experts: bool) -> dict[str, Any]:
+    """This rank's parameter shards by name (vocabulary padding included) — the dense ones, or
+    its ``experts`` — and, unless ZeRO-1 shards them over dp (``_optimizer_pieces``), their AdamW
+    moments, each copied to the CPU on its own."""
     states = {} if trainer.ddp.shards_optimizer else trainer.optimizer.state
     params, moments, tp_dims, replicas = {}, {}, {}, {}
-    for chunk in trainer.chunks:
-        for name, p in chunk.named_parameters():
-            params[name], tp_dims[name], replicas[name] = _on_cpu(p), p.tp_dim, p.tp_replicas
-            if p in states:
-                moments[name] = {k: _on_cpu(states[p][k]) for k in MOMENTS}
+    for name, p, i in saved_tensors(trainer.chunks):
+        if (i is not None) != experts:
+            continue
+        params[name], tp_dims[name], replicas[name] = (_on_cpu(_part(p, i)), _tp_dim(p, i),
+                                                       p.tp_replicas)
+        if p in states:
+            moments[name] = {k: _on_cpu(_part(states[p][k], i)) for k in MOMENTS}
     return {"params": params, "moments": moments, "tp_dim": tp_dims, "tp_replicas": replicas,
             "adam_step": adam_step}
+
+
+def _part(tensor: torch.Tensor, i: int | None) -> torch.Tensor:
+    """A saved tensor's values: the parameter's (or moment's), or its expert i's."""
+    return tensor if i is None else tensor[i]
+
+
+def _tp_dim(p: torch.nn.Parameter, i: int | None) -> int | None:
+    return p.tp_dim if i is None else p.tp_dim - 1
 
 
 def _optimizer_pieces(trainer: PTDP) -> dict[str, Any]:
@@ -373,9 +401,24 @@ def _optimizer_pieces(trainer: PTDP) -> dict[str, Any]:
     for piece in trainer.optimizer.pieces:
         state = trainer.optimizer.state.get(piece.tensor)
         if state:
-            pieces.setdefault(names[piece.param], []).append(
-                (piece.offset, {k: _on_cpu(state[k]) for k in MOMENTS}))
+            for name, offset, span in _by_expert(names[piece.param], piece):
+                pieces.setdefault(name, []).append(
+                    (offset, {k: _on_cpu(state[k][span[0]:span[1]]) for k in MOMENTS}))
     return {"pieces": pieces}
+
+
+def _by_expert(name: str, piece) -> Iterator[tuple[str, int, tuple[int, int]]]:
+    """A ZeRO-1 piece as saved tensors hold it: (name, offset in it, [lo, hi) of the piece), cut
+    at expert boundaries for a stack of experts (``saved_tensors``)."""
+    p, n = piece.param, piece.tensor.numel()
+    if p.expert_ids is None:
+        yield name, piece.offset, (0, n)
+        return
+    each, at, end = p[0].numel(), piece.offset, piece.offset + n
+    while at < end:
+        i, stop = at // each, min(end, (at // each + 1) * each)
+        yield f"{name}.{p.expert_ids[i]}", at - i * each, (at - piece.offset, stop - piece.offset)
+        at = stop
 
 
 def _adam_step(trainer: PTDP) -> float:
@@ -455,16 +498,21 @@ def _load(file: Path) -> Any:
 
 
 def _describe(path: Path, pp: int) -> dict[str, Any]:
-    """The ``index`` of a checkpoint's shard files and Adam's step count, from tp rank 0's file
-    of every stage (memory-mapped: only their pickled structure is read, no tensor data)."""
+    """The ``index`` of a checkpoint's shard files and Adam's step count, from tp rank 0's files
+    of every stage (memory-mapped: only their pickled structure is read, no tensor data):
+    ``file``, the name of the files holding a tensor, {tp} and {pp} to fill."""
     index: dict[str, dict[str, Any]] = {}
     for stage in range(pp):
-        saved = _load(path / f"model_tp0_pp{stage}.pt")
-        for name, tensor in saved["params"].items():
-            entry = index.setdefault(name, {"stages": [], "tp_dim": saved["tp_dim"][name],
-                                            "replicas": saved.get("tp_replicas", {}).get(name, 1),
-                                            "shard": list(tensor.shape)})
-            entry["stages"].append(stage)                # two for the tied embedding
+        experts = sorted(path.glob(f"experts_tp0_pp{stage}_ep*.pt"))
+        for file in [path / f"model_tp0_pp{stage}.pt", *experts]:
+            saved = _load(file)
+            template = file.name.replace("_tp0_", "_tp{tp}_").replace(f"_pp{stage}", "_pp{pp}")
+            for name, tensor in saved["params"].items():
+                entry = index.setdefault(name, {
+                    "stages": [], "tp_dim": saved["tp_dim"][name], "file": template,
+                    "replicas": saved.get("tp_replicas", {}).get(name, 1),
+                    "shard": list(tensor.shape)})
+                entry["stages"].append(stage)            # two for the tied embedding
     return {"index": index, "adam_step": saved["adam_step"]}
 
 
@@ -512,8 +560,9 @@ class _Shards:
         self.owners = layout["dp"] * layout.get("cp", 1)   # the ranks sharing the optimizer
         described = meta if "index" in meta else _describe(self.path, pp)
         self.index, self.adam_step = described["index"], described["adam_step"]
-        for entry in self.index.values():           # an index from before replicated kv heads
+        for entry in self.index.values():           # an index from before kv replicas, experts
             entry.setdefault("replicas", 1)
+            entry.setdefault("file", "model_tp{tp}_pp{pp}.pt")
         self.near_tp = 0 if grid is None else grid.tp_rank * self.tp // grid.tp
         self.near_pp = 0 if grid is None else grid.pp_rank * pp // grid.pp
         self._files: dict[str, dict[str, Any]] = {}
@@ -543,7 +592,7 @@ class _Shards:
         shape = list(entry["shard"])
         if entry["tp_dim"] is not None:
             shape[entry["tp_dim"]] = self._length(name, entry)
-        like = self._saved(f"model_tp0_pp{self._stage(entry)}.pt", name, "param")
+        like = self._saved(entry["file"].format(tp=0, pp=self._stage(entry)), name, "param")
         return self.read(name, "param", like.new_empty(shape))
 
     def _length(self, name: str, entry: dict[str, Any]) -> int:
@@ -566,8 +615,8 @@ class _Shards:
               kind: str, piece: tuple[int, int, int] | None = None) -> None:
         """Copy saved part ``part`` (tp rank part·replicas's shard) into ``out``: whole, or
         ``piece`` = (dim, lo, hi), the range [lo, hi) of the whole tensor, inside that part."""
-        file = f"model_tp{part * replicas}_pp{stage}.pt"
-        saved = self._saved(file, name, kind)
+        file = self._entry(name)["file"].format(tp=part * replicas, pp=stage)
+        saved = self._saved(file, name, kind, f"tp{part * replicas}_pp{stage}")
         if piece is not None:
             d, lo, hi = piece
             saved = saved.narrow(d, lo - part * saved.shape[d], hi - lo)  # a view: no read
@@ -576,9 +625,9 @@ class _Shards:
             log.append(Read(file, name, kind, None if piece is None else piece[1:],
                             saved.numel()))
 
-    def _saved(self, file: str, name: str, kind: str) -> torch.Tensor:
+    def _saved(self, file: str, name: str, kind: str, place: str = "") -> torch.Tensor:
         if kind != "param" and self.zero:
-            return self._assembled(file, name, kind)
+            return self._assembled(place, name, kind)
         try:
             saved = self._file(file)
             return saved["params"][name] if kind == "param" else saved["moments"][name][kind]
@@ -586,10 +635,9 @@ class _Shards:
             raise CheckpointError(f"corrupt checkpoint file {self.path / file}: it holds no "
                                   f"{kind} of {name}") from None
 
-    def _assembled(self, file: str, name: str, kind: str) -> torch.Tensor:
-        """A ZeRO-1 checkpoint's moment of the saved shard ``file`` holds, put together from
-        the pieces every dp (× cp) rank saved of it (one saved shard, never a whole tensor)."""
-        place = file.removeprefix("model_").removesuffix(".pt")
+    def _assembled(self, place: str, name: str, kind: str) -> torch.Tensor:
+        """A ZeRO-1 checkpoint's moment of the shard saved at ``place`` (tp…_pp…), put together
+        from the pieces every dp (× cp) rank saved of it (one saved shard, never a whole tensor)."""
         out = torch.zeros(self._entry(name)["shard"]).view(-1)
         for d in range(self.owners):
             for offset, moments in self._file(f"optim_{place}_dp{d}.pt")["pieces"].get(name, []):
@@ -645,14 +693,15 @@ def _read_chunks(shards: _Shards, chunks, grid: ParallelGrid,
     AdamW states (none if the checkpoint was saved before the first step)."""
     tp_rank = grid.tp_group.rank
     by_param: dict[torch.nn.Parameter, dict[str, torch.Tensor]] = {}
-    for chunk in chunks:
-        for name, p in chunk.named_parameters():
-            start = 0 if p.tp_dim is None else tp_rank // p.tp_replicas * p.shape[p.tp_dim]
-            shards.read(name, "param", p, start)
-            if moments and shards.adam_step:
-                by_param[p] = {k: shards.read(name, k, torch.empty_like(p), start)
-                               for k in MOMENTS}
-                by_param[p]["step"] = torch.tensor(shards.adam_step)
+    for name, p, i in saved_tensors(chunks):
+        d = _tp_dim(p, i)
+        start = 0 if d is None else tp_rank // p.tp_replicas * p.shape[p.tp_dim]
+        shards.read(name, "param", _part(p, i), start)
+        if moments and shards.adam_step:
+            state = by_param.setdefault(p, {k: torch.empty_like(p) for k in MOMENTS})
+            for k in MOMENTS:
+                shards.read(name, k, _part(state[k], i), start)
+            state["step"] = torch.tensor(shards.adam_step)
     return by_param
 
 

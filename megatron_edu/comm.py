@@ -31,9 +31,9 @@ import torch.distributed as dist
 __all__ = [
     "CommGroup", "CommEvent", "CommLog", "record", "world",
     "all_reduce", "all_reduce_", "all_gather", "reduce_scatter", "broadcast", "barrier",
-    "send", "isend", "recv", "irecv", "P2POp", "batch_isend_irecv",
-    "f", "f_param", "g", "gather", "scatter", "all_gather_seq", "reduce_scatter_seq",
-    "compute_dtype",
+    "send", "isend", "recv", "irecv", "P2POp", "batch_isend_irecv", "all_to_all",
+    "f", "f_param", "g", "all_to_all_rows", "gather", "scatter", "all_gather_seq",
+    "reduce_scatter_seq", "compute_dtype",
 ]
 
 
@@ -262,6 +262,25 @@ def broadcast(x: torch.Tensor, src: int, group: CommGroup, label: str = "") -> t
     return x
 
 
+Splits = list[int] | torch.Tensor
+
+
+@_alone_is_identity
+def all_to_all(x: torch.Tensor, group: CommGroup, send: Splits, receive: Splits,
+               label: str = "") -> torch.Tensor:
+    """Rows of x cut by ``send`` (counts, in group order) go one part to each rank; the rows
+    received, ``receive[r]`` from rank r, in group order. One ``all_to_all_single`` (the list form
+    fails on gloo with uneven shapes); counts on the device are read to the host here, as NCCL
+    needs them (a group of one reads nothing). Recorded bytes: the rows this rank sends, its own
+    part included."""
+    send, receive = (s.tolist() if isinstance(s, torch.Tensor) else s for s in (send, receive))
+    x = x.detach().contiguous()
+    out = x.new_empty((sum(receive), *x.shape[1:]))
+    dist.all_to_all_single(out, x, receive, send, group=group.pg)
+    _note("all_to_all", group, x, label)
+    return out
+
+
 def barrier(group: CommGroup) -> None:
     """Wait until every rank of the group is here (not recorded: it moves no data)."""
     if group.size > 1:
@@ -400,6 +419,20 @@ class _Split(torch.autograd.Function):
         return all_gather(grad, ctx.group, ctx.dim, f"{ctx.label} backward"), None, None, None, None
 
 
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all`` forward; backward sends each gradient row back where its row came from."""
+
+    @staticmethod
+    def forward(ctx, x, group, send, receive, label):
+        ctx.group, ctx.send, ctx.receive, ctx.label = group, send, receive, label
+        return all_to_all(x, group, send, receive, f"{label} forward")
+
+    @staticmethod
+    def backward(ctx, grad):
+        back = all_to_all(grad, ctx.group, ctx.receive, ctx.send, f"{ctx.label} backward")
+        return back, None, None, None, None
+
+
 def _conjugate(op: type[torch.autograd.Function], x: torch.Tensor, group: CommGroup,
                *args) -> torch.Tensor:
     """``op`` applied across ``group`` — on a group of one the identity, no autograd node."""
@@ -439,3 +472,9 @@ def all_gather_seq(x: torch.Tensor, group: CommGroup, dim: int = 1) -> torch.Ten
 def reduce_scatter_seq(x: torch.Tensor, group: CommGroup, dim: int = 1) -> torch.Tensor:
     """Sequence parallelism's g-bar: reduce-scatter the sequence forward, all-gather backward."""
     return _conjugate(_Split, x, group, dim, True, "reduce_scatter_seq")
+
+
+def all_to_all_rows(x: torch.Tensor, group: CommGroup, send: Splits, receive: Splits,
+                    label: str = "all_to_all") -> torch.Tensor:
+    """``all_to_all`` with autograd (the experts' dispatch and its return: expert_parallel.py)."""
+    return _conjugate(_AllToAll, x, group, send, receive, label)

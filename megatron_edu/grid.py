@@ -15,6 +15,11 @@ per microbatch per stage boundary, the least traffic, so it may cross the slow l
 nodes. Context parallelism (``context_parallel.py``) sits next to tp, megatron-core's order (its
 ring exchanges K, V every layer): ``ranks[pp, dp, cp, tp]``; its ranks hold parts of the same
 sequences, so gradients are reduced over the dp × cp ranks (``dp_cp_groups``).
+
+Expert parallelism (``expert_parallel.py``) folds into those dp × cp ranks (megatron-core's
+"parallel folding"): ep consecutive ones of them (cp fastest, the nearest) split the experts, and
+the dp·cp/ep ranks that hold the same experts reduce their gradients (``edp_groups``). The rest
+of the model is unchanged: ep adds no ranks.
 """
 
 from __future__ import annotations
@@ -33,18 +38,24 @@ __all__ = ["Layout", "ParallelGrid", "all_layouts", "to_device"]
 
 @dataclass(frozen=True)
 class Layout:
-    """How many ranks split each dimension, tp × cp × pp × dp: positive integers, or ValueError."""
+    """How many ranks split each dimension, tp × cp × pp × dp, and the experts, ep (which divides
+    dp·cp): positive integers, or ValueError."""
 
     tp: int = 1
     pp: int = 1
     dp: int = 1
     cp: int = 1
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp", "cp"):
+        for name in ("tp", "pp", "dp", "cp", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if (self.dp * self.cp) % self.ep:
+            raise ValueError(f"expert parallelism splits the experts over ranks that hold the "
+                             f"same dense weights: ep = {self.ep} must divide dp·cp = "
+                             f"{self.dp}·{self.cp} = {self.dp * self.cp}")
 
     @property
     def world_size(self) -> int:
@@ -98,6 +109,20 @@ class Layout:
         """The dp × cp ranks that hold the same weights: where gradients are reduced."""
         return self._ranks.permute(0, 3, 1, 2).reshape(-1, self.dp * self.cp).tolist()
 
+    def ep_groups(self) -> list[list[int]]:
+        """ep consecutive ranks of each dp × cp group: they split the experts."""
+        return self._ranks.permute(0, 3, 1, 2).reshape(-1, self.ep).tolist()
+
+    def edp_groups(self) -> list[list[int]]:
+        """The dp·cp/ep ranks of each dp × cp group holding the same experts (expert-data-parallel:
+        where expert gradients are reduced)."""
+        folded = self._ranks.permute(0, 3, 1, 2).reshape(-1, self.dp * self.cp // self.ep, self.ep)
+        return folded.transpose(1, 2).reshape(-1, self.dp * self.cp // self.ep).tolist()
+
+    def tp_cp_groups(self) -> list[list[int]]:
+        """The tp × cp ranks that split the same sequences (under sequence parallelism)."""
+        return self._ranks.reshape(-1, self.cp * self.tp).tolist()
+
     def pp_groups(self) -> list[list[int]]:
         return self._ranks.permute(1, 2, 3, 0).reshape(-1, self.pp).tolist()
 
@@ -141,6 +166,10 @@ class ParallelGrid:
         self.dp_group = self._new_group("dp", self.layout.dp_groups())
         self.dp_cp_group = (self._new_group("dp_cp", self.layout.dp_cp_groups()) if self.cp > 1
                             else self.dp_group)
+        self.tp_cp_group = self._new_group("tp_cp", self.layout.tp_cp_groups())
+        self.ep = self.layout.ep                     # experts: ep splits, edp reduces
+        self.ep_group = self._new_group("ep", self.layout.ep_groups())
+        self.edp_group = self._new_group("edp", self.layout.edp_groups())
         self.embedding_ranks = tuple(r % self.pp for r in embedding_ranks)
         self.embedding_group = self._new_group(
             "embedding", self.layout.embedding_groups(self.embedding_ranks))

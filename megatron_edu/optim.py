@@ -42,19 +42,33 @@ def counted_in_norm(param: torch.Tensor, tp_rank: int) -> bool:
 
 @torch.no_grad()
 def global_grad_norm(grads: Iterable[torch.Tensor], grid: ParallelGrid | None = None,
-                     sum_over: Sequence[comm.CommGroup] = ()) -> torch.Tensor:
+                     sum_over: Sequence[comm.CommGroup] = (),
+                     experts: tuple[Iterable[torch.Tensor], Sequence[comm.CommGroup]] = ((), ())
+                     ) -> torch.Tensor:
     """The whole model's gradient norm from the gradients this rank counts, summed over
-    ``grid.mp_group`` and ``sum_over``; the replicas agree on a non-finite one (inf). A collective.
-    A 0-d tensor on the device, as torch's: reading it is the caller's one host sync."""
-    device, grads = grid.device if grid is not None else torch.device("cpu"), list(grads)
-    squares = (torch.stack(torch._foreach_norm(grads, dtype=torch.float32)).square().sum()
-               if grads else torch.zeros((), device=device))  # one foreach, not 4 kernels a tensor
+    ``grid.mp_group`` and ``sum_over``; ``experts``: the expert gradients it counts, summed over
+    their own groups instead (the ep ranks holding the other experts; each expert counted once);
+    the replicas agree on a non-finite norm (inf). A collective. A 0-d tensor on the device, as
+    torch's: reading it is the caller's one host sync."""
+    device = grid.device if grid is not None else torch.device("cpu")
+    squares = _squares(grads, device)
     if grid is None:
-        return squares.sqrt()
-    for group in (grid.mp_group, *sum_over):
+        return (squares + _squares(experts[0], device)).sqrt()
+    for group in sum_over:
         squares = comm.all_reduce(squares, group, "grad norm")
+    expert_squares = _squares(experts[0], device)
+    for group in experts[1]:
+        expert_squares = comm.all_reduce(expert_squares, group, "grad norm")
+    squares = comm.all_reduce(squares + expert_squares, grid.mp_group, "grad norm")
     bad = comm.all_reduce((~squares.isfinite()).float(), grid.dp_cp_group, "grad norm")
     return torch.where(bad > 0, math.inf, squares.sqrt())
+
+
+def _squares(grads: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Σ of the squares of ``grads``: one foreach, not 4 kernels a tensor."""
+    grads = list(grads)
+    return (torch.stack(torch._foreach_norm(grads, dtype=torch.float32)).square().sum()
+            if grads else torch.zeros((), device=device))
 
 
 @torch.no_grad()
@@ -73,19 +87,25 @@ def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float,
     """Scale the gradients so that the global norm is at most ``max_norm``; return that norm.
     A collective (``grid`` None: one serial process); ``tied_copies`` are not counted."""
     params = {id(p): p for p in params if p.grad is not None}.values()
-    return clip_held_grads_([(p, p.grad) for p in params], max_norm, grid, tied_copies).item()
+    experts = () if grid is None else (grid.ep_group,)
+    return clip_held_grads_([(p, p.grad) for p in params], max_norm, grid, tied_copies,
+                            expert_sum_over=experts).item()
 
 
 def clip_held_grads_(held: Iterable[tuple[torch.Tensor, torch.Tensor]], max_norm: float,
                      grid: ParallelGrid | None = None, tied_copies: Iterable[torch.Tensor] = (),
-                     sum_over: Sequence[comm.CommGroup] = ()) -> torch.Tensor:
+                     sum_over: Sequence[comm.CommGroup] = (),
+                     expert_sum_over: Sequence[comm.CommGroup] = ()) -> torch.Tensor:
     """``clip_grad_norm_`` of what this rank holds, (parameter, gradient) pairs: whole gradients,
-    or under ZeRO its shard's pieces, whose squares are summed over ``sum_over`` too. The norm
-    is returned on the device: a training step reads it with its loss, in one host sync."""
+    or under ZeRO its shard's pieces, whose squares are summed over ``sum_over`` too (an
+    expert's over ``expert_sum_over``). The norm is returned on the device: a training step
+    reads it with its loss, in one host sync."""
     held, copies = list(held), {id(p) for p in tied_copies}
     tp_rank = grid.tp_rank if grid is not None else 0
-    counted = [g for p, g in held if counted_in_norm(p, tp_rank) and id(p) not in copies]
-    norm = global_grad_norm(counted, grid, sum_over)
+    counted = [(p, g) for p, g in held if counted_in_norm(p, tp_rank) and id(p) not in copies]
+    experts = [g for p, g in counted if getattr(p, "expert_ids", None) is not None]
+    dense = [g for p, g in counted if getattr(p, "expert_ids", None) is None]
+    norm = global_grad_norm(dense, grid, sum_over, (experts, expert_sum_over))
     scale_grads([g for _, g in held], norm, max_norm)
     return norm
 

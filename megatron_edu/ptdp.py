@@ -39,6 +39,7 @@ from megatron_edu.data_parallel import STAGES
 from megatron_edu.grid import Layout, ParallelGrid, to_device
 from megatron_edu.model import GPTConfig
 from megatron_edu.model.gpt import IGNORE_INDEX
+from megatron_edu.model.moe import step_stats
 from megatron_edu.optim import DynamicLossScale, FixedLossScale, build_param_groups
 from megatron_edu.pipeline.engine import Batch, RunSettings, build_chunks, run_schedule
 from megatron_edu.pipeline.schedules import PipelineConfig, forward_only
@@ -66,6 +67,7 @@ class Parallelism:
     # The sizes, read through (the memory model and the advisor read little else).
     tp = property(lambda self: self.layout.tp)
     cp = property(lambda self: self.layout.cp)
+    ep = property(lambda self: self.layout.ep)
     pp = property(lambda self: self.layout.pp)
     dp = property(lambda self: self.layout.dp)
     world_size = property(lambda self: self.layout.world_size)
@@ -90,7 +92,8 @@ class Parallelism:
 
     def check(self, config: GPTConfig) -> None:
         """A ValueError naming the numbers if ``config``'s model cannot be split this way."""
-        config.validate(self.layout.tp, self.layout.pp, self.pipeline.chunks, self.layout.cp)
+        config.validate(self.layout.tp, self.layout.pp, self.pipeline.chunks, self.layout.cp,
+                        self.layout.ep)
         splits = self.pipeline.splits_backward
         if self.zero >= 2 and (self.layout.pp > 1 or splits):
             raise ValueError(f"ZeRO-{self.zero} reduce-scatters the gradients in every backward "
@@ -126,6 +129,7 @@ class StepResult:
     grad_norm: float                 # the global norm before clipping (inf: not finite)
     skipped: bool = False            # the norm was not finite: no rank updated its weights
     loss_scale: float = 1.0          # the loss scale this step used (fp16)
+    moe: dict | None = None          # a mixture of experts' routing (``moe.step_stats``)
 
 
 class PTDP:
@@ -154,7 +158,8 @@ class PTDP:
                             for w in c.tied_word_tables()]
         self.ddp = STAGES[zero](self.chunks, grid.dp_cp_group, options.bucket_mb, options.overlap,
                                 average=False, alone=self.tied,
-                                units=[b for c in self.chunks for b in c.blocks.values()])
+                                units=[b for c in self.chunks for b in c.blocks.values()],
+                                experts=(grid.ep_group, grid.edp_group))
         self.optimizer = self.ddp.optimizer(
             build_param_groups(self.chunks, options.weight_decay), torch.optim.AdamW,
             lr=options.lr, betas=options.betas, eps=options.eps)
@@ -165,6 +170,11 @@ class PTDP:
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return [p for chunk in self.chunks for p in chunk.parameters()]
+
+    @property
+    def has_experts(self) -> bool:
+        """Does this rank hold experts (a mixture-of-experts model: model/moe.py)?"""
+        return any(p.expert_ids is not None for p in self.parameters())
 
     def gathered(self) -> AbstractContextManager:
         """Inside, every parameter is whole (ZeRO-3 gathers, keeps writes): save, load, sample."""
@@ -190,7 +200,16 @@ class PTDP:
         self.loss_scale.update(overflow=skipped)
         self.ddp.zero_grad()
         self.iteration += 1
-        return StepResult(loss, grad_norm, skipped, scale)
+        return StepResult(loss, grad_norm, skipped, scale, self._routing())
+
+    def _routing(self) -> dict | None:
+        """The step's routing of a mixture of experts (None for a dense model): its counts,
+        summed over the ranks that split the batch's tokens, and every stage's layers."""
+        if not self.has_experts:
+            return None
+        token_group = self.chunks[0].expert_groups.tokens     # cp, or tp × cp under SP
+        return step_stats(self.chunks, self.config,
+                          [token_group, self.grid.dp_group, self.grid.pp_group])
 
     @torch.no_grad()
     def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor) -> float:

@@ -76,7 +76,14 @@ from megatron_edu.grid import Layout, ParallelGrid
 from megatron_edu.hf import config_from_hf, read_hf
 from megatron_edu.launch import RankError, resolve_backend, run, under_torchrun
 from megatron_edu.model import BertConfig, GPTConfig, LlamaConfig, compile_blocks
-from megatron_edu.model.config import ATTENTION, LN_PLACEMENTS, PRESETS, RECOMPUTE
+from megatron_edu.model.config import (
+    ATTENTION,
+    AUX_GROUPS,
+    LN_PLACEMENTS,
+    PRESETS,
+    RECOMPUTE,
+    ROUTERS,
+)
 from megatron_edu.optim import DynamicLossScale, warmup_cosine
 from megatron_edu.perf import model_flops_utilization, training_flops_of
 from megatron_edu.perf.flops import datasheet_peak_flops, measure_matmul_flops
@@ -115,6 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     layout.add_argument("--pp", type=positive_int, default=1, help="pipeline-parallel size")
     layout.add_argument("--cp", type=positive_int, default=1, help="context-parallel size: "
                         "each sequence split over cp ranks, attention as a ring (notebook 12)")
+    layout.add_argument("--ep", type=positive_int, default=1, help="expert-parallel size: "
+                        "the experts split over ep of the dp × cp ranks (it divides dp·cp)")
     layout.add_argument("--dp", type=positive_int, help="data-parallel size (default: world / "
                         "(tp·cp·pp))")
     layout.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b",
@@ -143,6 +152,25 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("layers", "hidden", "heads", "kv-heads", "seq-len", "vocab-size"):
         model.add_argument(f"--{name}", type=positive_int, help="override the preset")
     model.add_argument("--dropout", type=rate, default=0.0)
+    moe = p.add_argument_group("mixture of experts (model/moe.py)")
+    moe.add_argument("--moe-experts", type=nonnegative_int, default=0, metavar="E",
+                     help="routed experts in place of each MLP (0: a dense MLP)")
+    moe.add_argument("--moe-topk", type=positive_int, default=2, metavar="K",
+                     help="experts per token")
+    moe.add_argument("--moe-ffn-hidden", type=positive_int, help="units per expert (default: "
+                     "the MLP's)")
+    moe.add_argument("--moe-router", choices=ROUTERS, default="softmax",
+                     help="softmax (Mixtral) or sigmoid (DeepSeek-V3) scores")
+    moe.add_argument("--moe-shared-experts", type=nonnegative_int, default=0, metavar="N",
+                     help="always-on experts beside the routed ones (DeepSeekMoE, Qwen-MoE)")
+    moe.add_argument("--moe-shared-gate", action="store_true", help="gate the shared experts "
+                     "by a sigmoid (Qwen-MoE)")
+    moe.add_argument("--moe-aux-loss", type=nonnegative_float, default=0.01, metavar="ALPHA",
+                     help="the load-balancing loss's coefficient (Switch, GShard)")
+    moe.add_argument("--moe-aux-group", choices=AUX_GROUPS, default="sequence",
+                     help="the tokens each balance loss covers")
+    moe.add_argument("--moe-z-loss", type=nonnegative_float, default=0.0, metavar="BETA",
+                     help="the router z-loss's coefficient (ST-MoE)")
     model.add_argument("--recompute", nargs="?", const="full", default="none",
                        choices=list(RECOMPUTE),
                        help="activation recomputation: the whole layer (full; the flag alone) or "
@@ -259,7 +287,7 @@ def model_config(args: argparse.Namespace) -> GPTConfig:
     ``--init-from-hf``, the folder's model with the switches."""
     switches = dict(dropout=args.dropout, recompute=args.recompute, fused=args.fused,
                     sequence_parallel=args.sequence_parallel, attention=args.attention,
-                    async_tp=args.async_tp, seed=args.seed)
+                    async_tp=args.async_tp, seed=args.seed, **_experts(args))
     if args.init_from_hf is not None:
         hf = json.loads((args.init_from_hf / "config.json").read_text())
         return config_from_hf(hf, **switches)
@@ -275,6 +303,17 @@ def model_config(args: argparse.Namespace) -> GPTConfig:
         overrides["num_kv_heads"] = 0  # one per head, unless said
     return CONFIGS[args.model].preset(args.preset, ln_placement=args.ln_placement, **switches,
                                       **overrides)
+
+
+def _experts(args: argparse.Namespace) -> dict:
+    """The mixture-of-experts fields the flags give (none without --moe-experts)."""
+    if not args.moe_experts:
+        return {}
+    return dict(moe_experts=args.moe_experts, moe_topk=args.moe_topk,
+                moe_ffn_hidden=args.moe_ffn_hidden or 0, moe_router=args.moe_router,
+                moe_shared_experts=args.moe_shared_experts, moe_shared_gate=args.moe_shared_gate,
+                moe_aux_loss=args.moe_aux_loss, moe_aux_group=args.moe_aux_group,
+                moe_z_loss=args.moe_z_loss)
 
 
 @dataclass
@@ -311,7 +350,8 @@ def validate(args: argparse.Namespace, world_size: int | None = None) -> Plan:
         args.attention = "fused" if args.fused or gpu else "eager"
     pipeline = PipelineConfig(args.schedule, args.chunks, args.micro_batch,
                               args.global_batch // (args.dp * args.micro_batch))
-    parallelism = Parallelism(Layout(args.tp, args.pp, args.dp, args.cp), pipeline, args.zero)
+    parallelism = Parallelism(Layout(args.tp, args.pp, args.dp, args.cp, args.ep), pipeline,
+                              args.zero)
     parallelism.layout.check_world(world)
     _check_hf_start(args)
     config = model_config(args)
@@ -621,6 +661,7 @@ class _Meter:
             record["reason"] = problem
         if self.fp16:
             record["loss_scale"] = result.loss_scale
+        record.update(result.moe or {})                   # experts: their load, balance
         self.log.write(record)
         if problem:
             scale = f" at loss scale {result.loss_scale:g}" if self.fp16 else ""

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "megatron_edu"
-CORE_FILES = ["launch.py", "grid.py", "comm.py", "optim.py", "ptdp.py", "context_parallel.py"]
+CORE_FILES = ["launch.py", "grid.py", "comm.py", "optim.py", "ptdp.py", "context_parallel.py",
+              "expert_parallel.py"]
 CORE_PACKAGES = ["tensor_parallel", "model", "pipeline", "data_parallel"]
 MODEL_AND_LAYERS = ["model", "tensor_parallel"]
 EXCEPTED = {"model/config.py"}
@@ -35,8 +36,10 @@ FLAGS = {
 # the Llama block (issue 33: RMSNorm, rotary positions, SwiGLU, grouped-query attention, an
 # untied output layer) and +30 for its kv heads replicated when tp exceeds them (the grid's
 # blocks of tp ranks, f on a weight, a part held by several ranks in init, checkpoints and the
-# norm). A new technique raises it in its own commit, saying what the lines buy.
-LINES_BUDGET = 5958 + 330
+# norm), then at most +900 for experts (issue 34: the MoE layer, its router and balance losses,
+# grouped-GEMM experts, expert parallelism's dispatch, groups, buckets and norm, checkpoints).
+# A new technique raises it in its own commit, saying what the lines buy.
+LINES_BUDGET = 5958 + 330 + 900
 
 
 def _core() -> list[Path]:

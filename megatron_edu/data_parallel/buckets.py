@@ -12,20 +12,23 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
+
+from megatron_edu.comm import CommGroup
 
 __all__ = ["Bucket", "make_buckets"]
 
 
 class Bucket:
-    """Consecutive parameters whose gradients (and, under ZeRO, values) share a flat buffer.
+    """Consecutive parameters whose gradients (and, under ZeRO, values) share a flat buffer,
+    reduced over ``group``: the dp (× cp) ranks, or for experts the expert-data-parallel ranks.
 
-    The buffer is padded to a multiple of dp so that it splits into dp equal shards; dp rank r
-    owns shard r, [``start``, ``end``). Which buffers exist, and when, is the data-parallel
-    stage's to say (Rajbhandari et al. 2020, §5):
+    The buffer is padded to a multiple of dp (the group's size) so that it splits into dp equal
+    shards; dp rank r owns shard r, [``start``, ``end``). Which buffers exist, and when, is the
+    data-parallel stage's to say (Rajbhandari et al. 2020, §5):
 
     stage  gradients                                     parameters
     0      ``grad_data`` whole, always                   the model's own tensors
@@ -37,13 +40,13 @@ class Bucket:
                                                          ``param_data`` only while gathered
     """
 
-    def __init__(self, index: int, params: list[nn.Parameter], dp: int, rank: int = 0) -> None:
-        self.index, self.params, self.dp = index, params, dp
+    def __init__(self, index: int, params: list[nn.Parameter], group: CommGroup) -> None:
+        self.index, self.params, self.group, self.dp = index, params, group, group.size
         self.offsets = [0, *itertools.accumulate(p.numel() for p in params)]  # [start of each]
         self._position = {id(p): i for i, p in enumerate(params)}
-        self.numel = math.ceil(self.offsets[-1] / dp) * dp
+        self.numel = math.ceil(self.offsets[-1] / self.dp) * self.dp
         self.dtype, self.device = params[0].dtype, params[0].device
-        self.start, self.end = self.shard(rank)
+        self.start, self.end = self.shard(group.rank)
         self.grad_data: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None
         self.param_data: torch.Tensor | None = None
@@ -79,13 +82,15 @@ class Bucket:
         self.param_shard = self.param_data[self.start:self.end]
 
 
-def make_buckets(modules: list[nn.Module], bucket_bytes: float, dp: int,
-                 alone: Iterable[nn.Parameter] = (), rank: int = 0) -> list[Bucket]:
+def make_buckets(modules: list[nn.Module], bucket_bytes: float,
+                 group_of: Callable[[nn.Parameter], CommGroup],
+                 alone: Iterable[nn.Parameter] = ()) -> list[Bucket]:
     """Trainable parameters in reverse registration order (last module first), cut into buckets:
-    one closes once it holds ``bucket_bytes``, at the end of each module and where the dtype
-    changes. Each parameter in ``alone`` gets its own (a tied embedding: its shards then lie alike
-    on the first and last pipeline stage, so the copies' gradients sum shard by shard under ZeRO,
-    as in Megatron-LM). ``rank``: this rank's place among the dp ranks."""
+    one closes once it holds ``bucket_bytes``, at the end of each module and where the dtype or
+    the group the gradients are reduced over (``group_of``: dense or expert) changes. Each
+    parameter in ``alone`` gets its own (a tied embedding: its shards then lie alike on the first
+    and last pipeline stage, so the copies' gradients sum shard by shard under ZeRO, as in
+    Megatron-LM)."""
     alone = {id(p) for p in alone}
     groups: list[list[nn.Parameter]] = []
     seen: set[int] = set()
@@ -95,7 +100,7 @@ def make_buckets(modules: list[nn.Module], bucket_bytes: float, dp: int,
             if not p.requires_grad or id(p) in seen:
                 continue
             seen.add(id(p))
-            if current and (id(p) in alone or p.dtype != current[0].dtype):
+            if current and (id(p) in alone or _kind(p, group_of) != _kind(current[0], group_of)):
                 groups.append(current)
                 current = []
             current.append(p)
@@ -104,7 +109,11 @@ def make_buckets(modules: list[nn.Module], bucket_bytes: float, dp: int,
                 current = []
         if current:
             groups.append(current)
-    return [Bucket(i, params, dp, rank) for i, params in enumerate(groups)]
+    return [Bucket(i, params, group_of(params[0])) for i, params in enumerate(groups)]
+
+
+def _kind(p: nn.Parameter, group_of: Callable[[nn.Parameter], CommGroup]) -> tuple:
+    return p.dtype, group_of(p).name
 
 
 def _nbytes(params: list[nn.Parameter]) -> int:

@@ -45,19 +45,25 @@ class DataParallel:
     communicates during backward; ``finish_grad_sync`` then goes bucket by bucket (a huge
     ``bucket_mb``: one all-reduce after backward, the baseline). ``average=False``: sum, for
     losses already each replica's share of the global mean. ``alone``: parameters bucketed alone
-    (``make_buckets``). ``units``: ZeRO-3's. Build it with the model on its device: parameters
-    are broadcast from dp rank 0, so every replica starts from the same weights.
+    (``make_buckets``). ``units``: ZeRO-3's. ``experts``: (ep, edp) groups; a stack of experts
+    (``expert_parallel.py``) is bucketed apart and reduced over edp, the ranks holding the same
+    experts, but averaged by ``group``'s size, the dense dp: every replica's tokens reach some
+    edp rank's experts. Build it with the model on its device: parameters are broadcast from
+    the first rank of their group, so every replica starts from the same weights.
     """
 
     shards_optimizer = False         # each rank holds the whole optimizer state (checkpoints)
 
     def __init__(self, modules: nn.Module | Iterable[nn.Module], group: CommGroup,
                  bucket_mb: float = 25.0, overlap: bool = True, *, average: bool = True,
-                 alone: Iterable[nn.Parameter] = (), units: Iterable[nn.Module] = ()) -> None:
+                 alone: Iterable[nn.Parameter] = (), units: Iterable[nn.Module] = (),
+                 experts: tuple[CommGroup, CommGroup] | None = None) -> None:
         if bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
         self.modules = [modules] if isinstance(modules, nn.Module) else list(modules)
         self.group, self.overlap, self.average = group, overlap, average
+        self.ep_group, self.edp_group = experts or (CommGroup("ep", (group.ranks[group.rank],)),
+                                                    group)
         self.buckets = self._make_buckets(bucket_mb * MiB, alone, list(units))
         self.params = [p for b in self.buckets for p in b.params]
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
@@ -66,8 +72,9 @@ class DataParallel:
         self._next = 0                       # the next bucket to launch (always in order)
         self._works: dict[int, Launched] = {}
         with torch.no_grad():
-            for p in self.params:
-                comm.broadcast(p.data, group.ranks[0], group, "dp params init")
+            for b in self.buckets:
+                for p in b.params:
+                    comm.broadcast(p.data, b.group.ranks[0], b.group, "dp params init")
         for bucket in self.buckets:
             self._allocate(bucket)
             for p in bucket.params:
@@ -78,7 +85,11 @@ class DataParallel:
 
     def _make_buckets(self, bucket_bytes: float, alone: Iterable[nn.Parameter],
                       units: list[nn.Module]) -> list[Bucket]:
-        return make_buckets(self.modules, bucket_bytes, self.group.size, alone, self.group.rank)
+        return make_buckets(self.modules, bucket_bytes, self.group_of, alone)
+
+    def group_of(self, param: nn.Parameter) -> CommGroup:
+        """The ranks a parameter's gradient is reduced over: edp for experts, else dp (× cp)."""
+        return self.edp_group if getattr(param, "expert_ids", None) is not None else self.group
 
     def _allocate(self, bucket: Bucket) -> None:
         """The bucket's buffers: here the whole gradients, which every ``.grad`` views."""
@@ -86,7 +97,7 @@ class DataParallel:
 
     def _reduce(self, bucket: Bucket) -> Launched:
         """Start summing the bucket's gradients over the group: one all-reduce."""
-        work = comm.all_reduce_(bucket.grad_data, self.group, "dp grads", async_op=True,
+        work = comm.all_reduce_(bucket.grad_data, bucket.group, "dp grads", async_op=True,
                                 tag=bucket.index)
         return work, lambda: None                   # the sum is in place: nothing to keep
 
@@ -150,7 +161,7 @@ class DataParallel:
         """Clip by the global norm of the whole model's gradient (``optim.clip_grad_norm_``);
         the norm, a 0-d tensor on the device (as torch's)."""
         return clip_held_grads_([(p, p.grad) for p in self.params if p.grad is not None],
-                                max_norm, grid, tied_copies)
+                                max_norm, grid, tied_copies, expert_sum_over=(self.ep_group,))
 
     def optimizer(self, param_groups: list[dict], optimizer_cls: type[torch.optim.Optimizer],
                   **defaults) -> torch.optim.Optimizer:

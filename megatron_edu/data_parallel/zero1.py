@@ -60,7 +60,8 @@ class ZeRO1(DataParallel):
     def _reduce(self, bucket: Bucket) -> Launched:
         """Start the reduce-scatter, in place: the sum of this rank's shard lands in its own slice
         of the bucket's buffer (Megatron-LM's distributed optimizer), here ``grad_shard``."""
-        work, mine = comm.reduce_scatter(bucket.grad_data, self.group, 0, "dp grads", async_op=True,
+        work, mine = comm.reduce_scatter(bucket.grad_data, bucket.group, 0, "dp grads",
+                                         async_op=True,
                                          out=bucket.grad_data[bucket.start:bucket.end],
                                          tag=bucket.index)
         return work, lambda: self._keep(bucket, mine)
@@ -80,7 +81,8 @@ class ZeRO1(DataParallel):
                         tied_copies: Iterable[nn.Parameter] = ()) -> torch.Tensor:
         """Clip by the global norm from this rank's pieces, the squares summed over dp (× cp)."""
         return clip_held_grads_([(piece.param, piece.tensor.grad) for piece in self.pieces],
-                                max_norm, grid, tied_copies, sum_over=(self.group,))
+                                max_norm, grid, tied_copies, sum_over=(self.group,),
+                                expert_sum_over=(self.ep_group, self.edp_group))
 
     def optimizer(self, param_groups: list[dict], optimizer_cls: type[torch.optim.Optimizer],
                   **defaults) -> DistributedOptimizer:
@@ -91,7 +93,8 @@ class ZeRO1(DataParallel):
         """Step this rank's pieces, then give every rank every updated shard."""
         optimizer.step()
         for bucket in self.buckets:          # in place: the shards are param_data's own slices
-            comm.all_gather(bucket.param_shard, self.group, 0, "dp params", out=bucket.param_data)
+            comm.all_gather(bucket.param_shard, bucket.group, 0, "dp params",
+                            out=bucket.param_data)
 
 
 class DistributedOptimizer:
@@ -150,7 +153,8 @@ class DistributedOptimizer:
             for k in tensors:
                 state = self.optimizer.state[piece.tensor][k]
                 full[piece.param][k][piece.offset:piece.offset + state.numel()] = state
-        return {p: {**{k: comm.all_reduce(v, self.group, "dp optimizer state").view_as(p)
+        return {p: {**{k: comm.all_reduce(v, self.ddp.group_of(p), "dp optimizer state")
+                       .view_as(p)
                        for k, v in full[p].items()},
                     **{k: torch.tensor(float(shared[1 + i] / shared[0]))
                        for i, k in enumerate(scalars)}}

@@ -39,7 +39,6 @@ import torch
 from torch import nn
 
 from megatron_edu import comm
-from megatron_edu.comm import CommGroup
 from megatron_edu.data_parallel.buckets import Bucket, make_buckets
 from megatron_edu.data_parallel.zero2 import ZeRO2
 
@@ -53,13 +52,13 @@ class ZeRO3(ZeRO2):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.sharding = ParameterSharding(self.buckets, self.group, self.modules, self.units)
+        self.sharding = ParameterSharding(self.buckets, self.modules, self.units)
 
     def _make_buckets(self, bucket_bytes: float, alone: Iterable[nn.Parameter],
                       units: list[nn.Module]) -> list[Bucket]:
         unit_ids = {id(u) for u in units}
         self.units = [u for m in self.modules for u in m.modules() if u is m or id(u) in unit_ids]
-        return make_buckets(self.units, math.inf, self.group.size, alone, self.group.rank)
+        return make_buckets(self.units, math.inf, self.group_of, alone)
 
     def _allocate(self, bucket: Bucket) -> None:
         super()._allocate(bucket)
@@ -115,12 +114,12 @@ def _free(bucket: Bucket) -> None:
 
 
 class ParameterSharding:
-    """The gathers and frees of ZeRO-3 over ``group`` for its ``buckets``: ``modules`` are the
-    bucketed modules in forward order (each root — a model chunk —, then its units)."""
+    """The gathers and frees of ZeRO-3 for its ``buckets``, each over its group: ``modules`` are
+    the bucketed modules in forward order (each root — a model chunk —, then its units)."""
 
-    def __init__(self, buckets: list[Bucket], group: CommGroup, roots: list[nn.Module],
+    def __init__(self, buckets: list[Bucket], roots: list[nn.Module],
                  modules: list[nn.Module]) -> None:
-        self.group, self.device, self.master = group, buckets[0].device, buckets[0].dtype  # fp32
+        self.device, self.master = buckets[0].device, buckets[0].dtype  # fp32
         self._roots = roots = {id(m) for m in roots}      # kept gathered forward → backward
         owner: dict[int, nn.Module] = {}                 # each parameter's innermost unit
         for module in modules:
@@ -213,7 +212,7 @@ class ParameterSharding:
             return
         _fill(bucket, dtype or bucket.param_data.dtype)
         self._pending[bucket.index], _ = comm.all_gather(
-            bucket.param_data[bucket.start:bucket.end], self.group, 0, "dp params gather",
+            bucket.param_data[bucket.start:bucket.end], bucket.group, 0, "dp params gather",
             out=bucket.param_data, async_op=True, tag=bucket.index)
 
     def _gather(self, i: int, dtype: torch.dtype | None = None) -> None:

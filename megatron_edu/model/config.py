@@ -23,7 +23,7 @@ from functools import partial
 from typing import Any
 
 __all__ = ["GPTConfig", "BertConfig", "LlamaConfig", "PRESETS", "RECOMPUTE", "LN_PLACEMENTS",
-           "ATTENTION", "config_from_dict"]
+           "ATTENTION", "ROUTERS", "AUX_GROUPS", "config_from_dict"]
 
 RECOMPUTE = ("none", "selective", "full")
 LN_PLACEMENTS = ("rearranged", "original")
@@ -31,6 +31,8 @@ ATTENTION = ("eager", "fused")
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "swiglu")
 POSITIONS = ("learned", "rope")
+ROUTERS = ("softmax", "sigmoid")
+AUX_GROUPS = ("sequence", "microbatch")
 
 
 @dataclass
@@ -52,6 +54,14 @@ class GPTConfig:
     ``num_kv_heads`` (0 → num_heads) key/value heads, each shared by num_heads/num_kv_heads
     query heads (grouped-query attention); ``bias``; ``tie_embeddings`` (the output layer is the
     word table).
+
+    A mixture of experts in place of each MLP (``model.moe``), with ``moe_experts`` > 0: each
+    token goes to ``moe_topk`` of them (SwiGLU experts of ``moe_ffn_hidden`` units, 0 → ffn_hidden)
+    chosen by a fp32 router, "softmax" (Mixtral; the k weights renormalised) or "sigmoid"
+    (DeepSeek-V3); ``moe_shared_experts`` always-on experts beside them (DeepSeekMoE, Qwen-MoE),
+    gated by a sigmoid with ``moe_shared_gate``. Balance: the auxiliary loss (coefficient
+    ``moe_aux_loss``, over each "sequence" or "microbatch": ``moe_aux_group``), the router z-loss
+    (``moe_z_loss``) and DeepSeek-V3's loss-free expert bias (updated by ``moe_bias_rate`` a step).
     """
 
     vocab_size: int = 50257
@@ -79,12 +89,25 @@ class GPTConfig:
     num_kv_heads: int = 0                # 0 → num_heads (multi-head attention)
     bias: bool = True
     tie_embeddings: bool = True
+    moe_experts: int = 0                 # 0: a dense MLP
+    moe_topk: int = 2
+    moe_ffn_hidden: int = 0              # 0 → ffn_hidden
+    moe_router: str = "softmax"          # "softmax" | "sigmoid"
+    moe_norm_topk: bool = True           # softmax: the k weights renormalised (Mixtral)
+    moe_shared_experts: int = 0
+    moe_shared_gate: bool = False
+    moe_aux_loss: float = 0.0
+    moe_aux_group: str = "sequence"      # "sequence" | "microbatch"
+    moe_z_loss: float = 0.0
+    moe_bias_rate: float = 0.0
 
     def __post_init__(self) -> None:
         if self.ffn_hidden == 0:
             self.ffn_hidden = 4 * self.hidden
         if self.num_kv_heads == 0:
             self.num_kv_heads = self.num_heads
+        if self.moe_ffn_hidden == 0:
+            self.moe_ffn_hidden = self.ffn_hidden
         for name in ("vocab_size", "seq_len", "num_layers", "hidden", "num_heads", "ffn_hidden"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -102,12 +125,20 @@ class GPTConfig:
         if self.ln_placement not in LN_PLACEMENTS:
             raise ValueError(f"ln_placement must be one of {LN_PLACEMENTS}, "
                              f"got {self.ln_placement!r}")
-        for name, allowed in (("norm", NORMS), ("mlp", MLPS), ("positions", POSITIONS)):
+        for name, allowed in (("norm", NORMS), ("mlp", MLPS), ("positions", POSITIONS),
+                              ("moe_router", ROUTERS), ("moe_aux_group", AUX_GROUPS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads = {self.num_heads} is not divisible by num_kv_heads = "
                              f"{self.num_kv_heads}: each kv head serves a whole group of heads")
+        if self.moe_experts and not 1 <= self.moe_topk <= self.moe_experts:
+            raise ValueError(f"moe_topk = {self.moe_topk} must be between 1 and moe_experts = "
+                             f"{self.moe_experts}")
+        if min(self.moe_experts, self.moe_shared_experts, self.moe_aux_loss, self.moe_z_loss,
+               self.moe_bias_rate) < 0:
+            raise ValueError("moe_experts, moe_shared_experts and the balance coefficients "
+                             "must not be negative")
 
     @property
     def head_dim(self) -> int:
@@ -120,10 +151,12 @@ class GPTConfig:
         unit = self.make_vocab_size_divisible_by * tp
         return math.ceil(self.vocab_size / unit) * unit
 
-    def validate(self, tp: int = 1, pp: int = 1, chunks: int = 1, cp: int = 1) -> None:
+    def validate(self, tp: int = 1, pp: int = 1, chunks: int = 1, cp: int = 1,
+                 ep: int = 1) -> None:
         """Raise a ValueError naming the numbers if this model cannot be split tp × pp·chunks,
-        the sequence over cp ranks (context parallelism: causal, two chunks per rank)."""
-        for name, n in (("tp", tp), ("pp", pp), ("chunks", chunks), ("cp", cp)):
+        the sequence over cp ranks (context parallelism: causal, two chunks per rank), its
+        experts over ep ranks."""
+        for name, n in (("tp", tp), ("pp", pp), ("chunks", chunks), ("cp", cp), ("ep", ep)):
             if not isinstance(n, int) or n < 1:
                 raise ValueError(f"{name} must be a positive integer, got {n!r}")
         # §3: attention is split by heads, the MLP by its ffn columns (tp | heads ⇒ tp | hidden)
@@ -131,6 +164,13 @@ class GPTConfig:
             if getattr(self, name) % tp:
                 raise ValueError(f"{name} = {getattr(self, name)} is not divisible by the "
                                  f"tensor-parallel size tp = {tp}")
+        if ep > 1 and self.moe_experts % ep:
+            raise ValueError(f"expert parallelism gives each of ep = {ep} ranks whole experts: "
+                             f"moe_experts = {self.moe_experts} is not divisible by it"
+                             + ("" if self.moe_experts else " (a dense model has no experts)"))
+        if self.moe_experts and self.moe_ffn_hidden % tp:
+            raise ValueError(f"moe_ffn_hidden = {self.moe_ffn_hidden} is not divisible by the "
+                             f"tensor-parallel size tp = {tp} (each expert is split as the MLP)")
         # grouped-query attention: whole kv heads per rank, or each kv head on tp/g ranks
         if self.num_kv_heads % tp and tp % self.num_kv_heads:
             raise ValueError(f"num_kv_heads = {self.num_kv_heads} and tp = {tp}: each rank holds "
@@ -235,12 +275,13 @@ class BertConfig(GPTConfig):
         if self.model != "bert":
             raise ValueError(f"a BertConfig describes a BERT, got model={self.model!r}")
 
-    def validate(self, tp: int = 1, pp: int = 1, chunks: int = 1, cp: int = 1) -> None:
+    def validate(self, tp: int = 1, pp: int = 1, chunks: int = 1, cp: int = 1,
+                 ep: int = 1) -> None:
         """The GPT's checks, and no sequence parallelism."""
         if self.sequence_parallel:
             raise ValueError("BERT runs without sequence parallelism here: its pooler reads the "
                              "[CLS] position, which only one tp rank would hold")
-        super().validate(tp, pp, chunks, cp)
+        super().validate(tp, pp, chunks, cp, ep)
 
     def num_parameters(self, tp: int = 1, layers: int | None = None, first: bool = True,
                        last: bool = True) -> int:

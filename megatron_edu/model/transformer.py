@@ -28,10 +28,12 @@ from torch import nn
 
 from megatron_edu.comm import CommGroup
 from megatron_edu.context_parallel import parts_held, positions_of
+from megatron_edu.expert_parallel import gather_experts, own_experts
 from megatron_edu.grid import ParallelGrid
 from megatron_edu.model.attention import Attention, KVCache, LayerKV
 from megatron_edu.model.config import GPTConfig
 from megatron_edu.model.fused import bias_swiglu, kernels
+from megatron_edu.model.moe import ExpertGroups, MoE
 from megatron_edu.tensor_parallel.cross_entropy import mask_padded_vocab
 from megatron_edu.tensor_parallel.init import (
     check_initialised,
@@ -157,10 +159,22 @@ class MLP(nn.Module):
         self.proj = RowParallelLinear(config.ffn_hidden, config.hidden, group, bias=config.bias,
                                       init_std=residual_std, style=style)
 
+    @property
+    def bias(self) -> torch.Tensor | None:
+        """The output bias, which ``add_bias=False`` leaves to the caller."""
+        return self.proj.bias
+
     def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
         """x [b, s, h] → [b, s, h]; ``add_bias=False`` leaves proj's bias to the caller."""
         y = self.activation(self.fc(x, add_bias=False), self.fc.bias)  # [b, s, ffn/t], f inside
         return self.proj(y, add_bias)                                  # [b, s, h], g inside
+
+
+def feed_forward(config: GPTConfig, group: CommGroup, experts: ExpertGroups) -> nn.Module:
+    """The block's second half: the MLP, or with ``moe_experts`` a mixture of experts."""
+    if not config.moe_experts:
+        return MLP(config, group)
+    return MoE(config, STYLES[config.sequence_parallel, config.async_tp](group), experts, MLP)
 
 
 class PreLN:
@@ -193,7 +207,7 @@ class Block(nn.Module):
     adds run on it; attention and the MLP gather the sequence."""
 
     def __init__(self, config: GPTConfig, group: CommGroup, layer: int = 0,
-                 cp_group: CommGroup | None = None) -> None:
+                 cp_group: CommGroup | None = None, experts: ExpertGroups | None = None) -> None:
         super().__init__()
         cp_group = cp_group or serial_group("cp")
         self.placement = LN_PLACEMENTS[config.ln_placement]
@@ -201,7 +215,7 @@ class Block(nn.Module):
         self.ln1 = layer_norm(config)
         self.attn = Attention(config, group, layer, cp_group)
         self.ln2 = layer_norm(config)
-        self.mlp = MLP(config, group)
+        self.mlp = feed_forward(config, group, experts or ExpertGroups.serial())
         # Outside the split regions: the same masks on every tp rank.
         parts = sequence_parts(STYLES[config.sequence_parallel, config.async_tp](group), cp_group)
         self.attn_dropout = Dropout(config.dropout, config.seed, layer, "attention output",
@@ -219,7 +233,7 @@ class Block(nn.Module):
                                   self.placement.residual(x, u))
         u = self.ln2(x)
         y = self.mlp(u, add_bias=False)
-        return self.bias_dropout_add(y, self.mlp.proj.bias, self.mlp_dropout, dropout_key,
+        return self.bias_dropout_add(y, self.mlp.bias, self.mlp_dropout, dropout_key,
                                      self.placement.residual(x, u))     # [b, s, h]
 
 
@@ -282,9 +296,12 @@ class TransformerStage(nn.Module):
                             f", not a {type(config).__name__} (model.build_model picks the model)")
         self.tp_group = grid.tp_group if grid is not None else serial_group()
         self.cp_group = grid.cp_group if grid is not None else serial_group("cp")
-        config.validate(self.tp_group.size, cp=self.cp_group.size)
-        self.config, self.first, self.last = config, first, last
         self.style = STYLES[config.sequence_parallel, config.async_tp](self.tp_group)
+        self.expert_groups = ExpertGroups.serial() if grid is None else ExpertGroups(
+            grid.ep_group, self.style.token_group(grid.cp_group, grid.tp_cp_group))
+        config.validate(self.tp_group.size, cp=self.cp_group.size,
+                        ep=self.expert_groups.ep.size)
+        self.config, self.first, self.last = config, first, last
         self.layers = range(config.num_layers) if layers is None else layers
         if not all(0 <= i < config.num_layers for i in self.layers):
             raise ValueError(f"layers {self.layers} are not all in 0..{config.num_layers - 1}")
@@ -302,8 +319,8 @@ class TransformerStage(nn.Module):
             self.enter = self._build_first(config)
         elif self.last and config.tie_embeddings:     # (the same name: ``WORD_EMBEDDING``)
             self.embedding = TiedCopy(config, self.tp_group)
-        self.blocks = nn.ModuleDict({str(i): Block(config, self.tp_group, i, self.cp_group)
-                                     for i in self.layers})
+        self.blocks = nn.ModuleDict({str(i): Block(config, self.tp_group, i, self.cp_group,
+                                                   self.expert_groups) for i in self.layers})
         if self.last:
             self.ln_f = layer_norm(config)
             if not config.tie_embeddings:             # Llama's: an output layer of its own
@@ -374,6 +391,7 @@ class TransformerStage(nn.Module):
             if tensor is None:
                 raise ValueError(f"{name} has no gradient: run backward first")
             full = gather_full(tensor, param.tp_dim, self.tp_group, param.tp_replicas)
+            full = gather_experts(full, param, self.expert_groups.ep)
             state[name] = full[: self.config.vocab_size] if name in self.vocab_rows else full
         return {name: t.detach().clone() for name, t in state.items()}
 
@@ -389,4 +407,5 @@ class TransformerStage(nn.Module):
             if name in self.vocab_rows:                      # pad the vocabulary (dim 0)
                 rows = self.config.padded_vocab(self.tp_group.size) - full.shape[0]
                 full = F.pad(full, (0, 0) * (full.dim() - 1) + (0, rows))
+            full = own_experts(full, param)
             param.copy_(shard(full, param.tp_dim, self.tp_group, param.tp_replicas))

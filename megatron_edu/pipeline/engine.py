@@ -32,6 +32,7 @@ from megatron_edu import comm
 from megatron_edu.grid import ParallelGrid
 from megatron_edu.model import GPT, GPTConfig, build_model
 from megatron_edu.model.gpt import IGNORE_INDEX
+from megatron_edu.model.moe import aux_loss_scale
 from megatron_edu.pipeline.backward import WeightPass, backward, backward_input
 from megatron_edu.pipeline.p2p import make_transport
 from megatron_edu.pipeline.schedules import Action, MessagesOf, Schedule, messages_of
@@ -143,6 +144,11 @@ class _Run:
     def execute(self) -> PipelineResult:
         actions = self.schedule[self.grid.pp_rank]
         clock = _Stopwatch(self.grid) if self.settings.timeline else _NoStopwatch()
+        with aux_loss_scale(self.settings.loss_scale / self.num_tokens):  # as the loss's (MoE)
+            self._actions(actions, clock)
+        return PipelineResult(self._loss(), clock.timeline(), self.boundary.peak)
+
+    def _actions(self, actions: list[Action], clock: _Stopwatch | _NoStopwatch) -> None:
         for i, action in enumerate(actions):
             self.wire.at_point(i)
             receives, sends = self.settings.messages(action, self.grid.pp_rank, self.stages)
@@ -156,7 +162,6 @@ class _Run:
                 _free_output(out)
         self.wire.at_point(len(actions))
         self.wire.finish()
-        return PipelineResult(self._loss(), clock.timeline(), self.boundary.peak)
 
     def _forward(self, action: Action, x: torch.Tensor | None) -> torch.Tensor:
         mb, c = action.microbatch, action.chunk

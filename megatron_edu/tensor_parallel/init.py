@@ -60,17 +60,19 @@ zeros = Init(value=0.0)
 ones = Init(value=1.0)
 
 
-def mark(param: nn.Parameter, tp_dim: int | None, init: Init, replicas: int = 1) -> nn.Parameter:
+def mark(param: nn.Parameter, tp_dim: int | None, init: Init, replicas: int = 1,
+         experts: range | None = None) -> nn.Parameter:
     """Attach the split dimension, the initialiser and the ranks holding each part (``replicas``
-    consecutive tp ranks) to a parameter; return it."""
-    param.tp_dim, param.init, param.tp_replicas = tp_dim, init, replicas
+    consecutive tp ranks) to a parameter, and for a stack of experts [E/ep, …] their global ids
+    (``expert_ids``; ``model/moe.py``); return it."""
+    param.tp_dim, param.init, param.tp_replicas, param.expert_ids = tp_dim, init, replicas, experts
     return param
 
 
-def placeholder(shape: tuple[int, ...], tp_dim: int | None, init: Init,
-                replicas: int = 1) -> nn.Parameter:
+def placeholder(shape: tuple[int, ...], tp_dim: int | None, init: Init, replicas: int = 1,
+                experts: range | None = None) -> nn.Parameter:
     """A marked parameter of ``shape`` on the meta device, until ``init_parameters`` fills it."""
-    return mark(nn.Parameter(torch.empty(shape, device="meta")), tp_dim, init, replicas)
+    return mark(nn.Parameter(torch.empty(shape, device="meta")), tp_dim, init, replicas, experts)
 
 
 def check_initialised(module: nn.Module) -> None:
@@ -143,6 +145,11 @@ def _draw(param: nn.Parameter, seed: int, name: str, group: CommGroup,
           gen: torch.Generator) -> None:
     """Fill this rank's slice of one parameter with the serial model's numbers."""
     init: Init = param.init
+    if param.expert_ids is not None:                   # each expert's matrix by its global id
+        for i, expert in enumerate(param.expert_ids):
+            one = mark(param[i], param.tp_dim - 1, init, param.tp_replicas)
+            _draw(one, seed, f"{name}.{expert}", group, gen)
+        return
     if init.std is None:
         param.fill_(init.value)
         return
@@ -162,7 +169,8 @@ def init_parameters(module: nn.Module, seed: int, group: CommGroup,
                     device: torch.device | str = "cpu") -> None:
     """Make every parameter real on ``device`` (placeholders or not) and fill its slice on this
     rank, drawing only the blocks that meet it: the same numbers on any device."""
-    marks = {name: (p.tp_dim, p.init, p.tp_replicas) for name, p in module.named_parameters()}
+    marks = {name: (p.tp_dim, p.init, p.tp_replicas, p.expert_ids)
+             for name, p in module.named_parameters()}
     module.to_empty(device=device)                    # new tensors: their marks are put back
     gen = torch.Generator()                           # CPU: the same numbers on any device
     for name, param in module.named_parameters():

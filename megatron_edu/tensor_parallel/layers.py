@@ -62,6 +62,18 @@ class TensorParallel:
         """X·A_i (+ b_i) of the whole X: ``f`` (identity forward, all-reduce of dX backward)."""
         return F.linear(comm.f(x, self.group), weight, bias)     # [.., out/t] on rank i
 
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        """x as every rank of the region uses it whole: ``f`` (the experts' input, model/moe.py)."""
+        return comm.f(x, self.group)
+
+    def gather_sequence(self, x: torch.Tensor) -> torch.Tensor:
+        """The whole sequence of x [b, s, ...] without autograd (the routing decisions): here x."""
+        return x
+
+    def token_group(self, cp_group: CommGroup, tp_cp_group: CommGroup) -> CommGroup:
+        """The ranks that split each sequence outside the regions: here the cp ranks."""
+        return cp_group
+
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """Σ_i of the ranks' partial results, on every rank: ``g`` (all-reduce forward)."""
         return comm.g(partial, self.group)

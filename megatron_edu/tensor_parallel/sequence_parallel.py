@@ -38,6 +38,16 @@ class SequenceParallel(TensorParallel):
         """X·A_i (+ b_i) of the whole sequence from this rank's part x [b, s/t, in]."""
         return _SequenceParallelLinear.apply(x, weight, bias, self.group)
 
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        """The whole sequence from this rank's part: all-gather, reduce-scatter backward."""
+        return comm.all_gather_seq(x, self.group)
+
+    def gather_sequence(self, x: torch.Tensor) -> torch.Tensor:
+        return comm.all_gather(x, self.group, dim=1, label="gather routing")
+
+    def token_group(self, cp_group: CommGroup, tp_cp_group: CommGroup) -> CommGroup:
+        return tp_cp_group
+
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """Σ_i of the partial results, this rank's part of the sequence: [b, s/t, h]."""
         return comm.reduce_scatter_seq(partial, self.group)
