@@ -14,6 +14,7 @@ from helpers import Launches
 from megatron_edu import comm
 from megatron_edu.grid import Layout, ParallelGrid, all_layouts
 from megatron_edu.model import GPTConfig, LlamaConfig, build_model
+from megatron_edu.model.moe import aux_loss_scale
 from megatron_edu.model.transformer import IGNORE_INDEX
 from megatron_edu.optim import build_param_groups
 from megatron_edu.pipeline import PipelineConfig
@@ -49,7 +50,8 @@ def _serial(config=CONFIG, masked=False):
                                   eps=EPS)
     losses, norms = [], []
     for step, (ids, labels) in enumerate(_batches(masked)):
-        loss = model(ids, labels, dropout_key=DropoutKey.first(GLOBAL_BATCH, step))
+        with aux_loss_scale(1 / (labels != IGNORE_INDEX).sum()):   # a mixture of experts'
+            loss = model(ids, labels, dropout_key=DropoutKey.first(GLOBAL_BATCH, step))
         loss.backward()
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
         optimizer.step()
@@ -255,6 +257,7 @@ CASES = {  # name -> (world size, function, arguments); every case of one size i
                                   cp=2),
     "llama-interleaved-zero1": _training(1, 2, 2, LLAMA, schedule="interleaved", chunks=2,
                                          zero=1),
+    "llama-zb-h1": _training(1, 2, 2, LLAMA, schedule="zb-h1", num_microbatches=4),
     "llama-tp4-sp-zero3-dp2": _training(4, 1, 2, dataclasses.replace(LLAMA,
                                                                     sequence_parallel=True),
                                         zero=3),
@@ -400,9 +403,11 @@ def test_every_layout_of_8_ranks_takes_the_serial_llamas_steps(llama_serial, ind
     _check_equal_to_serial(llama_serial, [r[index] for r in LAUNCHES["llama-every-layout-of-8"]])
 
 
-@pytest.mark.parametrize("name", ["tp2-cp2-sp", "interleaved-zero1", "tp4-sp-zero3-dp2"])
+@pytest.mark.parametrize("name", ["tp2-cp2-sp", "interleaved-zero1", "tp4-sp-zero3-dp2",
+                                  "zb-h1"])
 def test_the_llama_under_sp_cp_interleaving_and_zero_takes_the_serial_steps(llama_serial, name):
     """Rotary positions on each cp rank's zig-zag chunks, RMSNorm's gradient summed over tp
     under SP; the interleaved schedule and ZeRO-1 over dp; replicated kv heads (tp = 4) whose
-    copies ZeRO-3 shards over dp."""
+    copies ZeRO-3 shards over dp; zero bubble's B/W split of a first stage whose embedding
+    output two trunk nodes read (no position table: pipeline/backward.py's ``_shared``)."""
     _check_equal_to_serial(llama_serial, LAUNCHES[f"llama-{name}"])

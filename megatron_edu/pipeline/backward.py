@@ -15,9 +15,10 @@ the arriving dL/dz. W restarts autograd at each fork for the branches and runs t
 
 **Memory** (2401.10241 §2.3, Table 1): autograd frees a node's saved tensors only when it runs for
 the last time, so the trunk's own (M_B − M_W) wait for W too: a microbatch holds its activations,
-and the kept dL/dz, from F to W. Limits: a custom function computing several gradients at once
-(sequence parallelism's all-gather linear, non-reentrant checkpointing) runs whole in B and again
-in W: correct, not split.
+and the kept dL/dz, from F to W. A branch that two trunk nodes feed joins the
+trunk (``_shared``). Limits: a custom function computing several gradients at once (sequence
+parallelism's all-gather linear, non-reentrant checkpointing) runs whole in B and again in W:
+correct, not split.
 """
 
 from __future__ import annotations
@@ -104,14 +105,20 @@ def backward_input(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor
     finally:
         for hook in hooks:
             hook.remove()
+    heads = {}
     for (node, slot), g in zip(slots, computed[len(inputs) - len(slots):], strict=True):
-        if g is not None:                   # the gradient at the bottom of the trunk
+        if g is None:
+            continue
+        if node in kept:                    # the gradient at the bottom of the trunk, a fork's
             kept[node][slot] = g
-    return (computed[0] if x_node is not None else None), _weight_pass(kept, branches)
+        else:                               # a weight two trunk nodes feed (``_shared``)
+            heads[node, slot] = g
+    return (computed[0] if x_node is not None else None), _weight_pass(kept, branches, heads)
 
 
-def _weight_pass(kept, branches) -> WeightPass:
-    return WeightPass([(n, grads, branches[n]) for n, grads in kept.items() if grads])
+def _weight_pass(kept, branches, heads=None) -> WeightPass:
+    return WeightPass([(n, grads, branches[n]) for n, grads in kept.items() if grads],
+                      heads or {})
 
 
 def _keep(store: dict[int, torch.Tensor]):
@@ -123,8 +130,19 @@ def _keep(store: dict[int, torch.Tensor]):
 
 def _leads_to(root: Node, x_node: Node | None) -> dict[Node, object]:
     """For every node reachable from ``root``: TRUNK if its paths lead to the stage input or to
-    more than one weight; the weight's AccumulateGrad node if they all lead to that one weight;
-    None if they lead to nothing that wants a gradient. (Post-order walk, no recursion.)"""
+    more than one weight, or to a branch two trunk nodes feed (``_shared``); the weight's
+    AccumulateGrad node if they all lead to that one weight; None if they lead to nothing that
+    wants a gradient."""
+    pinned: set[Node] = set()
+    leads = _walk(root, x_node, pinned)
+    while shared := _shared(leads):
+        pinned |= shared
+        leads = _walk(root, x_node, pinned)
+    return leads
+
+
+def _walk(root: Node, x_node: Node | None, pinned: set[Node]) -> dict[Node, object]:
+    """``_leads_to``'s classification with the ``pinned`` nodes trunk (post-order, no recursion)."""
     leads: dict[Node, object] = {}
     stack: list[tuple[Node, bool]] = [(root, False)]
     while stack:
@@ -136,7 +154,7 @@ def _leads_to(root: Node, x_node: Node | None) -> dict[Node, object]:
             stack.append((node, True))
             stack.extend((c, False) for c in children if c not in leads)
             continue
-        if node is x_node:
+        if node is x_node or node in pinned:
             leads[node] = TRUNK
         elif not children:     # a leaf: the AccumulateGrad node of a weight
             leads[node] = node if hasattr(node, "variable") else None
@@ -144,3 +162,21 @@ def _leads_to(root: Node, x_node: Node | None) -> dict[Node, object]:
             below = {leads[c] for c in children} - {None}
             leads[node] = TRUNK if TRUNK in below or len(below) > 1 else next(iter(below), None)
     return leads
+
+
+def _shared(leads: dict[Node, object]) -> set[Node]:
+    """Branch nodes that more than one trunk node feeds (the embedding's output, read by the
+    residual add and by the first layer norm when nothing is added to it: rotary positions). W
+    would reach one from each fork through the trunk too, so they join the trunk: B sums their
+    gradient, and W starts from them."""
+    fed: dict[Node, set[Node]] = {}
+    for fork in [n for n, lead in leads.items() if lead is TRUNK]:
+        stack = [c for c, _ in fork.next_functions
+                 if c is not None and leads[c] not in (TRUNK, None)]
+        while stack:
+            node = stack.pop()
+            if fork not in fed.setdefault(node, set()):
+                fed[node].add(fork)
+                stack.extend(c for c, _ in node.next_functions
+                             if c is not None and leads[c] not in (TRUNK, None))
+    return {node for node, forks in fed.items() if len(forks) > 1}
