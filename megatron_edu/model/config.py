@@ -168,9 +168,11 @@ class GPTConfig:
             raise ValueError(f"expert parallelism gives each of ep = {ep} ranks whole experts: "
                              f"moe_experts = {self.moe_experts} is not divisible by it"
                              + ("" if self.moe_experts else " (a dense model has no experts)"))
-        if self.moe_experts and self.moe_ffn_hidden % tp:
-            raise ValueError(f"moe_ffn_hidden = {self.moe_ffn_hidden} is not divisible by the "
-                             f"tensor-parallel size tp = {tp} (each expert is split as the MLP)")
+        if self.moe_experts and self.moe_ffn_hidden % (8 * tp) + self.hidden % 8:
+            raise ValueError(f"the experts' grouped GEMM wants rows of whole 16-byte blocks (8 "
+                             f"bf16 values): hidden = {self.hidden} and moe_ffn_hidden / tp = "
+                             f"{self.moe_ffn_hidden} / {tp} must be multiples of 8 (each expert "
+                             "is split over tp as the MLP)")
         # grouped-query attention: whole kv heads per rank, or each kv head on tp/g ranks
         if self.num_kv_heads % tp and tp % self.num_kv_heads:
             raise ValueError(f"num_kv_heads = {self.num_kv_heads} and tp = {tp}: each rank holds "

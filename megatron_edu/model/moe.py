@@ -6,7 +6,7 @@ the token's output is the weighted sum of theirs. Parameters grow E-fold; a toke
   renormalised to sum to one with ``moe_norm_topk``) or "sigmoid" scores (DeepSeek-V3, always
   renormalised over the k).
 * **Balance**: without a push the router sends most tokens to a few experts. The auxiliary loss
-  α · E/k · Σ_i f_i · P_i (Switch eq. 4, GShard), f_i the fraction of the group's k·S choices
+  α · E · Σ_i f_i · P_i (Switch eq. 4, GShard), f_i the fraction of the group's k·S choices
   that went to expert i, P_i its mean probability, is 1 under uniform routing; the group is a
   "sequence" (DeepSeek-V3's sequence-wise loss) or a "microbatch" of whole sequences. The
   z-loss β · logsumexp(logits)² (ST-MoE, Zoph et al. 2022) keeps the logits small. Both are
