@@ -276,8 +276,8 @@ class GroupedQKV(nn.Module):
         q_rows, kv_rows = config.num_heads * d // t, 2 * d * self.local_groups
         self.q_weight = placeholder((q_rows, h), 0, normal(config.init_std))
         self.kv_weight = placeholder((kv_rows, h), 0, normal(config.init_std), replicas=r)
-        self.q_bias = placeholder((q_rows,), 0, zeros) if config.bias else None
-        self.kv_bias = placeholder((kv_rows,), 0, zeros, replicas=r) if config.bias else None
+        self.q_bias = placeholder((q_rows,), 0, zeros) if config.qkv_bias else None
+        self.kv_bias = placeholder((kv_rows,), 0, zeros, replicas=r) if config.qkv_bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [b, s, h] → [b, s, (a/t + 2·groups)·d]: per local group its queries, k, v."""
@@ -296,7 +296,7 @@ def qkv_projection(config: GPTConfig, group: CommGroup, style: type[TensorParall
     attention, GPT-2), or ``GroupedQKV`` (fewer kv heads than query heads)."""
     if config.num_kv_heads < config.num_heads:
         return GroupedQKV(config, group, style)
-    return ColumnParallelLinear(config.hidden, 3 * config.hidden, group, bias=config.bias,
+    return ColumnParallelLinear(config.hidden, 3 * config.hidden, group, bias=config.qkv_bias,
                                 init_std=config.init_std, style=style)
 
 

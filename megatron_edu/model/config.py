@@ -13,6 +13,11 @@ Presets:
                           against tiny's 1.33 M, to compare the two blocks)
   smollm-135m             SmolLM-135M's shape (30 layers, 576 hidden, 9 heads, 3 kv heads, tied)
   llama3-8b               Llama-3-8B's shape (32 layers, 4096 hidden, 32 heads, 8 kv heads)
+  llama-moe-tiny          llama-tiny with 8 experts of 192 units, 2 a token (as many active
+                          FLOPs as llama-tiny's MLP of 384)
+  mixtral-8x7b            Mixtral-8x7B's shape (Llama-2-7B-like blocks, 8 experts, 2 a token)
+  qwen1.5-moe-a2.7b       Qwen1.5-MoE-A2.7B's shape (60 experts, 4 a token, a gated shared
+                          expert of 4 experts' width, q/k/v biases)
 """
 
 from __future__ import annotations
@@ -52,8 +57,8 @@ class GPTConfig:
     ones): ``norm`` "layernorm" | "rmsnorm"; ``mlp`` "gelu" | "swiglu"; ``positions`` "learned"
     (a table added to the embeddings) | "rope" (rotary, θ = ``rope_theta``, applied to q and k);
     ``num_kv_heads`` (0 → num_heads) key/value heads, each shared by num_heads/num_kv_heads
-    query heads (grouped-query attention); ``bias``; ``tie_embeddings`` (the output layer is the
-    word table).
+    query heads (grouped-query attention); ``bias`` (``qkv_bias`` for q, k and v alone: Qwen2);
+    ``tie_embeddings`` (the output layer is the word table).
 
     A mixture of experts in place of each MLP (``model.moe``), with ``moe_experts`` > 0: each
     token goes to ``moe_topk`` of them (SwiGLU experts of ``moe_ffn_hidden`` units, 0 → ffn_hidden)
@@ -88,6 +93,7 @@ class GPTConfig:
     rope_theta: float = 10000.0
     num_kv_heads: int = 0                # 0 → num_heads (multi-head attention)
     bias: bool = True
+    qkv_bias: bool | None = None         # None → bias (Qwen2: q, k, v biases, no others)
     tie_embeddings: bool = True
     moe_experts: int = 0                 # 0: a dense MLP
     moe_topk: int = 2
@@ -108,6 +114,8 @@ class GPTConfig:
             self.num_kv_heads = self.num_heads
         if self.moe_ffn_hidden == 0:
             self.moe_ffn_hidden = self.ffn_hidden
+        if self.qkv_bias is None:
+            self.qkv_bias = self.bias
         for name in ("vocab_size", "seq_len", "num_layers", "hidden", "num_heads", "ffn_hidden"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -196,7 +204,7 @@ class GPTConfig:
                              f"holds the same number of layers)")
 
     def num_parameters(self, tp: int = 1, layers: int | None = None, first: bool = True,
-                       last: bool = True) -> int:
+                       last: bool = True, ep: int = 1) -> int:
         """Parameters one tp rank holds of a stage of ``layers`` blocks (None: all), with the
         embeddings if ``first`` and, if ``last``, the final layer norm and the tied output layer
         (a copy of the word table unless also first): what ``GPT(config, grid, …)`` builds. The
@@ -208,13 +216,23 @@ class GPTConfig:
         row-parallel, biases replicated; two replicated norms (LayerNorm 2h, RMSNorm h). GPT-2
         (k = h, f = 4h): (4h² + 3h + 2h·f + f)/tp + 6h a block; whole at tp = 1, 12·l·h² + 13·l·h
         + (V + s)·h + 2h (2104.04473 §5.1, + ln_f). An untied output layer is a second V·h.
+        A mixture of experts instead of the MLP: E/ep SwiGLU experts of 3·h·f_e/tp, the router
+        E·h whole, and the shared experts as an MLP of f_e·n units (+ a gate of h).
         """
-        self.validate(tp)
+        self.validate(tp, ep=ep)
         h, f, k = self.hidden, self.ffn_hidden, max(self.num_kv_heads, tp) * self.head_dim
         gates = 2 if self.mlp == "swiglu" else 1
         norm = 2 * h if self.norm == "layernorm" else h
-        split = h * (h + 2 * k) + h * h + (gates + 1) * h * f + self.bias * (h + 2 * k + gates * f)
-        per_layer = split // tp + self.bias * 2 * h + 2 * norm
+        split = h * (h + 2 * k) + h * h + self.qkv_bias * (h + 2 * k)
+        if self.moe_experts:
+            shared = self.moe_ffn_hidden * self.moe_shared_experts
+            split += (self.moe_experts // ep * 3 * self.moe_ffn_hidden + 3 * shared) * h \
+                + self.bias * 2 * shared
+            whole = self.moe_experts * h + (shared > 0) * (self.moe_shared_gate + self.bias) * h
+        else:
+            split += (gates + 1) * h * f + self.bias * gates * f
+            whole = self.bias * h
+        per_layer = split // tp + self.bias * h + whole + 2 * norm
         params = (self.num_layers if layers is None else layers) * per_layer
         table = self.padded_vocab(tp) * h // tp
         tables = (first or last) if self.tie_embeddings else first + last
@@ -330,6 +348,14 @@ PRESETS.update({
     "llama-tiny": _llama(4096, 128, 4, 128, 4, 2, 384, 10000.0, tie_embeddings=True),
     "smollm-135m": _llama(49152, 2048, 30, 576, 9, 3, 1536, 10000.0, tie_embeddings=True),
     "llama3-8b": _llama(128256, 8192, 32, 4096, 32, 8, 14336, 500000.0),
+    "llama-moe-tiny": _llama(4096, 128, 4, 128, 4, 2, 384, 10000.0, tie_embeddings=True,
+                             moe_experts=8, moe_topk=2, moe_ffn_hidden=192, moe_aux_loss=0.01),
+    "mixtral-8x7b": _llama(32000, 32768, 32, 4096, 32, 8, 14336, 1e6, moe_experts=8,
+                           moe_topk=2, moe_aux_loss=0.01),
+    "qwen1.5-moe-a2.7b": _llama(151936, 8192, 24, 2048, 16, 16, 5632, 1e6, moe_experts=60,
+                                moe_topk=4, moe_ffn_hidden=1408, moe_shared_experts=4,
+                                moe_shared_gate=True, moe_norm_topk=False, qkv_bias=True,
+                                moe_aux_loss=0.001),
 })
 
 
