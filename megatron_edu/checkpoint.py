@@ -697,7 +697,7 @@ def _read_chunks(shards: _Shards, chunks, grid: ParallelGrid,
         d = _tp_dim(p, i)
         start = 0 if d is None else tp_rank // p.tp_replicas * p.shape[p.tp_dim]
         shards.read(name, "param", _part(p, i), start)
-        if moments and shards.adam_step:
+        if moments and shards.adam_step and p.requires_grad:   # (an expert bias: no moments)
             state = by_param.setdefault(p, {k: torch.empty_like(p) for k in MOMENTS})
             for k in MOMENTS:
                 shards.read(name, k, _part(state[k], i), start)

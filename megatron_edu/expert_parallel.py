@@ -48,16 +48,19 @@ __all__ = ["Dispatch", "ExpertDispatcher", "dispatch_bytes", "gather_experts", "
 
 
 class Dispatch:
-    """One microbatch's routing, as the dispatcher moved it: ``order`` (slots sorted by expert),
+    """One microbatch's routing, as the dispatcher moved it: ``order`` (the ``kept`` slots sorted
+    by expert: a dropped slot's id is E, sorted last),
     the rows this rank sent to each ep rank (``send``) and received from each (``receive``),
     ``received`` [ep, E/ep] (rows from each source rank for each local expert) and ``by_expert``
     (received rows sorted by local expert)."""
 
-    def __init__(self, ids: torch.Tensor, group: CommGroup, num_experts: int) -> None:
-        ep, self.k = group.size, ids.shape[1]
-        flat = ids.flatten()
-        self.order = flat.argsort(stable=True)                       # slots by expert
-        counts = torch.bincount(flat, minlength=num_experts).view(ep, num_experts // ep)
+    def __init__(self, ids: torch.Tensor, group: CommGroup, num_experts: int,
+                 kept: int | None = None) -> None:
+        ep, self.k, self.slots = group.size, ids.shape[1], ids.numel()
+        flat = ids.flatten()                                         # E: dropped (capacity)
+        self.order = flat.argsort(stable=True)[:kept]                # kept slots by expert
+        counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts]
+        counts = counts.view(ep, num_experts // ep)
         self.received = comm.all_to_all(counts, group, [1] * ep, [1] * ep, "expert counts")
         self.send, self.receive = counts.sum(1), self.received.sum(1)
         local = torch.arange(num_experts // ep, device=ids.device).repeat(ep)
@@ -73,11 +76,13 @@ class ExpertDispatcher:
         self.num_experts, self.group = num_experts, group
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                 experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+                 experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 kept: int | None = None) -> torch.Tensor:
         """x [T, h], each token's k experts ``ids`` [T, k] and ``weights`` [T, k] →
         Σ_j weights[t, j] · expert_{ids[t, j]}(x[t]), [T, h]. ``experts(rows, per_expert)`` runs
-        this rank's experts on rows grouped by local expert."""
-        route = Dispatch(ids, self.group, self.num_experts)
+        this rank's experts on rows grouped by local expert. ``kept``: the slots not dropped
+        (id < E; None: all)."""
+        route = Dispatch(ids, self.group, self.num_experts, kept)
         rows = self.dispatch(x, route)
         out = experts(rows, route.per_expert)
         slots = self.combine(out, route)                             # [T·k, h] in slot order
@@ -91,10 +96,11 @@ class ExpertDispatcher:
         return rows[route.by_expert]                                 # (4)
 
     def combine(self, out: torch.Tensor, route: Dispatch) -> torch.Tensor:
-        """The experts' rows back at their tokens' ranks, in slot order [T·k, h] (5)."""
+        """The experts' rows back at their tokens' ranks, in slot order [T·k, h], zeros for
+        dropped slots (5)."""
         by_source = out[route.by_expert.argsort()]
         back = comm.all_to_all_rows(by_source, self.group, route.receive, route.send, "combine")
-        return back[route.order.argsort()]
+        return back.new_zeros(route.slots, back.shape[1]).index_copy(0, route.order, back)
 
 
 def dispatch_bytes(route: Dispatch, hidden: int, element_size: int) -> int:

@@ -165,7 +165,7 @@ class PTDP:
             lr=options.lr, betas=options.betas, eps=options.eps)
         self.loss_scale = DynamicLossScale() if options.loss_scaling else FixedLossScale()
         # sequence parallelism: each tp rank's replicated parameters saw its part of the sequence
-        self.replicated = ([p for p in self.parameters() if p.tp_dim is None]
+        self.replicated = ([p for p in self.parameters() if p.tp_dim is None and p.requires_grad]
                            if config.sequence_parallel else [])
 
     def parameters(self) -> list[torch.nn.Parameter]:

@@ -78,8 +78,8 @@ from megatron_edu.launch import RankError, resolve_backend, run, under_torchrun
 from megatron_edu.model import BertConfig, GPTConfig, LlamaConfig, compile_blocks
 from megatron_edu.model.config import (
     ATTENTION,
-    AUX_GROUPS,
     LN_PLACEMENTS,
+    MOE_GROUPS,
     PRESETS,
     RECOMPUTE,
     ROUTERS,
@@ -167,10 +167,16 @@ def build_parser() -> argparse.ArgumentParser:
                      "by a sigmoid (Qwen-MoE)")
     moe.add_argument("--moe-aux-loss", type=nonnegative_float, default=0.01, metavar="ALPHA",
                      help="the load-balancing loss's coefficient (Switch, GShard)")
-    moe.add_argument("--moe-aux-group", choices=AUX_GROUPS, default="sequence",
-                     help="the tokens each balance loss covers")
+    moe.add_argument("--moe-group", choices=MOE_GROUPS, default="sequence",
+                     help="the tokens each balance loss and each capacity covers")
+    moe.add_argument("--moe-capacity", type=nonnegative_float, default=0.0, metavar="CF",
+                     help="capacity factor: each expert takes at most ceil(CF·k·|group|/E) "
+                     "of a group's choices, the rest dropped (0: dropless)")
     moe.add_argument("--moe-z-loss", type=nonnegative_float, default=0.0, metavar="BETA",
                      help="the router z-loss's coefficient (ST-MoE)")
+    moe.add_argument("--moe-bias-rate", type=nonnegative_float, default=0.0, metavar="GAMMA",
+                     help="DeepSeek-V3's loss-free balance: each expert's selection bias moves "
+                     "by GAMMA a step toward the mean load (0: no bias)")
     model.add_argument("--recompute", nargs="?", const="full", default="none",
                        choices=list(RECOMPUTE),
                        help="activation recomputation: the whole layer (full; the flag alone) or "
@@ -312,8 +318,9 @@ def _experts(args: argparse.Namespace) -> dict:
     return dict(moe_experts=args.moe_experts, moe_topk=args.moe_topk,
                 moe_ffn_hidden=args.moe_ffn_hidden or 0, moe_router=args.moe_router,
                 moe_shared_experts=args.moe_shared_experts, moe_shared_gate=args.moe_shared_gate,
-                moe_aux_loss=args.moe_aux_loss, moe_aux_group=args.moe_aux_group,
-                moe_z_loss=args.moe_z_loss)
+                moe_aux_loss=args.moe_aux_loss, moe_group=args.moe_group,
+                moe_z_loss=args.moe_z_loss, moe_capacity=args.moe_capacity,
+                moe_bias_rate=args.moe_bias_rate)
 
 
 @dataclass

@@ -5,6 +5,7 @@ gradient, each expert's by its global id), the expert gradients' reduction group
 factorisation of 8 ranks with each legal ep taking the serial optimizer steps."""
 
 import dataclasses
+import math
 from functools import partial
 
 import pytest
@@ -18,7 +19,13 @@ from megatron_edu.data_parallel import DataParallel
 from megatron_edu.expert_parallel import Dispatch, ExpertDispatcher, dispatch_bytes, gather_experts
 from megatron_edu.grid import Layout, ParallelGrid, all_layouts
 from megatron_edu.model import LlamaConfig
-from megatron_edu.model.moe import ExpertGroups, MoE, aux_loss_scale, grouped_mm
+from megatron_edu.model.moe import (
+    ExpertGroups,
+    MoE,
+    aux_loss_scale,
+    grouped_mm,
+    keep_within_capacity,
+)
 from megatron_edu.model.transformer import Block
 from megatron_edu.ptdp import PTDP
 from megatron_edu.tensor_parallel.init import gather_full, init_parameters
@@ -234,9 +241,15 @@ def _every_layout_and_ep_of_8():
     return [_ptdp(*_moe_split(Layout(g.tp, g.pp, g.dp, ep=ep))) for g, ep in LEGAL]
 
 
-def _moe_split(layout, zero=0, **pipeline):
+def _moe_split(layout, zero=0, config=MOE, **pipeline):
     _, options, split = _split(layout.tp, layout.pp, layout.dp, layout.cp, zero, **pipeline)
-    return layout, options, split, MOE
+    return layout, options, split, config
+
+
+# DeepSeek-V3's router (sigmoid scores, the loss-free expert bias) with a capacity of 1: about
+# a tenth of the choices dropped, the same ones at every layout.
+DEEPSEEK = dataclasses.replace(MOE, moe_router="sigmoid", moe_bias_rate=0.01, moe_capacity=1.0)
+DEEPSEEK_SP = dataclasses.replace(DEEPSEEK, sequence_parallel=True)
 
 
 def _step_stats(layout, sequence_parallel):
@@ -264,6 +277,12 @@ CASES = {
                                         num_microbatches=4)),
     "ep2-tp2-sp-zero3": (4, _ptdp, _moe_split(Layout(tp=2, dp=2, ep=2), zero=3)),
     "stats-serial": (1, _step_stats, (Layout(), False)),
+    "deepseek-serial": (1, partial(_serial, DEEPSEEK), ()),
+    "deepseek-tp2-sp-ep2": (4, _ptdp, _moe_split(Layout(tp=2, dp=2, ep=2), config=DEEPSEEK_SP)),
+    "deepseek-cp2-ep4-zero1": (4, _ptdp, _moe_split(Layout(cp=2, dp=2, ep=4), zero=1,
+                                                    config=DEEPSEEK)),
+    "deepseek-pp2-ep2-zb": (4, _ptdp, _moe_split(Layout(pp=2, dp=2, ep=2), config=DEEPSEEK,
+                                                 schedule="zb-h1", num_microbatches=4)),
     "stats-tp2-sp-ep2": (4, _step_stats, (Layout(tp=2, dp=2, ep=2), True)),
 }
 LAUNCHES = Launches(CASES)
@@ -366,3 +385,69 @@ def test_a_step_records_the_routing_and_its_all_to_alls_move_the_counted_rows_bo
         assert sent["dispatch backward"] == sent["combine forward"] > 0
         assert sent["combine backward"] == sent["dispatch forward"] > 0
         assert log.count("all_to_all", label="dispatch forward") == 8 * 2   # layers × microbatches
+
+
+# --- capacity and the loss-free expert bias ---------------------------------------------------
+
+def _brute_force_keep(ids, scores, index, capacity):
+    keep = torch.zeros_like(ids, dtype=torch.bool)
+    for row in range(ids.shape[0]):
+        for e in ids[row].unique().tolist():
+            mine = [j for j in range(ids.shape[1]) if ids[row, j] == e]
+            mine.sort(key=lambda j: (-scores[row, j].item(), index[row, j].item()))
+            keep[row, mine[:capacity]] = True
+    return keep
+
+
+def test_capacity_keeps_each_expert_s_best_choices_by_score_then_token_index():
+    """Ties in score (a quarter of the choices) are broken by the lower token index."""
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 4, (3, 40), generator=gen)
+    scores = torch.randint(0, 4, (3, 40), generator=gen).float() / 4     # many ties
+    index = torch.randperm(40, generator=gen).expand(3, 40)
+    for capacity in (1, 3, 7, 40):
+        torch.testing.assert_close(keep_within_capacity(ids, scores, index, 4, capacity),
+                                   _brute_force_keep(ids, scores, index, capacity))
+
+
+def test_a_capacity_counted_per_rank_drops_other_tokens_than_the_sequence_s_at_tp2_sp():
+    """The trap: under tp = 2 + SP each rank routes half the sequence; a capacity counted on
+    its own tokens, ceil(cf·k·(s/2)/E) per half, keeps other choices than the sequence's
+    ceil(cf·k·s/E): the run's result would change with the layout. Ours is the sequence's."""
+    router, x = _router(dataclasses.replace(LAYER, moe_capacity=1.0)), _router_inputs(s=8)
+    logits = x @ router.weight.T
+    scores, ids = logits.softmax(-1).topk(2, dim=-1)
+    index = torch.arange(8).view(1, 8, 1).expand(2, 8, 2)
+    whole = keep_within_capacity(ids.flatten(1), scores.flatten(1), index.flatten(1), 8,
+                                 math.ceil(2 * 8 / 8))
+    halves = torch.cat([keep_within_capacity(*(t[:, h].flatten(1) for t in (ids, scores, index)),
+                                             8, math.ceil(2 * 4 / 8))
+                        for h in (slice(0, 4), slice(4, 8))], dim=1)
+    assert not torch.equal(whole, halves)
+    kept, weights = router(x)
+    assert torch.equal(kept == ids, whole.view(2, 8, 2))
+    assert torch.equal(weights == 0, ~whole.view(2, 8, 2))
+
+
+def test_the_expert_bias_changes_which_experts_are_chosen_never_their_weights():
+    config = dataclasses.replace(LAYER, moe_router="sigmoid", moe_bias_rate=0.1)
+    router, x = _router(config), _router_inputs()
+    ids, weights = router(x)
+    scores = (x @ router.weight.T).sigmoid()
+    with torch.no_grad():
+        router.expert_bias.copy_(torch.tensor([1.0, 1.0, 0, 0, 0, 0, 0, 0]))
+    biased, biased_weights = router(x)
+    assert (biased.sort(-1).values == torch.tensor([0, 1])).all()      # the bias chose
+    picked = scores.gather(-1, biased)
+    torch.testing.assert_close(biased_weights, picked / picked.sum(-1, keepdim=True))
+    router.update_bias(torch.tensor([9.0, 1, 1, 1, 1, 1, 1, 1]))       # expert 0 overloaded
+    torch.testing.assert_close(router.expert_bias,
+                               torch.tensor([0.9, 1.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1]))
+
+
+@pytest.mark.parametrize("name", ["tp2-sp-ep2", "cp2-ep4-zero1", "pp2-ep2-zb"])
+def test_capacity_and_the_expert_bias_take_the_serial_steps(name):
+    """Sigmoid scores, the expert bias moved each step from the whole batch's counts (it is a
+    parameter, compared as every weight), and choices dropped by a capacity of 1 counted over
+    each whole sequence: gathered over tp under SP and over cp, the same drops as serial."""
+    _check_equal_to_serial(LAUNCHES["deepseek-serial"][0], LAUNCHES[f"deepseek-{name}"])

@@ -14,7 +14,7 @@ from helpers import Launches
 from megatron_edu import comm
 from megatron_edu.grid import Layout, ParallelGrid, all_layouts
 from megatron_edu.model import GPTConfig, LlamaConfig, build_model
-from megatron_edu.model.moe import aux_loss_scale
+from megatron_edu.model.moe import aux_loss_scale, step_stats
 from megatron_edu.model.transformer import IGNORE_INDEX
 from megatron_edu.optim import build_param_groups
 from megatron_edu.pipeline import PipelineConfig
@@ -56,6 +56,8 @@ def _serial(config=CONFIG, masked=False):
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
         optimizer.step()
         optimizer.zero_grad()
+        if config.moe_experts:                  # the step's routing: the expert bias moves
+            step_stats([model], config, [])
         losses.append(loss.item())
     return losses, norms, model.full_state_dict()
 

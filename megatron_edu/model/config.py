@@ -28,7 +28,7 @@ from functools import partial
 from typing import Any
 
 __all__ = ["GPTConfig", "BertConfig", "LlamaConfig", "PRESETS", "RECOMPUTE", "LN_PLACEMENTS",
-           "ATTENTION", "ROUTERS", "AUX_GROUPS", "config_from_dict"]
+           "ATTENTION", "ROUTERS", "MOE_GROUPS", "config_from_dict"]
 
 RECOMPUTE = ("none", "selective", "full")
 LN_PLACEMENTS = ("rearranged", "original")
@@ -37,7 +37,7 @@ NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "swiglu")
 POSITIONS = ("learned", "rope")
 ROUTERS = ("softmax", "sigmoid")
-AUX_GROUPS = ("sequence", "microbatch")
+MOE_GROUPS = ("sequence", "microbatch")
 
 
 @dataclass
@@ -65,8 +65,11 @@ class GPTConfig:
     chosen by a fp32 router, "softmax" (Mixtral; the k weights renormalised) or "sigmoid"
     (DeepSeek-V3); ``moe_shared_experts`` always-on experts beside them (DeepSeekMoE, Qwen-MoE),
     gated by a sigmoid with ``moe_shared_gate``. Balance: the auxiliary loss (coefficient
-    ``moe_aux_loss``, over each "sequence" or "microbatch": ``moe_aux_group``), the router z-loss
-    (``moe_z_loss``) and DeepSeek-V3's loss-free expert bias (updated by ``moe_bias_rate`` a step).
+    ``moe_aux_loss``), the router z-loss (``moe_z_loss``) and DeepSeek-V3's loss-free expert bias
+    (updated by ``moe_bias_rate`` a step). Dropless, or with ``moe_capacity`` = cf > 0 each
+    expert takes at most ceil(cf·k·|G|/E) of a group G's choices. The balance loss and the
+    capacity cover a group of whole tokens defined by the data, never by the layout
+    (``moe_group``): each "sequence", or each "microbatch".
     """
 
     vocab_size: int = 50257
@@ -103,7 +106,8 @@ class GPTConfig:
     moe_shared_experts: int = 0
     moe_shared_gate: bool = False
     moe_aux_loss: float = 0.0
-    moe_aux_group: str = "sequence"      # "sequence" | "microbatch"
+    moe_group: str = "sequence"          # "sequence" | "microbatch"
+    moe_capacity: float = 0.0            # 0: dropless
     moe_z_loss: float = 0.0
     moe_bias_rate: float = 0.0
 
@@ -134,7 +138,7 @@ class GPTConfig:
             raise ValueError(f"ln_placement must be one of {LN_PLACEMENTS}, "
                              f"got {self.ln_placement!r}")
         for name, allowed in (("norm", NORMS), ("mlp", MLPS), ("positions", POSITIONS),
-                              ("moe_router", ROUTERS), ("moe_aux_group", AUX_GROUPS)):
+                              ("moe_router", ROUTERS), ("moe_group", MOE_GROUPS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.num_heads % self.num_kv_heads:
@@ -144,9 +148,9 @@ class GPTConfig:
             raise ValueError(f"moe_topk = {self.moe_topk} must be between 1 and moe_experts = "
                              f"{self.moe_experts}")
         if min(self.moe_experts, self.moe_shared_experts, self.moe_aux_loss, self.moe_z_loss,
-               self.moe_bias_rate) < 0:
-            raise ValueError("moe_experts, moe_shared_experts and the balance coefficients "
-                             "must not be negative")
+               self.moe_bias_rate, self.moe_capacity) < 0:
+            raise ValueError("moe_experts, moe_shared_experts, the balance coefficients and "
+                             "moe_capacity must not be negative")
 
     @property
     def head_dim(self) -> int:

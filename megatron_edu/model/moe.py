@@ -41,13 +41,15 @@ from torch import nn
 
 from megatron_edu import comm
 from megatron_edu.comm import CommGroup
+from megatron_edu.context_parallel import positions_of
 from megatron_edu.expert_parallel import ExpertDispatcher
 from megatron_edu.model.config import GPTConfig
 from megatron_edu.model.fused import bias_swiglu
-from megatron_edu.tensor_parallel.init import check_initialised, normal, placeholder
+from megatron_edu.tensor_parallel.init import check_initialised, normal, placeholder, zeros
 from megatron_edu.tensor_parallel.layers import TensorParallel, serial_group
 
-__all__ = ["ExpertGroups", "Router", "Experts", "MoE", "aux_loss_scale", "routers", "step_stats"]
+__all__ = ["ExpertGroups", "Router", "Dropless", "Capacity", "keep_within_capacity", "Experts",
+           "MoE", "aux_loss_scale", "routers", "step_stats"]
 
 _AUX_SCALE: list[float | torch.Tensor | None] = [None]
 
@@ -65,11 +67,13 @@ def aux_loss_scale(scale: float | torch.Tensor | None) -> Iterator[None]:
 
 @dataclass(frozen=True)
 class ExpertGroups:
-    """The groups an MoE layer needs besides tp: ``ep`` splits its experts; ``tokens`` splits each
-    sequence outside the tp region (cp, and tp under SP: where the selection counts are summed)."""
+    """What an MoE layer needs besides tp: ``ep`` splits its experts; ``tokens`` splits each
+    sequence outside the tp region (cp, and tp under SP: where the selection counts are summed);
+    ``parts``, the parts of the sequence this rank holds (``context_parallel.parts_held``)."""
 
     ep: CommGroup
     tokens: CommGroup
+    parts: tuple[tuple[int, int], ...] = ((0, 1),)
 
     @classmethod
     def serial(cls) -> ExpertGroups:
@@ -90,14 +94,83 @@ class _AuxGradient(torch.autograd.Function):
         return grad, torch.ones((), device=grad.device) * ctx.scale, None
 
 
-class Router(nn.Module):
-    """Scores [.., E] of the tokens, in fp32; each token's top k experts and their weights."""
+class Dropless:
+    """Every choice is kept (the default; megatron-core's dropless MoE)."""
 
-    def __init__(self, config: GPTConfig, tokens: CommGroup) -> None:
+    def __init__(self, config: GPTConfig, groups: ExpertGroups) -> None:
+        pass
+
+    def __call__(self, ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        return ids
+
+    def kept(self, ids: torch.Tensor) -> int:
+        """The choices of ``ids`` to dispatch: all, known without reading the device."""
+        return ids.numel()
+
+
+class Capacity:
+    """Each expert takes at most C = ceil(cf·k·|G|/E) of a group G's choices (GShard §2.2;
+    Switch's capacity factor cf), the group a "sequence" or a "microbatch" of whole sequences
+    (``moe_group``): defined by the data, so the same tokens are dropped at any layout, where
+    production systems count the tokens a rank happens to hold (which tp + SP, cp and the
+    microbatch split change). Priority: the router's score, descending, then the token's index
+    in the group (a stable sort: a total order). The choices of a group are gathered over the
+    ranks that split it (``tokens``), never over ep, dp or pp; a dropped choice's expert id is
+    E (nothing receives it) and its weight 0: the token keeps its residual (and shared) path."""
+
+    def __init__(self, config: GPTConfig, groups: ExpertGroups) -> None:
+        self.config, self.tokens, self.parts = config, groups.tokens, groups.parts
+
+    def __call__(self, ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        c, (b, s, k) = self.config, ids.shape
+        whole = s * self.tokens.size                                   # the sequence's length
+        index = positions_of(self.parts, whole, 0, ids.device).expand(b, s)
+        if c.moe_group == "microbatch":
+            index = index + whole * torch.arange(b, device=ids.device).unsqueeze(1)
+        gathered = [comm.all_gather(t.contiguous(), self.tokens, dim=1, label="moe capacity")
+                    for t in (ids, scores, index.unsqueeze(-1).expand(b, s, k))]
+        per = k * (whole if c.moe_group == "sequence" else b * whole)  # choices of a group
+        ids_g, scores_g, index_g = (t.reshape(-1, per) for t in gathered)
+        capacity = math.ceil(c.moe_capacity * per / c.moe_experts)
+        keep = keep_within_capacity(ids_g, scores_g, index_g, c.moe_experts, capacity)
+        mine = keep.view(b, self.tokens.size, s, k)[:, self.tokens.rank]
+        return torch.where(mine, ids, c.moe_experts)
+
+    def kept(self, ids: torch.Tensor) -> int:
+        """The choices kept (one host read a layer: the dispatch cuts its rows there)."""
+        return int((ids < self.config.moe_experts).sum())
+
+
+def keep_within_capacity(ids: torch.Tensor, scores: torch.Tensor, index: torch.Tensor,
+                         experts: int, capacity: int) -> torch.Tensor:
+    """Per row (a group's choices: expert ``ids``, ``scores``, token ``index``), which choices
+    each expert keeps: its ``capacity`` best by score, then by lower index. [G, n] bool."""
+    order = index.argsort(dim=-1, stable=True)
+    order = order.gather(-1, (-scores.gather(-1, order)).argsort(dim=-1, stable=True))
+    order = order.gather(-1, ids.gather(-1, order).argsort(dim=-1, stable=True))
+    by_expert = ids.gather(-1, order)                        # sorted: expert, score, index
+    counts = F.one_hot(ids, experts).sum(-2)                 # [G, E]
+    first = counts.cumsum(-1) - counts                       # each expert's first place
+    place = torch.arange(ids.shape[-1], device=ids.device) - first.gather(-1, by_expert)
+    return torch.empty_like(ids, dtype=torch.bool).scatter_(-1, order, place < capacity)
+
+
+class Router(nn.Module):
+    """Scores [.., E] of the tokens, in fp32; each token's top k experts and their weights.
+    With ``moe_bias_rate`` (DeepSeek-V3's auxiliary-loss-free balance) a fp32 ``expert_bias``
+    [E] is added to the scores to choose the experts, never to weigh them, and moved once a step
+    toward balance (``update_bias``): not trained, but kept in checkpoints."""
+
+    def __init__(self, config: GPTConfig, groups: ExpertGroups) -> None:
         super().__init__()
-        self.config, self.tokens = config, tokens
+        self.config, self.tokens = config, groups.tokens
         self.weight = placeholder((config.moe_experts, config.hidden), None,
                                   normal(config.init_std))
+        self.expert_bias = None
+        if config.moe_bias_rate:
+            self.expert_bias = placeholder((config.moe_experts,), None, zeros)
+            self.expert_bias.requires_grad_(False)
+        self.capacity = (Capacity if config.moe_capacity else Dropless)(config, groups)
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -106,19 +179,22 @@ class Router(nn.Module):
         self.aux, self.z = torch.zeros(()), torch.zeros(())
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [b, s, h] → ids [b, s, k] (int64) and weights [b, s, k] (fp32)."""
+        """x [b, s, h] → ids [b, s, k] (int64; E: dropped) and weights [b, s, k] (fp32)."""
         with torch.autocast(x.device.type, enabled=False):
             logits = F.linear(x.float(), self.weight)               # [b, s, E] fp32
         c = self.config
         scores = logits.softmax(-1) if c.moe_router == "softmax" else logits.sigmoid()
-        weights, ids = scores.topk(c.moe_topk, dim=-1)
+        chosen = scores if self.expert_bias is None else scores + self.expert_bias
+        ids = chosen.topk(c.moe_topk, dim=-1).indices
+        weights = scores.gather(-1, ids)
         if c.moe_router == "sigmoid" or c.moe_norm_topk:
             weights = weights / weights.sum(-1, keepdim=True)
         probs = scores / scores.sum(-1, keepdim=True)               # softmax's are already
         loss = self._balance(logits, probs, ids)
         if torch.is_grad_enabled() and _AUX_SCALE[0] is not None:
             weights = _AuxGradient.apply(weights, loss, _AUX_SCALE[0])
-        return ids, weights
+        kept = self.capacity(ids, scores.gather(-1, ids).detach())
+        return kept, weights * (kept == ids)
 
     def _balance(self, logits: torch.Tensor, probs: torch.Tensor,
                  ids: torch.Tensor) -> torch.Tensor:
@@ -126,16 +202,25 @@ class Router(nn.Module):
         module docstring); f_i from the whole group's counts (summed over ``tokens``)."""
         c, (b, s, _) = self.config, ids.shape
         chosen = F.one_hot(ids, c.moe_experts).sum(2)                 # [b, s, E]
-        per = (1, s) if c.moe_aux_group == "sequence" else (b * s, 1)  # (groups, tokens each)
-        groups = chosen.view(-1, per[1], c.moe_experts).sum(1)       # [groups, E]
-        counts = comm.all_reduce(groups, self.tokens, "moe counts")
-        f = counts * c.moe_experts / (c.moe_topk * per[1] * self.tokens.size)
-        p = probs.view(-1, per[1], c.moe_experts).sum(1)            # Σ_t p_ti, this rank's
+        per = s if c.moe_group == "sequence" else b * s               # a group's tokens here
+        counts = comm.all_reduce(chosen.view(-1, per, c.moe_experts).sum(1), self.tokens,
+                                 "moe counts")                       # [groups, E]
+        f = counts * c.moe_experts / (c.moe_topk * per * self.tokens.size)
+        p = probs.view(-1, per, c.moe_experts).sum(1)                # Σ_t p_ti, this rank's
         aux = (f * p).sum()
         z = logits.logsumexp(-1).square().sum()
-        self.load = self.load.to(ids.device) + chosen.flatten(0, 1).sum(0)
-        self.aux, self.z = self.aux.to(aux.device) + aux.detach(), self.z.to(z.device) + z.detach()
+        if torch._C._current_graph_task_id() == -1:    # not a recomputation inside backward
+            self.load = self.load.to(ids.device) + chosen.flatten(0, 1).sum(0)
+            self.aux = self.aux.to(aux.device) + aux.detach()
+            self.z = self.z.to(z.device) + z.detach()
         return c.moe_aux_loss * aux + c.moe_z_loss * z
+
+    @torch.no_grad()
+    def update_bias(self, load: torch.Tensor) -> None:
+        """DeepSeek-V3 §2.1.2: each expert's bias up by γ if it got fewer than the mean of the
+        step's choices (``load``: whole, summed over every microbatch and rank), down if more."""
+        if self.expert_bias is not None:
+            self.expert_bias += self.config.moe_bias_rate * (load.mean() - load).sign()
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -192,7 +277,7 @@ class MoE(nn.Module):
         super().__init__()
         ep, per_rank = groups.ep, config.moe_experts // groups.ep.size
         self.style = style
-        self.router = Router(config, groups.tokens)
+        self.router = Router(config, groups)
         self.experts = Experts(config, style.group,
                                range(ep.rank * per_rank, (ep.rank + 1) * per_rank))
         self.dispatcher = ExpertDispatcher(config.moe_experts, ep)
@@ -209,7 +294,7 @@ class MoE(nn.Module):
         tokens = self.style.enter(x)                                 # [b, S, h], whole in tp
         weights, ids = self.style.enter(weights), self.style.gather_sequence(ids)
         y = self.dispatcher(tokens.flatten(0, 1), ids.flatten(0, 1), weights.flatten(0, 1),
-                            self.experts)
+                            self.experts, self.router.capacity.kept(ids))
         y = self.style.reduce(y.view_as(tokens))                     # [b, s, h]: g
         return y + self._shared(x)
 
@@ -244,6 +329,8 @@ def step_stats(chunks: list[nn.Module], config: GPTConfig, groups: list[CommGrou
     for group in groups:
         packed = comm.all_reduce(packed, group, "moe stats")
     load, losses = packed.split([load.numel(), losses.numel()])
+    for layer, router in held.items():
+        router.update_bias(load.view(config.num_layers, -1)[layer])
     tokens = load.view(config.num_layers, -1).sum(1) / config.moe_topk
     per_token = (losses.view(2, -1) / tokens.clamp(min=1)).mean(1).tolist()
     return {"moe_load": load.view(config.num_layers, -1).long().tolist(),

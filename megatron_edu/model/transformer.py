@@ -298,7 +298,8 @@ class TransformerStage(nn.Module):
         self.cp_group = grid.cp_group if grid is not None else serial_group("cp")
         self.style = STYLES[config.sequence_parallel, config.async_tp](self.tp_group)
         self.expert_groups = ExpertGroups.serial() if grid is None else ExpertGroups(
-            grid.ep_group, self.style.token_group(grid.cp_group, grid.tp_cp_group))
+            grid.ep_group, self.style.token_group(grid.cp_group, grid.tp_cp_group),
+            sequence_parts(self.style, grid.cp_group))
         config.validate(self.tp_group.size, cp=self.cp_group.size,
                         ep=self.expert_groups.ep.size)
         self.config, self.first, self.last = config, first, last
@@ -387,6 +388,8 @@ class TransformerStage(nn.Module):
         ``vocab_size`` rows: independent of tp. A collective: every tp rank must call it."""
         state = {}
         for name, param in self.named_parameters():
+            if grads and not param.requires_grad:         # not trained (an expert bias)
+                continue
             tensor = param.grad if grads else param
             if tensor is None:
                 raise ValueError(f"{name} has no gradient: run backward first")
