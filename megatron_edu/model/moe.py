@@ -320,8 +320,8 @@ def step_stats(chunks: list[nn.Module], config: GPTConfig, groups: list[CommGrou
     z-loss (``moe_z``), averaged over the layers. One host sync."""
     held = routers(chunks)
     device = next(chunks[0].parameters()).device
-    load = torch.zeros(config.num_layers, config.moe_experts, device=device)
-    losses = torch.zeros(2, config.num_layers, device=device)
+    load = torch.zeros(config.num_layers, config.moe_experts, device=device, dtype=torch.float64)
+    losses = torch.zeros(2, config.num_layers, device=device, dtype=torch.float64)
     for layer, router in held.items():
         load[layer], losses[0, layer], losses[1, layer] = router.load, router.aux, router.z
         router.reset_stats()
@@ -329,9 +329,11 @@ def step_stats(chunks: list[nn.Module], config: GPTConfig, groups: list[CommGrou
     for group in groups:
         packed = comm.all_reduce(packed, group, "moe stats")
     load, losses = packed.split([load.numel(), losses.numel()])
+    load = load.view(config.num_layers, -1)
     for layer, router in held.items():
-        router.update_bias(load.view(config.num_layers, -1)[layer])
-    tokens = load.view(config.num_layers, -1).sum(1) / config.moe_topk
-    per_token = (losses.view(2, -1) / tokens.clamp(min=1)).mean(1).tolist()
-    return {"moe_load": load.view(config.num_layers, -1).long().tolist(),
-            "moe_aux": per_token[0], "moe_z": per_token[1]}
+        router.update_bias(load[layer])
+    per_token = (losses.view(2, -1) / (load.sum(1) / config.moe_topk).clamp(min=1)).mean(1)
+    aux, z, *counts = torch.cat([per_token, load.flatten()]).tolist()
+    return {"moe_load": [[round(n) for n in counts[i:i + config.moe_experts]]
+                         for i in range(0, len(counts), config.moe_experts)],
+            "moe_aux": aux, "moe_z": z}
