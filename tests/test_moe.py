@@ -208,12 +208,7 @@ def _layer_at(layout, sequence_parallel):
     x, w = (t[grid.dp_rank * b:(grid.dp_rank + 1) * b] for t in (x, w))
     if sequence_parallel:                     # this tp rank's part of the sequence
         x, w = (t.chunk(grid.tp, dim=1)[grid.tp_rank] for t in (x, w))
-    x.requires_grad_(True)
-    ids = []
-    block.mlp.router.register_forward_hook(lambda m, i, out: ids.append(out[0]))
-    with aux_loss_scale(1.0 / 32):
-        y = block.mlp(x)
-    (y * w).sum().backward()
+    y, ids = _forward_backward(block.mlp, x, w)
     grads = {}
     for name, p in block.mlp.named_parameters():         # summed as PTD-P sums them, whole
         grad = comm.all_reduce(p.grad, grid.edp_group if p.expert_ids is not None
@@ -222,7 +217,19 @@ def _layer_at(layout, sequence_parallel):
             grad = comm.all_reduce(grad, grid.tp_group)
         grad = gather_full(grad, p.tp_dim, grid.tp_group, p.tp_replicas)
         grads[name] = gather_experts(grad, p, grid.ep_group)
-    return y.detach(), x.grad, ids[0], grads
+    return y, x.grad, ids, grads
+
+
+def _forward_backward(layer: MoE, x: torch.Tensor, w: torch.Tensor):
+    """The layer's output for x (its gradient kept) and its routing ids, after backward from
+    Σ y·w with the balance losses at 1/32 a token."""
+    x.requires_grad_(True)
+    ids = []
+    layer.router.register_forward_hook(lambda m, i, out: ids.append(out[0]))
+    with aux_loss_scale(1.0 / 32):
+        y = layer(x)
+    (y * w).sum().backward()
+    return y.detach(), ids[0]
 
 
 def _layer_inputs():
@@ -314,16 +321,11 @@ def serial_layer():
     block = Block(LAYER, serial_group())
     init_parameters(block, LAYER.seed, serial_group())
     x, w = _layer_inputs()
-    x.requires_grad_(True)
-    ids = []
-    block.mlp.router.register_forward_hook(lambda m, i, out: ids.append(out[0]))
-    with aux_loss_scale(1.0 / 32):
-        y = block.mlp(x)
-    (y * w).sum().backward()
+    y, ids = _forward_backward(block.mlp, x, w)
     scores = (x.detach() @ block.mlp.router.weight.T).softmax(-1).sort(-1, descending=True).values
     margin = (scores[..., 1] - scores[..., 2]).min().item()
     grads = {n: p.grad for n, p in block.mlp.named_parameters()}
-    return y.detach(), x.grad, ids[0], grads, margin
+    return y, x.grad, ids, grads, margin
 
 
 @pytest.mark.parametrize("name", list(EP_LAYOUTS))
