@@ -204,12 +204,17 @@ class PTDP:
 
     def _routing(self) -> dict | None:
         """The step's routing of a mixture of experts (None for a dense model): its counts,
-        summed over the ranks that split the batch's tokens, and every stage's layers."""
+        summed over the ranks that split the batch's tokens, and every stage's layers, per
+        expert and per ep rank (the tokens each receives)."""
         if not self.has_experts:
             return None
         token_group = self.chunks[0].expert_groups.tokens     # cp, or tp × cp under SP
-        return step_stats(self.chunks, self.config,
-                          [token_group, self.grid.dp_group, self.grid.pp_group])
+        stats = step_stats(self.chunks, self.config,
+                           [token_group, self.grid.dp_group, self.grid.pp_group])
+        n = self.config.moe_experts // self.grid.ep                 # each ep rank's experts
+        stats["moe_rank_load"] = [[sum(layer[r * n:(r + 1) * n]) for r in range(self.grid.ep)]
+                                  for layer in stats["moe_load"]]
+        return stats
 
     @torch.no_grad()
     def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor) -> float:

@@ -380,6 +380,8 @@ def test_a_step_records_the_routing_and_its_all_to_alls_move_the_counted_rows_bo
     for moe, log in LAUNCHES["stats-tp2-sp-ep2"]:
         assert moe["moe_load"] == serial["moe_load"]
         assert [sum(layer) for layer in moe["moe_load"]] == [GLOBAL_BATCH * 8 * 2] * 8
+        assert moe["moe_rank_load"] == [[sum(layer[:4]), sum(layer[4:])]
+                                        for layer in moe["moe_load"]]
         assert moe["moe_aux"] == pytest.approx(serial["moe_aux"], abs=1e-6)
         assert moe["moe_z"] == pytest.approx(serial["moe_z"], rel=1e-6)
         sent = {label: log.total_bytes("all_to_all", label=label) for label in (
