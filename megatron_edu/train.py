@@ -161,6 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
                      "the MLP's)")
     moe.add_argument("--moe-router", choices=ROUTERS, default="softmax",
                      help="softmax (Mixtral) or sigmoid (DeepSeek-V3) scores")
+    moe.add_argument("--moe-groups", type=positive_int, default=1, metavar="G",
+                     help="group-limited routing (DeepSeek-V3): the experts in G groups …")
+    moe.add_argument("--moe-topk-groups", type=positive_int, default=1, metavar="M",
+                     help="… a token's k chosen from its best M groups")
     moe.add_argument("--moe-shared-experts", type=nonnegative_int, default=0, metavar="N",
                      help="always-on experts beside the routed ones (DeepSeekMoE, Qwen-MoE)")
     moe.add_argument("--moe-shared-gate", action="store_true", help="gate the shared experts "
@@ -317,6 +321,7 @@ def _experts(args: argparse.Namespace) -> dict:
         return {}
     return dict(moe_experts=args.moe_experts, moe_topk=args.moe_topk,
                 moe_ffn_hidden=args.moe_ffn_hidden or 0, moe_router=args.moe_router,
+                moe_groups=args.moe_groups, moe_topk_groups=args.moe_topk_groups,
                 moe_shared_experts=args.moe_shared_experts, moe_shared_gate=args.moe_shared_gate,
                 moe_aux_loss=args.moe_aux_loss, moe_group=args.moe_group,
                 moe_z_loss=args.moe_z_loss, moe_capacity=args.moe_capacity,

@@ -5,6 +5,7 @@ gradient, each expert's by its global id), the expert gradients' reduction group
 factorisation of 8 ranks with each legal ep taking the serial optimizer steps."""
 
 import dataclasses
+import itertools
 import math
 from functools import partial
 
@@ -23,6 +24,7 @@ from megatron_edu.model.moe import (
     ExpertGroups,
     MoE,
     aux_loss_scale,
+    group_limited,
     grouped_mm,
     keep_within_capacity,
 )
@@ -253,9 +255,10 @@ def _moe_split(layout, zero=0, config=MOE, **pipeline):
     return layout, options, split, config
 
 
-# DeepSeek-V3's router (sigmoid scores, the loss-free expert bias) with a capacity of 1: about
-# a tenth of the choices dropped, the same ones at every layout.
-DEEPSEEK = dataclasses.replace(MOE, moe_router="sigmoid", moe_bias_rate=0.01, moe_capacity=1.0)
+# DeepSeek-V3's router (sigmoid scores, the loss-free expert bias, a token's 2 experts from its
+# best 2 of 4 groups) with a capacity of 1: choices dropped, the same ones at every layout.
+DEEPSEEK = dataclasses.replace(MOE, moe_router="sigmoid", moe_bias_rate=0.01, moe_capacity=1.0,
+                               moe_groups=4, moe_topk_groups=2)
 DEEPSEEK_SP = dataclasses.replace(DEEPSEEK, sequence_parallel=True)
 
 
@@ -455,3 +458,19 @@ def test_capacity_and_the_expert_bias_take_the_serial_steps(name):
     parameter, compared as every weight), and choices dropped by a capacity of 1 counted over
     each whole sequence: gathered over tp under SP and over cp, the same drops as serial."""
     _check_equal_to_serial(LAUNCHES["deepseek-serial"][0], LAUNCHES[f"deepseek-{name}"])
+
+
+def test_group_limited_top_k_equals_a_brute_force_over_every_choice_of_groups():
+    """DeepSeek-V3 §2.1.2: 16 experts in 4 groups, a token's 4 from its best 2 groups (a group
+    scoring its two best experts): against trying every pair of groups."""
+    scores = torch.rand(50, 16, generator=torch.Generator().manual_seed(2))
+    ids = group_limited(scores, 4, 2).topk(4, dim=-1).indices.sort(-1).values
+    for token, row in zip(ids, scores, strict=True):
+        per_group = row.view(4, 4).sort(-1, descending=True).values[:, :2].sum(-1)
+        best = max(itertools.combinations(range(4), 2), key=lambda g: per_group[list(g)].sum())
+        allowed = torch.cat([torch.arange(4 * g, 4 * g + 4) for g in best])
+        expected = allowed[row[allowed].topk(4).indices].sort().values
+        assert torch.equal(token, expected)
+    assert torch.equal(group_limited(scores, 1, 1), scores)
+    with pytest.raises(ValueError, match="moe_topk_groups = 1 .* hold at least moe_topk = 2"):
+        dataclasses.replace(LAYER, moe_groups=8, moe_topk_groups=1)

@@ -66,10 +66,12 @@ class GPTConfig:
     (DeepSeek-V3); ``moe_shared_experts`` always-on experts beside them (DeepSeekMoE, Qwen-MoE),
     gated by a sigmoid with ``moe_shared_gate``. Balance: the auxiliary loss (coefficient
     ``moe_aux_loss``), the router z-loss (``moe_z_loss``) and DeepSeek-V3's loss-free expert bias
-    (updated by ``moe_bias_rate`` a step). Dropless, or with ``moe_capacity`` = cf > 0 each
-    expert takes at most ceil(cf·k·|G|/E) of a group G's choices. The balance loss and the
-    capacity cover a group of whole tokens defined by the data, never by the layout
-    (``moe_group``): each "sequence", or each "microbatch".
+    (updated by ``moe_bias_rate`` a step). Group-limited routing (DeepSeek-V3 §2.1.2, its node
+    limit): the experts in ``moe_groups`` groups, a token's k chosen from its best
+    ``moe_topk_groups`` groups (a group's score: its two best experts'). Dropless, or with
+    ``moe_capacity`` = cf > 0 each expert takes at most ceil(cf·k·|G|/E) of a group G's choices.
+    The balance loss and the capacity cover a group of whole tokens defined by the data, never
+    by the layout (``moe_group``): each "sequence", or each "microbatch".
     """
 
     vocab_size: int = 50257
@@ -103,6 +105,8 @@ class GPTConfig:
     moe_ffn_hidden: int = 0              # 0 → ffn_hidden
     moe_router: str = "softmax"          # "softmax" | "sigmoid"
     moe_norm_topk: bool = True           # softmax: the k weights renormalised (Mixtral)
+    moe_groups: int = 1                  # group-limited routing (DeepSeek-V3): groups of experts,
+    moe_topk_groups: int = 1             # of which each token's k come from the best so many
     moe_shared_experts: int = 0
     moe_shared_gate: bool = False
     moe_aux_loss: float = 0.0
@@ -147,6 +151,13 @@ class GPTConfig:
         if self.moe_experts and not 1 <= self.moe_topk <= self.moe_experts:
             raise ValueError(f"moe_topk = {self.moe_topk} must be between 1 and moe_experts = "
                              f"{self.moe_experts}")
+        if self.moe_experts and (self.moe_experts % self.moe_groups or not 1 <= self.moe_topk_groups
+                                 <= self.moe_groups or self.moe_topk > self.moe_topk_groups
+                                 * self.moe_experts // self.moe_groups):
+            raise ValueError(f"group-limited routing: moe_experts = {self.moe_experts} in "
+                             f"moe_groups = {self.moe_groups} equal groups, of which "
+                             f"moe_topk_groups = {self.moe_topk_groups} (1 … groups) hold at "
+                             f"least moe_topk = {self.moe_topk} experts")
         if min(self.moe_experts, self.moe_shared_experts, self.moe_aux_loss, self.moe_z_loss,
                self.moe_bias_rate, self.moe_capacity) < 0:
             raise ValueError("moe_experts, moe_shared_experts, the balance coefficients and "

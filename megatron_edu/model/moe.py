@@ -48,7 +48,8 @@ from megatron_edu.model.fused import bias_swiglu
 from megatron_edu.tensor_parallel.init import check_initialised, normal, placeholder, zeros
 from megatron_edu.tensor_parallel.layers import TensorParallel, serial_group
 
-__all__ = ["ExpertGroups", "Router", "Dropless", "Capacity", "keep_within_capacity", "Experts",
+__all__ = ["ExpertGroups", "Router", "group_limited", "Dropless", "Capacity",
+           "keep_within_capacity", "Experts",
            "MoE", "aux_loss_scale", "routers", "step_stats"]
 
 _AUX_SCALE: list[float | torch.Tensor | None] = [None]
@@ -155,6 +156,18 @@ def keep_within_capacity(ids: torch.Tensor, scores: torch.Tensor, index: torch.T
     return torch.empty_like(ids, dtype=torch.bool).scatter_(-1, order, place < capacity)
 
 
+def group_limited(scores: torch.Tensor, groups: int, best: int) -> torch.Tensor:
+    """The scores outside each token's ``best`` groups of experts set to −inf (DeepSeek-V3
+    §2.1.2: a group scores the sum of its two best experts), so top-k chooses inside them."""
+    if groups == 1:
+        return scores
+    per_group = scores.unflatten(-1, (groups, -1))                   # [.., groups, E/groups]
+    score = per_group.topk(min(2, per_group.shape[-1]), dim=-1).values.sum(-1)
+    kept = torch.zeros_like(score, dtype=torch.bool).scatter_(
+        -1, score.topk(best, dim=-1).indices, True)
+    return per_group.masked_fill(~kept.unsqueeze(-1), float("-inf")).flatten(-2)
+
+
 class Router(nn.Module):
     """Scores [.., E] of the tokens, in fp32; each token's top k experts and their weights.
     With ``moe_bias_rate`` (DeepSeek-V3's auxiliary-loss-free balance) a fp32 ``expert_bias``
@@ -185,7 +198,7 @@ class Router(nn.Module):
         c = self.config
         scores = logits.softmax(-1) if c.moe_router == "softmax" else logits.sigmoid()
         chosen = scores if self.expert_bias is None else scores + self.expert_bias
-        ids = chosen.topk(c.moe_topk, dim=-1).indices
+        ids = group_limited(chosen, c.moe_groups, c.moe_topk_groups).topk(c.moe_topk, -1).indices
         weights = scores.gather(-1, ids)
         if c.moe_router == "sigmoid" or c.moe_norm_topk:
             weights = weights / weights.sum(-1, keepdim=True)
