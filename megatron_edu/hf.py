@@ -1,13 +1,15 @@
-"""Hugging Face models in and out, at any tensor-parallel size: GPT-2 (``GPT2LMHeadModel``) and
-Llama (``LlamaForCausalLM``, whose mapping is ``hf_llama.py``).
+"""Hugging Face models in and out, at any tensor-parallel size: GPT-2 (``GPT2LMHeadModel``),
+Llama (``LlamaForCausalLM``, whose mapping is ``hf_llama.py``), and the mixtures of experts
+Mixtral (``MixtralForCausalLM``) and Qwen2-MoE (``Qwen2MoeForCausalLM``; ``hf_moe.py``), at any
+expert-parallel size too.
 
 ``load_hf(path, grid)`` reads a directory written by ``save_pretrained`` (config.json +
 model.safetensors, sharded safetensors, or pytorch_model.bin) straight from the files — loading
 needs neither ``transformers`` nor a network — and returns the model config.json's model_type
-names, a ``GPT`` ("gpt2") or a ``Llama`` ("llama"), whose logits equal Hugging Face's.
-``save_hf(model, path)`` writes the same format back, for ``from_pretrained``. ``load_hf_gpt2``,
-``load_hf_llama`` (and their ``read_`` and ``save_``) do the same for one family, refusing the
-other's directories by name.
+names, a ``GPT`` ("gpt2") or a ``Llama`` ("llama", "mixtral", "qwen2_moe"), whose logits equal
+Hugging Face's. ``save_hf(model, path)`` writes the format that expresses the model back, for
+``from_pretrained``. ``load_hf_gpt2``, ``load_hf_llama`` (and their ``read_`` and ``save_``) do
+the same for one family, refusing the other's directories by name.
 
 What differs between GPT-2's layout and this package's, and what is done about it (Llama's:
 ``hf_llama.py``):
@@ -23,8 +25,9 @@ What differs between GPT-2's layout and this package's, and what is done about i
   logits; saving trims it back.
 
 Every function works on whole tensors (``GPT.full_state_dict`` / ``load_full_state_dict``), so
-any tp works: loading slices each tensor for this rank; saving gathers the shards (a collective:
-every tp rank calls it, tp rank 0 writes; under data parallelism call it on one replica).
+any tp and ep work: loading slices each tensor for this rank and keeps its experts; saving
+gathers the shards and the experts (a collective: every tp and ep rank calls it, the rank first
+in both writes; under data parallelism beyond ep call it on one replica).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from typing import Any
 
 import torch
 
-from megatron_edu import hf_llama
+from megatron_edu import hf_llama, hf_moe
 from megatron_edu.grid import ParallelGrid
 from megatron_edu.model import build_model
 from megatron_edu.model.config import GPTConfig, LlamaConfig
@@ -54,8 +57,9 @@ _GELU_TANH = ("gelu_new", "gelu_pytorch_tanh")  # two names of the same function
 
 def config_from_hf(hf: dict[str, Any], **overrides: Any) -> GPTConfig:
     """The configuration a Hugging Face config.json describes: a GPTConfig for model_type
-    "gpt2" (also when it names none), a LlamaConfig for "llama"; a ValueError naming any setting
-    the model does not implement. ``overrides`` replace config fields."""
+    "gpt2" (also when it names none), a LlamaConfig for "llama", "mixtral" and "qwen2_moe"; a
+    ValueError naming any setting the model does not implement. ``overrides`` replace config
+    fields."""
     return _format(hf.get("model_type", "gpt2")).config_from_hf(hf, **overrides)
 
 
@@ -67,21 +71,30 @@ def read_hf(path: str | Path, **overrides: Any) -> tuple[GPTConfig, Tensors]:
 
 
 def load_hf(path: str | Path, grid: ParallelGrid | None = None, **overrides: Any) -> GPT:
-    """The model a saved Hugging Face directory holds, a GPT or a Llama as its model_type says,
-    with its weights (this rank's slices under tp). ``overrides`` replace config fields, e.g.
-    ``dropout=0.0`` or ``recompute="full"``."""
+    """The model a saved Hugging Face directory holds, a GPT or a Llama (with experts for Mixtral
+    and Qwen2-MoE) as its model_type says, with its weights (this rank's slices under tp, its
+    experts under ep). ``overrides`` replace config fields, e.g. ``dropout=0.0``."""
     return _built(*read_hf(path, **overrides), grid)
 
 
 def save_hf(model: GPT, path: str | Path) -> None:
-    """Write ``model`` (a GPT-2 or a Llama) as a Hugging Face directory (config.json +
-    model.safetensors). The model must be whole (one pipeline stage holding every layer); under
-    tp every tp rank must call this (the shards are gathered) and tp rank 0 writes."""
+    """Write ``model`` as a Hugging Face directory (config.json + model.safetensors) of the first
+    family that expresses it: GPT-2, Llama, Mixtral (experts), Qwen2-MoE (experts and a shared
+    one). The model must be whole (one pipeline stage holding every layer); under tp and ep
+    every tp and ep rank must call this (the shards and experts are gathered), one writes."""
     formats = [f for f in _FORMATS.values() if type(model.config) is f.config_class]
     if not formats:
         raise ValueError(f"no Hugging Face format for a {type(model.config).__name__}: "
-                         f"GPT-2 (GPTConfig) and Llama (LlamaConfig) save")
-    _write(model, Path(path), formats[0])
+                         f"GPT-2 (GPTConfig) and the Llama family (LlamaConfig) save")
+    refusals = []
+    for fmt in formats:
+        try:
+            fmt.hf_config(model.config)
+        except ValueError as refused:
+            refusals.append(str(refused))
+            continue
+        return _write(model, Path(path), fmt)
+    raise ValueError("no Hugging Face format expresses this model: " + "; ".join(refusals))
 
 
 def load_hf_gpt2(path: str | Path, grid: ParallelGrid | None = None, **overrides: Any) -> GPT:
@@ -173,7 +186,7 @@ def _write(model: GPT, path: Path, fmt: _Format) -> None:
         raise ValueError("saving as Hugging Face needs the whole model; gather pipeline stages "
                          "first")
     state = fmt.to_hf(model.full_state_dict(), config)
-    if model.tp_group.rank != 0:
+    if model.tp_group.rank != 0 or model.expert_groups.ep.rank != 0:   # ep ranks: one writes
         return
     path.mkdir(parents=True, exist_ok=True)
     # contiguous copies: safetensors refuses views that share memory (q, k, v of one qkv)
@@ -308,4 +321,7 @@ _FORMATS = {
     "gpt2": _Format(GPTConfig, _gpt2_config_from_hf, _gpt2_hf_config, _gpt2_from_hf, _gpt2_to_hf),
     "llama": _Format(LlamaConfig, hf_llama.config_from_hf, hf_llama.hf_config, hf_llama.from_hf,
                      hf_llama.to_hf),
+    **{family.model_type: _Format(LlamaConfig, family.config_from_hf, family.hf_config,
+                                  family.from_hf, family.to_hf)
+       for family in (hf_moe.MIXTRAL, hf_moe.QWEN2_MOE)},
 }
