@@ -60,6 +60,7 @@ only its own). ``load_full_model_state`` (export, generation) is the same read o
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
@@ -332,8 +333,11 @@ def _write_failure(err: BaseException) -> str:
 def checkpoint_bytes(config: GPTConfig, parallelism: Parallelism) -> int:
     """About how many bytes one checkpoint of this model and split takes: every (tp, pp)
     position's parameters, fp32, and their two AdamW moments — 12 bytes a parameter, the
-    vocabulary padding and the tied embedding's second copy included."""
-    params = sum(parameters_per_rank(config, parallelism, stage)
+    vocabulary padding and the tied embedding's second copy included; every expert, whatever
+    ep holds on one rank."""
+    every_expert = dataclasses.replace(
+        parallelism, layout=dataclasses.replace(parallelism.layout, ep=1))
+    params = sum(parameters_per_rank(config, every_expert, stage)
                  for stage in range(parallelism.pp))
     return 12 * parallelism.tp * params
 

@@ -58,8 +58,8 @@ def test_the_import_graph_of_the_package_has_no_cycle():
 
 # --- the core reads on its own -----------------------------------------------------------------
 
-CORE = ("launch", "grid", "comm", "context_parallel", "tensor_parallel", "model", "pipeline",
-        "data_parallel", "optim", "ptdp", "timing")
+CORE = ("launch", "grid", "comm", "context_parallel", "expert_parallel", "tensor_parallel", "model",
+        "pipeline", "data_parallel", "optim", "ptdp", "timing")
 ALIASES = {"megatron_edu.model.hf"}  # kept for its callers: Hugging Face I/O is megatron_edu.hf
 
 

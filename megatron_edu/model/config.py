@@ -319,14 +319,14 @@ class BertConfig(GPTConfig):
         super().validate(tp, pp, chunks, cp, ep)
 
     def num_parameters(self, tp: int = 1, layers: int | None = None, first: bool = True,
-                       last: bool = True) -> int:
+                       last: bool = True, ep: int = 1) -> int:
         """GPT's count (the blocks, the word and position tables, the final LN) plus, on the
         first stage, the token types, and on the last the masked-LM head (dense, LN, its
         vocabulary-parallel bias) and the sentence-order head (pooler, 2-way classifier)."""
         h = self.hidden
         mlm_head = h * h + h + 2 * h + self.padded_vocab(tp) // tp
         order_head = h * h + h + 2 * h + 2
-        return (super().num_parameters(tp, layers, first, last)
+        return (super().num_parameters(tp, layers, first, last, ep)
                 + first * self.type_vocab_size * h + last * (mlm_head + order_head))
 
 

@@ -10,6 +10,9 @@ References
 - Qi et al. 2023, arXiv 2401.10241: the zero-bubble schedules, whose W passes fill the bubble.
 - Liu et al. 2023, arXiv 2310.01889 (ring attention), and megatron-core's context parallelism:
   each of cp ranks holds s/cp tokens of every sequence, attention is a ring (``context_parallel``).
+- Lepikhin et al. 2020, GShard (arXiv 2006.16668 §2), and megatron-core's expert parallelism: a
+  mixture of experts' E experts split over ep of the dp·cp ranks, each token carried to its k
+  experts and back by all-to-alls (``expert_parallel``).
 
 The model is a ``GPTConfig`` (its recomputation and sequence parallelism included; a
 ``LlamaConfig``'s block too: grouped-query attention, SwiGLU, rotary positions, an untied output
@@ -18,8 +21,9 @@ layer; or a preset's name, ``model_config``) and its split a
 microbatches; the ZeRO stage): what a training run takes.
 
 Time per iteration = compute + bubble + tensor-parallel all-reduces + context-parallel ring (the
-                     part the attention core does not hide) + pipeline p2p
-                     + data-parallel all-reduce (the part not overlapped) + optimizer step.
+                     part the attention core does not hide) + expert-parallel all-to-alls
+                     + pipeline p2p + data-parallel all-reduce (the part not overlapped)
+                     + optimizer step.
 
 Context parallelism (cp > 1): every operator of a rank sees b·s/cp tokens; the attention core
 computes its s/cp queries' scores against all s keys, chunk pair by chunk pair (the masked ones
@@ -29,6 +33,18 @@ sends, per layer and microbatch, cp − 1 hops of the K, V block forward (2·b·
 values each), twice that backward (K, V again and their gradients), once more under full
 recomputation; it runs while the core computes, so only max(0, ring − core) of it shows, per
 pass. Gradients are all-reduced over the dp·cp ranks that hold the same weights.
+
+A mixture of experts (``moe_experts`` > 0; routing assumed uniform, so no expert waits for
+another and nothing is dropped): each tp rank routes its tokens (fp32 router, E columns),
+permutes the k copies of each by expert, runs its E/ep experts as one grouped GEMM over the
+b·(s/cp)·k rows that arrive (as many as leave), and un-permutes and weighs them; shared experts
+are an MLP beside them, with their own tensor-parallel all-reduces. Under ep > 1 each of the
+layer's all-to-alls (``traffic.all_to_alls``: 2 forward, 2 backward, 2 more under full
+recomputation) sends (ep − 1)/ep of the b·(s/cp)·k·h rows to the ep ranks tp apart, on the
+critical path (the experts wait for their rows): NVLink within a node, the node's adapters
+beyond it (each GPU 1/gpus_per_node of them: every GPU exchanges at once). The experts'
+gradients are all-reduced over the dp·cp/ep ranks that hold the same experts, the rest over
+dp·cp. The advisor searches ep (every divisor of dp·cp and E) for MoE models only.
 
 The bubble is (p-1)/(v·m) of the ideal time for GPipe, 1F1B and interleaved (§2.2); a schedule
 that splits the backward into B and W is simulated (``pipeline.simulate``) with the stage's
@@ -85,12 +101,14 @@ from .memory import (
     MIXED_FP32_GRADS,
     MemoryEstimate,
     Precision,
+    expert_parameters_per_rank,
     memory_per_rank,
     parameters_per_rank,
 )
+from .traffic import all_to_all_bytes, all_to_alls
 
 __all__ = ["Hardware", "SELENE_A100", "DGX_H100", "DGX2H_V100", "Prediction", "model_config",
-           "predict", "rejection_reason", "candidates", "advise"]
+           "predict", "rejection_reason", "candidates", "advise", "explain"]
 
 GEMM_EFFICIENCY = 0.62
 DP_OVERLAP = 0.0
@@ -130,6 +148,7 @@ class TimeBreakdown:
     bubble: float
     tensor_parallel: float
     context_parallel: float  # the ring's time not hidden behind the attention core (cp > 1)
+    expert_parallel: float  # the experts' all-to-alls (ep > 1)
     pipeline_p2p: float
     data_parallel: float
     optimizer: float
@@ -137,7 +156,7 @@ class TimeBreakdown:
     @property
     def total(self) -> float:
         return (self.compute + self.bubble + self.tensor_parallel + self.context_parallel
-                + self.pipeline_p2p + self.data_parallel + self.optimizer)
+                + self.expert_parallel + self.pipeline_p2p + self.data_parallel + self.optimizer)
 
 
 @dataclass(frozen=True)
@@ -157,7 +176,8 @@ class Prediction:
         split = self.parallelism
         sched = split.schedule + (f" v={split.chunks}" if split.chunks > 1 else "")
         cp = f" cp={split.cp}" if split.cp > 1 else ""
-        return (f"tp={split.tp}{cp} pp={split.pp} dp={split.dp} b={split.microbatch} {sched}: "
+        ep = f" ep={split.ep}" if split.ep > 1 else ""
+        return (f"tp={split.tp}{cp} pp={split.pp} dp={split.dp}{ep} b={split.microbatch} {sched}: "
                 f"{self.time.total:.2f} s/iter, {self.tflops_per_gpu:.0f} TFLOP/s per GPU "
                 f"({self.percent_of_peak:.0f}% of peak), {self.memory.total / GIB:.1f} GiB")
 
@@ -187,8 +207,8 @@ class _Op:
     attention_core: bool = False  # recomputed by selective recomputation; a GEMM without weights
 
 
-def _gemm(m: int, n: int, k: int, batch: int = 1, core: bool = False) -> _Op:
-    """C[m, n] = A[m, k] · B[k, n], 16-bit operands."""
+def _gemm(m: float, n: int, k: int, batch: int = 1, core: bool = False) -> _Op:
+    """C[m, n] = A[m, k] · B[k, n], 16-bit operands (m: the mean rows of a grouped GEMM's)."""
     return _Op(2 * batch * m * n * k, WORD * batch * (m * k + k * n + m * n), True, core)
 
 
@@ -228,9 +248,10 @@ def _recomputes_core(config: GPTConfig, cp: int) -> bool:
     return cp > 1 or config.attention == "fused"
 
 
-def _layer_ops(config: GPTConfig, b: int, t: int, cp: int = 1) -> list[_Op]:
+def _layer_ops(config: GPTConfig, b: int, t: int, cp: int = 1, ep: int = 1) -> list[_Op]:
     """Forward operators of one transformer layer on one tensor (and context) rank, Megatron's
-    fused kernels; under context parallelism on the rank's b·s/cp tokens.
+    fused kernels; under context parallelism on the rank's b·s/cp tokens; a mixture of experts
+    in place of the MLP with ``config.moe_experts`` (``_moe_ops``), E/ep of them on the rank.
 
     The block's shape as ``perf.training_flops`` counts it: QKV h → h + 2k columns (k the key
     and value columns, num_kv_heads·head_dim: grouped-query attention, 2305.13245), the MLP
@@ -240,9 +261,8 @@ def _layer_ops(config: GPTConfig, b: int, t: int, cp: int = 1) -> list[_Op]:
     (``context_parallel.each_head``, as megatron-core's unfused core repeats them). A residual
     add keeps a dropout mask only with dropout; without biases (Llama) it is the same pass."""
     h = config.hidden
-    tokens, f = b * config.seq_len // cp, config.ffn_hidden
+    tokens = b * config.seq_len // cp
     k = max(config.num_kv_heads, t) * config.head_dim   # at t > g: one kv head a rank
-    gates = 2 if config.mlp == "swiglu" else 1
     replicated = tokens * h // (t if config.sequence_parallel else 1)  # split only under sp
     mask = 1 if config.dropout > 0 else 0
     rotary = ([_elementwise(tokens * (h + k) // t, 2 * WORD)]   # q and k turned: read, write
@@ -258,10 +278,43 @@ def _layer_ops(config: GPTConfig, b: int, t: int, cp: int = 1) -> list[_Op]:
         _gemm(tokens, h, h // t),  # projection, row-parallel
         _elementwise(replicated, 3 * WORD + mask),  # bias-dropout-add: out, residual -> sum, mask
         _elementwise(replicated, 2 * WORD),  # norm 2
-        _gemm(tokens, gates * f // t, h),  # MLP h -> ffn (SwiGLU: gate and up), column-parallel
-        _elementwise(tokens * f // t, (gates + 1) * WORD),  # fused bias-GeLU / SwiGLU
-        _gemm(tokens, h, f // t),  # MLP ffn -> h, row-parallel
+        *(_moe_ops(config, tokens, t, ep) if config.moe_experts else
+          _mlp_ops(tokens, config.ffn_hidden, h, t, 2 if config.mlp == "swiglu" else 1)),
         _elementwise(replicated, 3 * WORD + mask),  # bias-dropout-add
+    ]
+
+
+def _mlp_ops(tokens: int, f: int, h: int, t: int, gates: int) -> list[_Op]:
+    """An MLP of f units on ``tokens`` rows, split over t: h → f column-parallel (h → 2f for
+    SwiGLU's gate and up, ``gates`` = 2), the fused bias-GeLU or SwiGLU, f → h row-parallel."""
+    return [
+        _gemm(tokens, gates * f // t, h),
+        _elementwise(tokens * f // t, (gates + 1) * WORD),
+        _gemm(tokens, h, f // t),
+    ]
+
+
+def _moe_ops(config: GPTConfig, tokens: int, t: int, ep: int) -> list[_Op]:
+    """A mixture of experts on one tensor rank holding E/ep experts (``model.moe``), routing
+    uniform: the router scores the rank's tokens (its s/t of them under sequence parallelism;
+    fp32, but E columns: negligible at any peak), the k copies of every token are gathered by
+    expert, the E/ep experts run as one grouped GEMM over the k·tokens rows that arrive (as
+    many as leave, k·tokens·ep/E an expert; its weights all read), their rows gathered back,
+    weighted and summed; the shared experts are an MLP of f_e·n units beside them, their gated
+    output added."""
+    h, f, experts = config.hidden, config.moe_ffn_hidden, config.moe_experts
+    rows, held = config.moe_topk * tokens, experts // ep
+    routed = tokens // (t if config.sequence_parallel else 1)   # the tokens the router scores
+    shared = config.moe_shared_experts
+    return [
+        _gemm(routed, experts, h),                               # router
+        _elementwise(rows * h, 2 * WORD),                        # permute: read, write
+        _gemm(rows / held, 2 * f // t, h, batch=held),           # gate and up, grouped
+        _elementwise(rows * f // t, 3 * WORD),                   # SwiGLU
+        _gemm(rows / held, h, f // t, batch=held),               # down, grouped
+        _elementwise(rows * h, 2 * WORD),                        # un-permute, weigh, sum the k
+        *(_mlp_ops(tokens, f * shared, h, t, 2) if shared else []),
+        *([_elementwise(routed * h, 3 * WORD)] if shared else []),   # (gated) shared + routed
     ]
 
 
@@ -351,7 +404,9 @@ def _tensor_parallel_time(config: GPTConfig, parallelism: Parallelism, hw: Hardw
     """All-reduces of one microbatch on the last stage (1909.08053 §3, Fig. 4).
 
     Per layer: 2 in the forward (`g` after attention and after the MLP), 2 in the backward
-    (`f` before each), and 2 more in the recomputed forward under full recomputation: 6.
+    (`f` before each), and 2 more in the recomputed forward under full recomputation: 6. A
+    mixture of experts reduces its experts' output as the MLP does, and its shared experts,
+    an MLP of their own, theirs too: one more each way (9 under full recomputation).
     Under sequence parallelism each becomes a reduce-scatter + all-gather pair, the same bytes.
     The output layer adds its input gradient (b·s·h) and the cross entropy's three b·s-float
     all-reduces (max, sum of exponentials, target logit).
@@ -359,7 +414,8 @@ def _tensor_parallel_time(config: GPTConfig, parallelism: Parallelism, hw: Hardw
     t, s = parallelism.tp, config.seq_len // parallelism.cp  # a context rank's tokens
     activation = parallelism.microbatch * s * config.hidden * WORD
     bandwidth = _group_bandwidth(hw, t, 1)
-    per_layer = 6 if config.recompute == "full" else 4
+    pairs = 2 + (config.moe_experts > 0 and config.moe_shared_experts > 0)  # a g and an f each
+    per_layer = pairs * (3 if config.recompute == "full" else 2)
     loss_bytes = parallelism.microbatch * s * 4
     return ((layers * per_layer + 1) * _all_reduce(activation, t, bandwidth, hw)
             + 3 * _all_reduce(loss_bytes, t, bandwidth, hw))
@@ -409,27 +465,62 @@ def _context_parallel_time(config: GPTConfig, parallelism: Parallelism, hw: Hard
             + max(0.0, 2 * (cp - 1) * hop - core.backward))
 
 
+def _expert_parallel_time(config: GPTConfig, parallelism: Parallelism, hw: Hardware,
+                          layers: int) -> float:
+    """The experts' all-to-alls of one microbatch on a stage of ``layers`` MoE layers: each
+    ``traffic.all_to_all_bytes`` over the ep ranks tp apart (``_all_to_all``), on the critical
+    path."""
+    if not config.moe_experts or parallelism.ep == 1:
+        return 0.0
+    sent = all_to_all_bytes(config, parallelism.microbatch, parallelism.cp, parallelism.ep, WORD)
+    one = _all_to_all(sent, parallelism.ep, parallelism.tp, hw)
+    return layers * all_to_alls(config) * one
+
+
+def _all_to_all(sent: float, size: int, stride: int, hw: Hardware) -> float:
+    """An all-to-all over ``size`` ranks ``stride`` apart, each sending ``sent`` bytes, evenly,
+    to the size − 1 others: one message each (α), the share for the group's ranks on its own
+    node over NVLink while the rest crosses the node's adapters, each GPU its 1/gpus_per_node of
+    them (every GPU of the node exchanges at the same time)."""
+    on_node = min(size, max(1, hw.gpus_per_node // stride))      # the group's ranks a node holds
+    inside = sent * (on_node - 1) / (size - 1)
+    outside = (sent - inside) * hw.gpus_per_node / hw.inter_node_bandwidth
+    return (size - 1) * hw.latency + max(inside / hw.intra_node_bandwidth, outside)
+
+
 def _data_parallel_time(config: GPTConfig, parallelism: Parallelism, hw: Hardware,
                         precision: Precision) -> float:
     """Gradient all-reduce over the dp·cp ranks holding the same weights, tp apart: a
     reduce-scatter and an all-gather, each half its time (ZeRO-1 runs exactly those). ZeRO-2
     reduce-scatters every microbatch's gradients, m of them, and gathers once; ZeRO-3 gathers
     the weights twice and reduce-scatters for every microbatch: 3m halves, 1.5× at m = 1 (the
-    ZeRO paper's §7). Every message is counted at the gradients' width."""
-    grad_bytes = parameters_per_rank(config, parallelism) * precision.grads
+    ZeRO paper's §7). Every message is counted at the gradients' width. A mixture's experts
+    are reduced after the rest, over the dp·cp/ep ranks that hold them, tp·ep apart."""
+    experts = expert_parameters_per_rank(config, parallelism)
+    dense = parameters_per_rank(config, parallelism) - experts
     ranks, m = parallelism.dp * parallelism.cp, parallelism.num_microbatches
-    half = _all_reduce(grad_bytes, ranks, _group_bandwidth(hw, ranks, parallelism.tp), hw) / 2
+    tp, ep = parallelism.tp, parallelism.ep
+    half = _all_reduce(dense * precision.grads, ranks, _group_bandwidth(hw, ranks, tp), hw) / 2
+    if experts:
+        half += _all_reduce(experts * precision.grads, ranks // ep,
+                            _group_bandwidth(hw, ranks // ep, tp * ep), hw) / 2
     return {0: 2, 1: 2, 2: m + 1, 3: 3 * m}[parallelism.zero] * half
 
 
 def _optimizer_time(config: GPTConfig, parallelism: Parallelism, hw: Hardware,
                     precision: Precision) -> float:
     """Adam is memory-bound: read gradient, master weight and moments, write them back (ZeRO-1:
-    a 1/(dp·cp) shard of the states)."""
-    owners = parallelism.dp * parallelism.cp if parallelism.zero else 1
-    states = (precision.master + precision.adam) / owners
-    per_param = precision.grads + 2 * states + precision.weights
-    return parameters_per_rank(config, parallelism) * per_param / hw.memory_bandwidth
+    a 1/(dp·cp) shard of the states; of the experts', 1/(dp·cp/ep))."""
+    experts = expert_parameters_per_rank(config, parallelism)
+    dense = parameters_per_rank(config, parallelism) - experts
+
+    def per_param(owners: int) -> float:
+        states = (precision.master + precision.adam) / (owners if parallelism.zero else 1)
+        return precision.grads + 2 * states + precision.weights
+
+    owners = parallelism.dp * parallelism.cp
+    return (dense * per_param(owners) + experts * per_param(owners // parallelism.ep)
+            ) / hw.memory_bandwidth
 
 
 # ---- the bubble ----
@@ -484,19 +575,23 @@ def predict(
     b, t, cp, eta = parallelism.microbatch, parallelism.tp, parallelism.cp, gemm_efficiency
     m, layers = parallelism.num_microbatches, config.num_layers // parallelism.pp
     flash = _recomputes_core(config, cp)
-    layer = _train_cost(_layer_ops(config, b, t, cp), config.recompute, hw, eta, flash)
+    layer = _train_cost(_layer_ops(config, b, t, cp, parallelism.ep), config.recompute, hw, eta,
+                        flash)
     out = _train_cost(_output_ops(config, b, t, cp), "none", hw, eta)
     # the last stage paces the pipeline: its layers plus the logits and the loss
     stage = layer.times(layers).plus(out)
     tensor = _tensor_parallel_time(config, parallelism, hw, layers)
     core = _train_cost(_attention_core_ops(config, b, t, cp), "none", hw, eta, flash)
     ring = layers * _context_parallel_time(config, parallelism, hw, core)
+    experts = _expert_parallel_time(config, parallelism, hw, layers)
     p2p = _pipeline_p2p_time(config, parallelism, hw, scatter_gather)
     time = TimeBreakdown(
         compute=m * stage.seconds,
-        bubble=_bubble(parallelism.pipeline, parallelism.pp, stage, tensor + ring + p2p),
+        bubble=_bubble(parallelism.pipeline, parallelism.pp, stage,
+                       tensor + ring + experts + p2p),
         tensor_parallel=m * tensor,
         context_parallel=m * ring,
+        expert_parallel=m * experts,
         pipeline_p2p=m * p2p,
         data_parallel=(1 - dp_overlap) * _data_parallel_time(config, parallelism, hw, precision),
         optimizer=_optimizer_time(config, parallelism, hw, precision),
@@ -554,6 +649,14 @@ def _chunk_options(config: GPTConfig, pp: int, schedule: str) -> list[int | None
     return _divisors(config.num_layers // pp)[1:]
 
 
+def _expert_options(config: GPTConfig, dp_cp: int, ep: tuple[int, ...] | None) -> list[int]:
+    """The ep sizes to try on dp·cp ranks: those of ``ep`` that divide dp·cp; None: for a
+    mixture of experts every common divisor of dp·cp and E, for a dense model 1."""
+    if ep is not None:
+        return [e for e in ep if dp_cp % e == 0]
+    return _divisors(math.gcd(dp_cp, config.moe_experts)) if config.moe_experts else [1]
+
+
 def candidates(
     config: GPTConfig | str,
     global_batch: int,
@@ -564,12 +667,14 @@ def candidates(
     sequence_parallel: tuple[bool, ...] | None = None,
     zero: int = 0,
     cp: tuple[int, ...] = (1,),
+    ep: tuple[int, ...] | None = None,
 ) -> Iterator[tuple[GPTConfig, Parallelism]]:
     """Every tp (within a node) × cp (each of ``cp``) × pp × dp = num_gpus, microbatch b
-    (B = dp·m·b), schedule and chunk count a ``Parallelism`` accepts, each with ``config`` made to
-    recompute and split the sequence as each of ``recompute`` × ``sequence_parallel`` asks
-    (None: as the config does). Not yet checked against the model, the node or the memory:
-    ``rejection_reason`` does."""
+    (B = dp·m·b), schedule, chunk count and ep (each of ``ep`` dividing dp·cp; None: every
+    divisor of dp·cp and E for a mixture of experts, 1 for a dense model) a ``Parallelism``
+    accepts, each with ``config`` made to recompute and split the sequence as each of
+    ``recompute`` × ``sequence_parallel`` asks (None: as the config does). Not yet checked
+    against the model, the node or the memory: ``rejection_reason`` does."""
     config = model_config(config)
     modes = list(product(recompute or (config.recompute,),
                          sequence_parallel or (config.sequence_parallel,)))
@@ -582,11 +687,12 @@ def candidates(
             dp = num_gpus // (tp * c * pp)
             if global_batch % dp:
                 continue
-            for b, schedule, mode in product(_divisors(global_batch // dp), schedules, modes):
+            for b, schedule, mode, e in product(_divisors(global_batch // dp), schedules, modes,
+                                                _expert_options(config, dp * c, ep)):
                 for v in _chunk_options(config, pp, schedule):
                     try:
                         pipeline = PipelineConfig(schedule, v, b, global_batch // (dp * b))
-                        parallelism = Parallelism(Layout(tp, pp, dp, c), pipeline, zero)
+                        parallelism = Parallelism(Layout(tp, pp, dp, c, e), pipeline, zero)
                     except ValueError:  # a schedule this pipeline cannot run
                         continue
                     yield variants[mode], parallelism
@@ -608,20 +714,23 @@ def advise(
     gemm_efficiency: float = GEMM_EFFICIENCY,
     dp_overlap: float = DP_OVERLAP,
     cp: tuple[int, ...] = (1,),
+    ep: tuple[int, ...] | None = None,
 ) -> list[tuple[Parallelism, Prediction]]:
     """The splits of the model that fit in memory, fastest first (ties: least memory), each
     with its prediction (whose ``config`` says how it recomputes and splits the sequence).
 
     `tp` / `pp` pin those sizes; `cp`: the context-parallel sizes to search (world =
-    tp·cp·pp·dp). GPipe is left out by default: the same bubble as 1F1B with m microbatches in
-    flight instead of p (2104.04473 §2.2.1), so it never ranks higher. ``config``: a
-    configuration (a ``LlamaConfig`` too: its block's FLOPs and memory), or a preset's name
-    (``model_config``: "llama3-8b" is the Llama).
+    tp·cp·pp·dp); `ep`: the expert-parallel sizes (None: for a mixture of experts every one
+    dividing dp·cp and E, for a dense model none). GPipe is left out by default: the same
+    bubble as 1F1B with m microbatches in flight instead of p (2104.04473 §2.2.1), so it never
+    ranks higher. ``config``: a configuration (a ``LlamaConfig`` too: its block's FLOPs and
+    memory), or a preset's name (``model_config``: "llama3-8b" is the Llama). ``explain``
+    says why the first is first.
     """
     config = model_config(config)
     ranked = []
     for variant, parallelism in candidates(config, global_batch, num_gpus, hw, schedules,
-                                           recompute, sequence_parallel, zero, cp):
+                                           recompute, sequence_parallel, zero, cp, ep):
         if (tp and parallelism.tp != tp) or (pp and parallelism.pp != pp):
             continue
         if rejection_reason(variant, parallelism, num_gpus, hw, precision=precision):
@@ -630,3 +739,48 @@ def advise(
                              gemm_efficiency=gemm_efficiency, dp_overlap=dp_overlap)
         ranked.append((parallelism, prediction))
     return sorted(ranked, key=lambda lp: (lp[1].time.total, lp[1].memory.total))
+
+
+def explain(ranked: list[tuple[Parallelism, Prediction]], hw: Hardware = SELENE_A100, *,
+            precision: Precision = MIXED_FP32_GRADS) -> str:
+    """Why ``advise``'s first layout (``ranked``: its answer, on ``hw`` at ``precision``) is
+    first, in words: where its time goes and what its memory holds. For a mixture of experts,
+    what expert parallelism buys: the experts each GPU holds and the memory the same layout
+    would need without it, whether the all-to-alls stay on a node's NVLink (the ep group spans
+    ep·tp consecutive GPUs) and what they cost, and the fastest layout without it."""
+    if not ranked:
+        return "No layout fits."
+    parallelism, best = ranked[0]
+    config, time = best.config, best.time
+    parts = {name.replace("_", " "): getattr(time, name) for name in vars(time)}
+    rest = ", ".join(f"{name} {seconds:.2f} s" for name, seconds in
+                     sorted(parts.items(), key=lambda kv: -kv[1]) if seconds >= 0.01 * time.total)
+    lines = [f"Proposed: {best}.",
+             f"Of its {time.total:.2f} s per iteration: {rest}.",
+             f"Memory per GPU: {best.memory} of {hw.memory_bytes / GIB:.0f} GiB."]
+    if not config.moe_experts:
+        return "\n".join(lines)
+    ep, tp, experts = parallelism.ep, parallelism.tp, config.moe_experts
+    held = expert_parameters_per_rank(config, parallelism)
+    layers = f"each of its {config.num_layers // parallelism.pp} layers"
+    if ep == 1:
+        lines.append(f"Experts not split: each GPU holds all {experts} experts of {layers}, "
+                     f"{held / 1e9:.2f} B parameters, and sends no token to another.")
+        return "\n".join(lines)
+    alone = replace(parallelism, layout=replace(parallelism.layout, ep=1))
+    without = memory_per_rank(config, alone, precision=precision).total
+    verdict = "more than the GPU has" if without > hw.memory_bytes else "which would fit too"
+    where = ("stay inside a node, on NVLink" if ep * tp <= hw.gpus_per_node else
+             "cross nodes, over the adapters")
+    lines += [f"Experts split over ep = {ep}: each GPU holds {experts // ep} of the {experts} "
+              f"experts of {layers}, {held / 1e9:.2f} B parameters where ep = 1 holds "
+              f"{ep * held / 1e9:.2f} B: the same layout without expert parallelism needs "
+              f"{without / GIB:.1f} GiB, {verdict}.",
+              f"Its all-to-alls {where}: each ep group spans ep·tp = {ep * tp} consecutive "
+              f"GPUs, {hw.gpus_per_node} a node; they take {time.expert_parallel:.2f} s per "
+              f"iteration ({time.expert_parallel / time.total:.0%})."]
+    dense = next((p for split, p in ranked if split.ep == 1), None)
+    lines.append(f"Without expert parallelism no layout fits in {hw.memory_bytes / GIB:.0f} GiB."
+                 if dense is None else f"Without expert parallelism the fastest layout that "
+                 f"fits, {dense}, is {dense.time.total / time.total - 1:.0%} slower.")
+    return "\n".join(lines)

@@ -10,11 +10,15 @@ References
   arXiv 2407.21783 §3.2): SwiGLU's three matmuls (Shazeer 2020, arXiv 2002.05202) and
   grouped-query attention (Ainslie et al. 2023, arXiv 2305.13245), k = num_kv_heads·head_dim
   key and value columns each.
+- A mixture of experts in place of the MLP (Shazeer et al. 2017, arXiv 1701.06538; Mixtral,
+  Jiang et al. 2024, arXiv 2401.04088 §2.1; shared experts: DeepSeekMoE, arXiv 2401.06066 §3.2):
+  a token's FLOPs are those of the parameters it uses, its k of E experts (``active_parameters``).
 
 Notation (the paper's): l transformer layers, h hidden size, V vocabulary, s sequence length,
 B global batch (sequences), T tokens, n GPUs, X achieved FLOP/s per GPU; for the block's shape
 f the MLP's width (GPT-2: 4h), k the key and value columns (k = h without grouped-query
-attention), γ = 1 for SwiGLU's gate matmul (0 for GeLU).
+attention), γ = 1 for SwiGLU's gate matmul (0 for GeLU); for a mixture of experts E experts of
+f_e units (``moe_ffn_hidden``), k_e of them a token (``moe_topk``), f_s the shared experts' units.
 
 ``num_parameters`` and ``training_flops`` are the papers' GPT forms, in their letters;
 ``training_flops_of`` reads every shape from a ``GPTConfig`` (a ``LlamaConfig`` too) and agrees
@@ -44,7 +48,8 @@ import torch
 from megatron_edu.model.config import GPTConfig
 
 __all__ = ["A100_BF16_PEAK", "H100_SXM_BF16_PEAK", "V100_FP16_PEAK", "DATASHEET_BF16_PEAKS",
-           "MATMUL_SIZE", "num_parameters", "training_flops",
+           "MATMUL_SIZE", "num_parameters", "expert_parameters", "active_parameters",
+           "training_flops",
            "training_flops_of", "training_time_seconds",
            "model_flops_utilization", "datasheet_bf16_peak", "datasheet_peak_flops",
            "measure_matmul_flops"]
@@ -119,10 +124,29 @@ def num_parameters(layers: int, hidden: int, vocab: int, seq_len: int) -> int:
     return 12 * l * h * h + 13 * l * h + vocab * h + seq_len * h
 
 
+def expert_parameters(config: GPTConfig) -> int:
+    """One routed expert's parameters: a SwiGLU of f_e units, 3·h·f_e (its gate, up and down
+    matrices, no biases: ``model.moe.Experts``)."""
+    return 3 * config.hidden * config.moe_ffn_hidden
+
+
+def active_parameters(config: GPTConfig) -> int:
+    """The parameters one token uses: all of ``config.num_parameters()`` but, in each layer, the
+    E − k routed experts the router did not choose for it. Attention, the norms, the router
+    (E·h: it scores every expert), the shared experts and both word tables count, as in the
+    published figures: Mixtral-8x7B 46.7 B total, 12.9 B active (Mistral AI's announcement;
+    "47B … 13B active", 2401.04088 §2.1); Qwen1.5-MoE-A2.7B 14.3 B total, 2.7 B active (Qwen's
+    blog, whose "2.0 B non-embedding" leaves out both tables: 2.07 B here). A dense model's are
+    all its parameters; the true vocabulary's with ``make_vocab_size_divisible_by=1``."""
+    skipped = config.moe_experts - config.moe_topk if config.moe_experts else 0
+    return config.num_parameters() - config.num_layers * skipped * expert_parameters(config)
+
+
 def training_flops(
     batch: int, seq_len: int, layers: int, hidden: int, vocab: int,
     recompute: bool | str = True, *, ffn_hidden: int | None = None,
-    kv_hidden: int | None = None, gated: bool = False,
+    kv_hidden: int | None = None, gated: bool = False, experts: int = 0, topk: int = 1,
+    shared_ffn: int = 0,
 ) -> float:
     """FLOPs of one training iteration over `batch` sequences (2104.04473 §5.1).
 
@@ -150,6 +174,15 @@ def training_flops(
     6 FLOPs per token and matmul weight (2001.08361 §2.1) plus the core:
     F = 6·B·s·(l·(h·(h + 2k) + h² + (2 + γ)·h·f) + V·h) + 12·B·s²·l·h.
 
+    A mixture of experts in place of the MLP (``experts`` E > 0): a token passes the router's
+    E·h weights, ``topk`` k_e SwiGLU experts of f = ``ffn_hidden`` units each and the shared
+    experts' SwiGLU of ``shared_ffn`` f_s units, so (2 + γ)·h·f becomes
+
+        (3·(k_e·f + f_s) + E)·h          (the router: 2·h·E FLOPs a token forward)
+
+    the weights it uses, whatever E: 6·B·s per active matmul weight. The shared experts' gate
+    (one output column, sigmoid(x·w)) is elementwise work, left out as the norms are.
+
     ``recompute``: True or "full", "selective", False or "none". False is the model's FLOPs (the
     numerator of MFU, for any run); the others the hardware FLOPs of a run that recomputes so
     (the numerator of its HFU).
@@ -158,7 +191,8 @@ def training_flops(
     f = 4 * h if ffn_hidden is None else ffn_hidden
     k = h if kv_hidden is None else kv_hidden
     mode = {True: "full", False: "none"}.get(recompute, recompute)
-    weights = h * (h + 2 * k) + h * h + (2 + int(gated)) * h * f   # 12h² for GPT-2
+    mlp = (3 * (topk * f + shared_ffn) + experts) * h if experts else (2 + int(gated)) * h * f
+    weights = h * (h + 2 * k) + h * h + mlp   # 12h² for GPT-2
     gemms, core = 2 * b * s * l * weights, 4 * b * s * s * l * h
     transformer = 3 * (gemms + core) + {"none": 0, "selective": core, "full": gemms + core}[mode]
     logits = 6 * b * s * h * vocab
@@ -172,12 +206,16 @@ def training_flops_of(config: GPTConfig, batch: int, recompute: bool | str = Fal
     the model needs; pass ``config.padded_vocab()`` for the ones a run computes). By default
     the model's FLOPs (MFU's numerator): ``recompute=config.recompute`` for the hardware's.
     An untied output layer costs what a tied one does (2·B·s·h·V forward); its input embedding
-    is a lookup, no FLOPs."""
+    is a lookup, no FLOPs. A mixture of experts counts its active weights (MFU's numerator for
+    an MoE run): k_e experts of ``moe_ffn_hidden``, the shared ones, the router."""
+    moe = config.moe_experts > 0
     return training_flops(batch, config.seq_len, config.num_layers, config.hidden,
                           config.vocab_size if vocab is None else vocab, recompute,
-                          ffn_hidden=config.ffn_hidden,
+                          ffn_hidden=config.moe_ffn_hidden if moe else config.ffn_hidden,
                           kv_hidden=config.num_kv_heads * config.head_dim,
-                          gated=config.mlp == "swiglu")
+                          gated=config.mlp == "swiglu", experts=config.moe_experts,
+                          topk=config.moe_topk,
+                          shared_ffn=config.moe_ffn_hidden * config.moe_shared_experts)
 
 
 def training_time_seconds(
@@ -186,7 +224,8 @@ def training_time_seconds(
     """End-to-end training time ≈ 8·T·P / (n·X)  (2104.04473 §5.1).
 
     Uses F ≈ 96·B·s·l·h² per iteration and T = B·s tokens, P ≈ 12·l·h²: F ≈ 8·T·P (the s/(6h)
-    and V/(16lh) terms are small for large models). Without recomputation it is 6·T·P.
+    and V/(16lh) terms are small for large models). Without recomputation it is 6·T·P. For a
+    mixture of experts P is what a token uses (``active_parameters``).
     """
     flops_per_token_param = 8 if recompute else 6
     return flops_per_token_param * tokens * params / (num_gpus * flops_per_gpu)

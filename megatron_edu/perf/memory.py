@@ -24,6 +24,13 @@ References
   output it keeps its output (s/cp)·b·h/t and the log-sum-exp a·(s/cp)·b/t (fp32), recomputing
   the scores and the masks block by block in backward (flash attention's way). Selective
   recomputation has nothing left to drop there; full recomputation keeps the layer input.
+- A mixture of experts in place of the MLP (``model.moe``; GShard, Lepikhin et al. 2020, arXiv
+  2006.16668 §2; megatron-core's expert parallelism): a GPU holds E/ep of each layer's experts,
+  each split over tp as the MLP. ZeRO shards their state over the dp·cp/ep ranks that hold the
+  same experts (the expert-data-parallel group), the rest of the model's over dp·cp. Saved for
+  backward, under uniform routing: the router's fp32 input and scores, the b·(s/cp)·k rows
+  dispatched to the experts (each token's k copies, whole on every tp rank, whatever ep) and
+  returned from them, and the experts' SwiGLU intermediates of those rows, f_e/t wide.
 
 The model's sizes, its recomputation and sequence parallelism come from the config, the split
 from the parallelism — its layout's tp, cp, pp, dp, its pipeline's schedule, chunks and
@@ -43,8 +50,11 @@ from megatron_edu.model.config import RECOMPUTE, GPTConfig
 from megatron_edu.pipeline.schedules import PipelineConfig, Schedule, make_schedule
 from megatron_edu.ptdp import Parallelism
 
+from .flops import expert_parameters
+
 __all__ = ["GIB", "FP32", "MIXED", "MIXED_FP32_GRADS", "Precision", "MemoryEstimate",
-           "parameters_per_rank", "activation_bytes_per_layer", "output_layer_activation_bytes",
+           "parameters_per_rank", "expert_parameters_per_rank", "activation_bytes_per_layer",
+           "output_layer_activation_bytes",
            "embedding_activation_bytes", "forwards_in_flight", "activation_bytes_per_rank",
            "memory_per_rank"]
 
@@ -98,13 +108,21 @@ def parameters_per_rank(config: GPTConfig, parallelism: Parallelism, stage: int 
     the output layer on the chunk of the last: a copy of the word table, or an untied output
     layer of its own (Llama's), V·h/t either way. Where the chunks are is
     ``parallelism.stages`` (ZB-V's V puts both ends on rank 0, each chunk with its own copy of the
-    word table). A ValueError if it cannot split the model (``Parallelism.check``)."""
+    word table). A mixture of experts: E/ep experts a layer (``expert_parameters_per_rank``). A
+    ValueError if it cannot split the model (``Parallelism.check``)."""
     parallelism.check(config)
     stages = parallelism.stages
     layers, last = config.num_layers // stages.num_stages, stages.num_stages - 1
     held = [stages.stage(stage, chunk) for chunk in range(stages.v)]
-    return sum(config.num_parameters(parallelism.tp, layers, first=s == 0, last=s == last)
-               for s in held)
+    return sum(config.num_parameters(parallelism.tp, layers, first=s == 0, last=s == last,
+                                     ep=parallelism.ep) for s in held)
+
+
+def expert_parameters_per_rank(config: GPTConfig, parallelism: Parallelism) -> int:
+    """The routed experts' parameters one GPU holds (0 for a dense model): in each of its l/pp
+    layers E/ep experts of 3·h·f_e, split over tp as the MLP (``GPTConfig.num_parameters``)."""
+    per_layer = config.moe_experts // parallelism.ep * expert_parameters(config)
+    return config.num_layers // parallelism.pp * per_layer // parallelism.tp
 
 
 # ---- activations, per layer (2205.05198 §4) -----------------------------------------------------
@@ -122,11 +140,26 @@ def _every(config: GPTConfig) -> bool:
 
 
 def _gelu(config: GPTConfig) -> bool:
-    return config.mlp == "gelu"
+    return config.mlp == "gelu" and not config.moe_experts
 
 
 def _swiglu(config: GPTConfig) -> bool:
-    return config.mlp == "swiglu"
+    """A SwiGLU MLP: the block's, or a mixture's shared experts (of width "sbf")."""
+    return config.mlp == "swiglu" or config.moe_experts > 0
+
+
+def _mlp_input(config: GPTConfig) -> bool:
+    """Whether an MLP keeps its input: a dense one, or a mixture's shared experts (the router
+    keeps its own fp32 copy)."""
+    return not config.moe_experts or config.moe_shared_experts > 0
+
+
+def _moe(config: GPTConfig) -> bool:
+    return config.moe_experts > 0
+
+
+def _shared_gate(config: GPTConfig) -> bool:
+    return config.moe_experts > 0 and config.moe_shared_experts > 0 and config.moe_shared_gate
 
 
 def _rotary(config: GPTConfig) -> bool:
@@ -152,8 +185,10 @@ class _Saved:
     count: int  # how many units of `unit` (s: the s/cp tokens of a context-parallel rank)
     unit: str  # "sbh"; "sbf" (the MLP's width f); "sbq" (the QKV output, h + 2k a token);
     #            "qh" (the QKV weight, (h + 2k)·h);
-    #            "as2b" (attention scores), "asb" (one per head and token), "sbV" (logits)
-    split: str  # "tp": split over tensor ranks; "seq": split only under sequence parallelism
+    #            "as2b" (attention scores), "asb" (one per head and token), "sbV" (logits);
+    #            "sbE" (router scores), "rh" and "rf" (the k·s·b rows dispatched to experts)
+    split: str  # "tp": split over tensor ranks; "seq": split only under sequence parallelism;
+    #             "whole": on every tensor rank
     dtype: str  # "value" (activation bytes), "mask" (1 byte), "fp32" (4 bytes)
     kept_with: tuple[str, ...] = RECOMPUTE  # recompute modes under which it stays saved
     needs_dropout: bool = False
@@ -190,7 +225,7 @@ _LAYER = (  # one transformer layer; GPT-2, 16-bit: 10·sbh replicated + 24·sbh
     _Saved("projection input", 1, "sbh", "tp", "value", _KEPT_UNLESS_FULL),
     _Saved("projection dropout mask", 1, "sbh", "seq", "mask", _KEPT_UNLESS_FULL, True),
     _Saved("norm 2 input", 1, "sbh", "seq", "value", _KEPT_UNLESS_FULL),
-    _Saved("MLP input", 1, "sbh", "seq", "value", _KEPT_UNLESS_FULL),
+    _Saved("MLP input", 1, "sbh", "seq", "value", _KEPT_UNLESS_FULL, block=_mlp_input),
     _Saved("GeLU input", 1, "sbf", "tp", "value", _KEPT_UNLESS_FULL, block=_gelu),
     # SwiGLU (fused.bias_swiglu): silu(gate) keeps the gate, a view of the fc output, whole
     _Saved("SwiGLU's gate and up (the fc output)", 2, "sbf", "tp", "value", _KEPT_UNLESS_FULL,
@@ -198,6 +233,20 @@ _LAYER = (  # one transformer layer; GPT-2, 16-bit: 10·sbh replicated + 24·sbh
     _Saved("silu(gate), the product's other factor", 1, "sbf", "tp", "value",
            _KEPT_UNLESS_FULL, block=_swiglu),
     _Saved("MLP output layer input", 1, "sbf", "tp", "value", _KEPT_UNLESS_FULL),
+    # a mixture of experts (its shared experts are the MLP above, f = f_e·n wide): the router
+    # scores its tokens in fp32 (softmax or sigmoid keeps the scores, the z-loss the logits);
+    # each tp rank dispatches the k rows of every token, and weighs the rows that come back
+    _Saved("router input, fp32", 1, "sbh", "seq", "fp32", _KEPT_UNLESS_FULL, block=_moe),
+    _Saved("router logits and scores", 2, "sbE", "seq", "fp32", _KEPT_UNLESS_FULL, block=_moe),
+    _Saved("dispatched rows (the experts' fc input)", 1, "rh", "whole", "value",
+           _KEPT_UNLESS_FULL, block=_moe),
+    _Saved("the experts' gate and up", 2, "rf", "tp", "value", _KEPT_UNLESS_FULL, block=_moe),
+    _Saved("the experts' silu(gate)", 1, "rf", "tp", "value", _KEPT_UNLESS_FULL, block=_moe),
+    _Saved("the experts' proj input", 1, "rf", "tp", "value", _KEPT_UNLESS_FULL, block=_moe),
+    _Saved("returned rows, for the router weights' gradient", 1, "rh", "whole", "value",
+           _KEPT_UNLESS_FULL, block=_moe),
+    _Saved("shared experts' output, for their gate", 1, "sbh", "seq", "value",
+           _KEPT_UNLESS_FULL, block=_shared_gate),
     _Saved("MLP dropout mask", 1, "sbh", "seq", "mask", _KEPT_UNLESS_FULL, True),
 )
 _EMBEDDING = (_Saved("embedding dropout mask", 1, "sbh", "seq", "mask", needs_dropout=True),)
@@ -216,10 +265,14 @@ def _saved_bytes(table: tuple[_Saved, ...], config: GPTConfig, microbatch: int, 
     a checkpoint or the ring keeps them."""
     s, b, h, a = config.seq_len // cp, microbatch, config.hidden, config.num_heads
     k = max(config.num_kv_heads, tp) * config.head_dim  # at tp > g: one kv head a rank
-    units = {"sbh": s * b * h, "sbf": s * b * config.ffn_hidden, "sbq": s * b * (h + 2 * k),
+    experts = config.moe_experts
+    f = config.moe_ffn_hidden * config.moe_shared_experts if experts else config.ffn_hidden
+    rows = config.moe_topk * s * b  # dispatched: as many arrive as leave, uniformly routed
+    units = {"sbh": s * b * h, "sbf": s * b * f, "sbq": s * b * (h + 2 * k),
              "qh": (h + 2 * k) * h,
              "sbk": s * b * k,
-             "as2b": a * s * s * b, "asb": a * s * b, "sbV": s * b * config.padded_vocab(tp)}
+             "as2b": a * s * s * b, "asb": a * s * b, "sbV": s * b * config.padded_vocab(tp),
+             "sbE": s * b * experts, "rh": rows * h, "rf": rows * config.moe_ffn_hidden}
     dtype_bytes = {"value": bytes_per_value, "mask": 1, "fp32": 4}
     dropout = config.dropout > 0 if dropout is None else dropout
     cores = {_ANY, _RING, _INPUTS} if cp > 1 else {_ANY, _SCORES}
@@ -230,7 +283,7 @@ def _saved_bytes(table: tuple[_Saved, ...], config: GPTConfig, microbatch: int, 
         if (recompute not in x.kept_with or (x.needs_dropout and not dropout)
                 or x.attention not in cores or not x.block(config)):
             continue
-        shards = tp if x.split == "tp" or config.sequence_parallel else 1
+        shards = tp if x.split == "tp" or (x.split == "seq" and config.sequence_parallel) else 1
         total += x.count * units[x.unit] // shards * dtype_bytes[x.dtype]
     return total
 
@@ -258,6 +311,19 @@ def activation_bytes_per_layer(config: GPTConfig, microbatch: int, *, tp: int = 
     the core's inputs, the g kv heads only: the QKV output whole (V is a view of it, h + 2k a
     token), the turned Q and the turned K (k = num_kv_heads·d), 2·(2h + 3k)·sb/t (10·sbh/t with
     one kv head per query head, Llama-2-7B). Full recomputation keeps the layer's input.
+
+    A mixture of experts in place of the MLP (E experts of f_e units, k a token, no shared
+    experts), the same block otherwise:
+
+        s·b·(h·(10 + 4k) + 8·E) + s·b·(8h + 8k·f_e)/t + 2·a·s²·b/t
+
+    whole: no MLP input but the router's fp32 copy of it (4·sbh) and its logits and scores
+    (2 × 4·sbE), the k·s·b dispatched rows and the k·s·b rows returned (2·k·sbh each: every tp
+    rank dispatches all its tokens); per tensor rank the experts' SwiGLU over those rows,
+    8·k·sb·f_e/t. Uniform routing: however ep splits the experts, as many rows arrive as leave.
+    n shared experts add an MLP's input (2·sbh) and its SwiGLU, 8·sb·f_e·n/t, and their gate its
+    output (2·sbh); the router's [sb, k] weights and the dispatcher's row indices (a few bytes a
+    row) are rounded away as the norms' statistics are.
 
     A norm's statistics (a float or two per token) are rounded away, as the paper does for
     LayerNorm's. A fused RMSNorm keeps only its input (megatron-core's; PyTorch's
@@ -368,21 +434,26 @@ def memory_per_rank(config: GPTConfig, parallelism: Parallelism, *,
     that hold the same weights: stage 1 the master weights and Adam's moments, stage 2 the
     gradients too, stage 3 the weights too — the paper's model, without the whole copies of
     the one or two units a rank is computing at a moment (ZeRO-3's gathered blocks, a
-    gradient bucket before its reduce-scatter). A ValueError if ``parallelism`` cannot split
-    ``config``'s model (``Parallelism.check``)."""
+    gradient bucket before its reduce-scatter). A mixture of experts' routed experts are held by
+    the dp·cp/ep ranks of their expert-data-parallel group: ZeRO shards their state over those.
+    A ValueError if ``parallelism`` cannot split ``config``'s model (``Parallelism.check``)."""
     parallelism.check(config)
     if stage is None:
         ends = sorted(set(parallelism.stages.ends))
         return max((memory_per_rank(config, parallelism, precision=precision, dropout=dropout,
                                     stage=rank) for rank in ends), key=lambda e: e.total)
-    params = parameters_per_rank(config, parallelism, stage)
+    experts = expert_parameters_per_rank(config, parallelism)
+    dense = parameters_per_rank(config, parallelism, stage) - experts
     owners = parallelism.dp * parallelism.cp
 
-    def sharded(nbytes: int, from_stage: int) -> int:
-        return -(-nbytes // owners) if parallelism.zero >= from_stage else nbytes  # ceil: padding
+    def sharded(per_parameter: int, from_stage: int) -> int:
+        if parallelism.zero < from_stage:
+            return (dense + experts) * per_parameter
+        # ceil: padding
+        return -(-dense * per_parameter // owners) - (-experts * per_parameter
+                                                       // (owners // parallelism.ep))
 
-    optimizer = sharded(params * (precision.master + precision.adam), 1)
     activations = activation_bytes_per_rank(config, parallelism, stage,
                                             bytes_per_value=precision.activation, dropout=dropout)
-    return MemoryEstimate(sharded(params * precision.weights, 3),
-                          sharded(params * precision.grads, 2), optimizer, activations)
+    return MemoryEstimate(sharded(precision.weights, 3), sharded(precision.grads, 2),
+                          sharded(precision.master + precision.adam, 1), activations)
