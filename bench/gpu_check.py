@@ -64,7 +64,7 @@ GPT2_MEDIUM = ("--preset", "gpt2-medium", "--micro-batch", str(MICRO_BATCH),
                "--attention", "fused")
 BENCHES = (  # (a) like with like: both sides' attention is sdpa on a GPU, and dropout 0
     ("-m", "bench.overhead", "--device", "cuda", "--dtype", "bf16", "--dropout", "0"),
-    ("-m", "bench", "--only", "e", "g", "--device", "cuda", "--dtype", "bf16"),
+    ("-m", "bench", "--only", "e", "g", "j", "--device", "cuda", "--dtype", "bf16"),
 )
 RESULTS = ROOT / "bench" / "results.jsonl"
 TORCH_SPEC = "torch==2.13.0"

@@ -1,9 +1,9 @@
 """Run every benchmark, one after the other, and print a summary table.
 
-    python -m bench                          # (a)-(e), (g)-(i) on this machine's CPU, ~7 minutes
+    python -m bench                          # (a)-(e), (g)-(j) on this machine's CPU, ~7 minutes
     python bench/run_all.py                  # the same
     python -m bench --only a e               # a subset
-    python -m bench --device cuda --dtype bf16   # (a), (e), (g) on one GPU (a 350M GPT)
+    python -m bench --device cuda --dtype bf16   # (a), (e), (g) (a 350M GPT), (j) on one GPU
 
 Each benchmark also appends its records to bench/results.jsonl.
 """
@@ -21,6 +21,7 @@ from bench import (  # noqa: E402
     bubble,
     fused,
     mfu,
+    moe,
     overhead,
     pp_pipelining,
     ring_attention,
@@ -28,7 +29,8 @@ from bench import (  # noqa: E402
     zero3_fsdp,
 )
 
-SINGLE_PROCESS = {"a": overhead, "e": mfu, "g": fused}  # these take --device/--dtype/--threads
+# these take --device/--dtype/--threads:
+SINGLE_PROCESS = {"a": overhead, "e": mfu, "g": fused, "j": moe}
 # gloo, several processes:
 CPU_ONLY = {"b": tp_dtensor, "c": pp_pipelining, "d": bubble, "h": ring_attention,
             "i": zero3_fsdp}

@@ -26,3 +26,18 @@ def test_the_sleeping_stages_run_a_1f1b_step_on_the_engine():
     per_rank = run(bubble.timelines_on_ranks, bubble.P, "sleep", 1)
     for timelines in per_rank:
         assert [len(t) for t in timelines] == [2 * bubble.M]
+
+
+def test_the_moe_benchmark_times_its_contenders_at_a_tiny_shape():
+    """Every contender of (j) runs, and grouped_mm agrees with the loop (checked inside)."""
+    moe = importlib.import_module("bench.moe")
+    common = importlib.import_module("bench.common")
+    shape = moe.Shape(hidden=64, experts=4, topk=2, expert_ffn=32, batch=1, seq=16)
+    device = common.Device("cpu", "fp32")
+    layer, per_expert = moe.measure_layer(shape, device, rounds=2)
+    assert sum(per_expert) == shape.tokens * shape.topk
+    grouped = moe.measure_grouped(shape, device, rounds=2)
+    assert {name: len(t) for name, t in {**layer.wall, **grouped.wall}.items()} == dict.fromkeys(
+        ["moe", "dense", "experts", "grouped balanced", "loop balanced", "grouped skewed",
+         "loop skewed"], 2)
+    assert moe.skewed_counts(32, 4) == [17, 7, 5, 3]                 # ∝ 1, 1/2, 1/3, 1/4
