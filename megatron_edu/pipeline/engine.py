@@ -120,7 +120,9 @@ def run_schedule(schedule: Schedule, chunks: Sequence[nn.Module], grid: Parallel
     ids = batch.input_ids.chunk(m)
     wire = make_transport(settings.transport, schedule, grid, chunks[0].boundary_shape(
         ids[0].shape), residual_dtype(chunks[0]), settings.scatter_gather, settings.messages)
-    return _Run(schedule, chunks, grid, batch, settings, wire).execute()
+    run = _Run(schedule, chunks, grid, batch, settings, wire)
+    with aux_loss_scale(settings.loss_scale / run.num_tokens):  # as the loss's (experts' balance)
+        return run.execute()
 
 
 class _Run:
@@ -144,11 +146,6 @@ class _Run:
     def execute(self) -> PipelineResult:
         actions = self.schedule[self.grid.pp_rank]
         clock = _Stopwatch(self.grid) if self.settings.timeline else _NoStopwatch()
-        with aux_loss_scale(self.settings.loss_scale / self.num_tokens):  # as the loss's (MoE)
-            self._actions(actions, clock)
-        return PipelineResult(self._loss(), clock.timeline(), self.boundary.peak)
-
-    def _actions(self, actions: list[Action], clock: _Stopwatch | _NoStopwatch) -> None:
         for i, action in enumerate(actions):
             self.wire.at_point(i)
             receives, sends = self.settings.messages(action, self.grid.pp_rank, self.stages)
@@ -162,6 +159,7 @@ class _Run:
                 _free_output(out)
         self.wire.at_point(len(actions))
         self.wire.finish()
+        return PipelineResult(self._loss(), clock.timeline(), self.boundary.peak)
 
     def _forward(self, action: Action, x: torch.Tensor | None) -> torch.Tensor:
         mb, c = action.microbatch, action.chunk
