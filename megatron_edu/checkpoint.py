@@ -418,7 +418,8 @@ def _by_expert(name: str, piece) -> Iterator[tuple[str, int, tuple[int, int]]]:
     if p.expert_ids is None:
         yield name, piece.offset, (0, n)
         return
-    each, at, end = p[0].numel(), piece.offset, piece.offset + n
+    each = p.numel() // len(p.expert_ids)            # (not p[0]: ZeRO-3 frees the weights)
+    at, end = piece.offset, piece.offset + n
     while at < end:
         i, stop = at // each, min(end, (at // each + 1) * each)
         yield f"{name}.{p.expert_ids[i]}", at - i * each, (at - piece.offset, stop - piece.offset)

@@ -242,8 +242,9 @@ def test_a_mixture_of_experts_takes_the_serial_steps_through_the_cli_and_resumes
         tmp_path, cache):
     """The Llama with 8 experts (2 a token), a gated shared expert, the auxiliary and z-losses,
     DeepSeek-V3's sigmoid router with its expert bias, a capacity of 1 and dropout: at tp 2 + SP
-    × ep 2 (ZeRO-1) the serial run's losses, and its routing log per layer and expert; saved
-    there, it resumes at dp 4 × ep 4 and at pp 2 × ep 2 (ZB-H1) with the serial next loss.
+    × ep 2 (ZeRO-3) the serial run's losses, and its routing log per layer and expert; saved
+    there, it resumes at dp 4 × ep 4 (ZeRO-1) and at pp 2 × ep 2 (ZB-H1) with the serial next
+    loss.
     The checkpoint keeps each expert by its global id: experts_tp{t}_pp{p}_ep{e}.pt."""
     moe = ["--model", "llama", "--moe-experts", "8", "--moe-topk", "2", "--moe-shared-experts",
            "1", "--moe-shared-gate", "--moe-z-loss", "1e-3", "--moe-router", "sigmoid",
@@ -251,7 +252,7 @@ def test_a_mixture_of_experts_takes_the_serial_steps_through_the_cli_and_resumes
            "--save-interval", "3", "--eval-interval", "100"]
     serial = _train(tmp_path / "serial", cache, "--nproc", "1", *moe)
     split = _train(tmp_path / "ep2", cache, "--nproc", "4", "--tp", "2", "--ep", "2",
-                   "--sequence-parallel", "--zero1", *moe)
+                   "--sequence-parallel", "--zero", "3", *moe)
     for a, b in zip([r for r in serial if "loss" in r], [r for r in split if "loss" in r],
                     strict=True):
         assert b["loss"] == pytest.approx(a["loss"], abs=1e-4)
@@ -260,7 +261,7 @@ def test_a_mixture_of_experts_takes_the_serial_steps_through_the_cli_and_resumes
     saved = tmp_path / "ep2" / "checkpoints" / "step_000003"
     assert {f.name for f in saved.glob("experts_*")} == {
         f"experts_tp{t}_pp0_ep{e}.pt" for t in (0, 1) for e in (0, 1)}
-    for name, layout in (("ep4", ["--dp", "4", "--ep", "4"]),
+    for name, layout in (("ep4", ["--dp", "4", "--ep", "4", "--zero1"]),
                          ("pp2", ["--pp", "2", "--ep", "2", "--schedule", "zb-h1"])):
         resumed = _losses(_train(tmp_path / name, cache, "--nproc", "4", *layout, *moe,
                                  "--resume", str(saved)))
