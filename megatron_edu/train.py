@@ -152,33 +152,33 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("layers", "hidden", "heads", "kv-heads", "seq-len", "vocab-size"):
         model.add_argument(f"--{name}", type=positive_int, help="override the preset")
     model.add_argument("--dropout", type=rate, default=0.0)
-    moe = p.add_argument_group("mixture of experts (model/moe.py)")
-    moe.add_argument("--moe-experts", type=nonnegative_int, default=0, metavar="E",
+    moe = p.add_argument_group("mixture of experts (model/moe.py): each flag given replaces the "
+                               "preset's (llama-moe-tiny, mixtral-8x7b, qwen1.5-moe-a2.7b)")
+    moe.add_argument("--moe-experts", type=nonnegative_int, metavar="E",
                      help="routed experts in place of each MLP (0: a dense MLP)")
-    moe.add_argument("--moe-topk", type=positive_int, default=2, metavar="K",
-                     help="experts per token")
-    moe.add_argument("--moe-ffn-hidden", type=positive_int, help="units per expert (default: "
-                     "the MLP's)")
-    moe.add_argument("--moe-router", choices=ROUTERS, default="softmax",
-                     help="softmax (Mixtral) or sigmoid (DeepSeek-V3) scores")
-    moe.add_argument("--moe-groups", type=positive_int, default=1, metavar="G",
+    moe.add_argument("--moe-topk", type=positive_int, metavar="K", help="experts per token (2)")
+    moe.add_argument("--moe-ffn-hidden", type=positive_int, help="units per expert (the MLP's)")
+    moe.add_argument("--moe-router", choices=ROUTERS,
+                     help="softmax (Mixtral; the default) or sigmoid (DeepSeek-V3) scores")
+    moe.add_argument("--moe-groups", type=positive_int, metavar="G",
                      help="group-limited routing (DeepSeek-V3): the experts in G groups …")
-    moe.add_argument("--moe-topk-groups", type=positive_int, default=1, metavar="M",
+    moe.add_argument("--moe-topk-groups", type=positive_int, metavar="M",
                      help="… a token's k chosen from its best M groups")
-    moe.add_argument("--moe-shared-experts", type=nonnegative_int, default=0, metavar="N",
+    moe.add_argument("--moe-shared-experts", type=nonnegative_int, metavar="N",
                      help="always-on experts beside the routed ones (DeepSeekMoE, Qwen-MoE)")
-    moe.add_argument("--moe-shared-gate", action="store_true", help="gate the shared experts "
-                     "by a sigmoid (Qwen-MoE)")
-    moe.add_argument("--moe-aux-loss", type=nonnegative_float, default=0.01, metavar="ALPHA",
-                     help="the load-balancing loss's coefficient (Switch, GShard)")
-    moe.add_argument("--moe-group", choices=MOE_GROUPS, default="sequence",
-                     help="the tokens each balance loss and each capacity covers")
-    moe.add_argument("--moe-capacity", type=nonnegative_float, default=0.0, metavar="CF",
+    moe.add_argument("--moe-shared-gate", action="store_true", default=None,
+                     help="gate the shared experts by a sigmoid (Qwen-MoE)")
+    moe.add_argument("--moe-aux-loss", type=nonnegative_float, metavar="ALPHA",
+                     help="the load-balancing loss's coefficient (Switch, GShard; 0.01 where "
+                     "--moe-experts gives a dense preset experts)")
+    moe.add_argument("--moe-group", choices=MOE_GROUPS,
+                     help="the tokens each balance loss and each capacity covers (sequence)")
+    moe.add_argument("--moe-capacity", type=nonnegative_float, metavar="CF",
                      help="capacity factor: each expert takes at most ceil(CF·k·|group|/E) "
                      "of a group's choices, the rest dropped (0: dropless)")
-    moe.add_argument("--moe-z-loss", type=nonnegative_float, default=0.0, metavar="BETA",
+    moe.add_argument("--moe-z-loss", type=nonnegative_float, metavar="BETA",
                      help="the router z-loss's coefficient (ST-MoE)")
-    moe.add_argument("--moe-bias-rate", type=nonnegative_float, default=0.0, metavar="GAMMA",
+    moe.add_argument("--moe-bias-rate", type=nonnegative_float, metavar="GAMMA",
                      help="DeepSeek-V3's loss-free balance: each expert's selection bias moves "
                      "by GAMMA a step toward the mean load (0: no bias)")
     model.add_argument("--recompute", nargs="?", const="full", default="none",
@@ -311,21 +311,27 @@ def model_config(args: argparse.Namespace) -> GPTConfig:
         overrides["ffn_hidden"] = 0  # back to the model's rule: 4h, or Llama's 8h/3
     if "num_heads" in overrides and "num_kv_heads" not in overrides:
         overrides["num_kv_heads"] = 0  # one per head, unless said
-    return CONFIGS[args.model].preset(args.preset, ln_placement=args.ln_placement, **switches,
-                                      **overrides)
+    config = CONFIGS[args.model].preset(args.preset, ln_placement=args.ln_placement, **switches,
+                                        **overrides)
+    if _experts(args) and not config.moe_experts:
+        raise ValueError(f"--{'/--'.join(n.replace('_', '-') for n in _experts(args))} describe "
+                         f"experts, and {args.preset} has none: give --moe-experts E, or an MoE "
+                         "preset (llama-moe-tiny, mixtral-8x7b, qwen1.5-moe-a2.7b)")
+    return config
+
+
+MOE_FLAGS = ("moe_experts", "moe_topk", "moe_ffn_hidden", "moe_router", "moe_groups",
+             "moe_topk_groups", "moe_shared_experts", "moe_shared_gate", "moe_aux_loss",
+             "moe_group", "moe_capacity", "moe_z_loss", "moe_bias_rate")
 
 
 def _experts(args: argparse.Namespace) -> dict:
-    """The mixture-of-experts fields the flags give (none without --moe-experts)."""
-    if not args.moe_experts:
-        return {}
-    return dict(moe_experts=args.moe_experts, moe_topk=args.moe_topk,
-                moe_ffn_hidden=args.moe_ffn_hidden or 0, moe_router=args.moe_router,
-                moe_groups=args.moe_groups, moe_topk_groups=args.moe_topk_groups,
-                moe_shared_experts=args.moe_shared_experts, moe_shared_gate=args.moe_shared_gate,
-                moe_aux_loss=args.moe_aux_loss, moe_group=args.moe_group,
-                moe_z_loss=args.moe_z_loss, moe_capacity=args.moe_capacity,
-                moe_bias_rate=args.moe_bias_rate)
+    """The mixture-of-experts fields the --moe-* flags give (the preset's for the others); a
+    dense preset given experts balances them at 0.01 unless told."""
+    given = {name: getattr(args, name) for name in MOE_FLAGS if getattr(args, name) is not None}
+    if given.get("moe_experts"):
+        given.setdefault("moe_aux_loss", 0.01)
+    return given
 
 
 @dataclass

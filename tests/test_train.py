@@ -17,7 +17,7 @@ from megatron_edu.checkpoint import CheckpointError, checkpoint_bytes, read_meta
 from megatron_edu.launch import RankError, run
 from megatron_edu.perf import training_flops
 from megatron_edu.ptdp import StepResult
-from megatron_edu.train import _data, main, parse_args, train, validate
+from megatron_edu.train import _data, main, model_config, parse_args, train, validate
 
 TINY = ["--layers", "4", "--hidden", "64", "--heads", "4", "--seq-len", "32",
         "--vocab-size", "512", "--global-batch", "8", "--micro-batch", "2", "--lr", "3e-3",
@@ -805,3 +805,18 @@ def test_a_run_from_a_hugging_face_gpt2_starts_at_transformers_loss(tmp_path, ca
     with torch.no_grad():
         theirs = F.cross_entropy(gpt2(inputs).logits.flatten(0, 1), labels.flatten())
     assert _losses(records)[1] == pytest.approx(theirs.item(), rel=1e-5)
+
+
+def test_moe_flags_replace_the_preset_s_and_need_experts():
+    """Each --moe-* flag given replaces the preset's (no flag is dropped for want of
+    --moe-experts); experts given to a dense preset balance at 0.01; flags that describe experts
+    on a model without any are refused in one line, naming them."""
+    def config(*argv):
+        return model_config(parse_args(["--model", "llama", "--attention", "eager", *argv]))
+    assert config("--preset", "llama-moe-tiny", "--moe-aux-loss", "0").moe_aux_loss == 0.0
+    assert config("--preset", "llama-moe-tiny").moe_aux_loss == 0.01
+    assert config("--moe-experts", "8", "--moe-capacity", "1.5").moe_capacity == 1.5
+    assert config("--moe-experts", "8").moe_aux_loss == 0.01
+    with pytest.raises(ValueError, match="--moe-topk/--moe-shared-gate describe experts, and "
+                                         "tiny has none"):
+        config("--moe-topk", "4", "--moe-shared-gate")
