@@ -26,3 +26,9 @@ def device(request: pytest.FixtureRequest) -> str:
     if name == "cuda" and not torch.cuda.is_available():
         pytest.skip("--device cuda, but torch.cuda.is_available() is False on this machine")
     return name
+
+
+@pytest.fixture(scope="module")
+def transformers():
+    """Hugging Face transformers (the tests that need it are skipped without it)."""
+    return pytest.importorskip("transformers")

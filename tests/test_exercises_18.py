@@ -3,24 +3,11 @@ that names it, a stub gets "not done yet" — all decided in this process, no ra
 
 import pytest
 import torch
+from helpers import stub, verdict
 
-from megatron_edu.course.exercises import EXERCISES, REFERENCES, check
+from megatron_edu.course.exercises import EXERCISES, REFERENCES
 from megatron_edu.course.exercises.nb18 import kv_heads_of, rope_positions
 from megatron_edu.hf_llama import _fc_from_hf
-
-
-def stub(*args):
-    raise NotImplementedError("exercise NN.k: your code here")
-
-
-def verdict(exercise, answer, *fragments):
-    """Check ``answer``: passed if no fragments are given, else failed with each in its hint."""
-    result = check(exercise, answer)
-    if not fragments:
-        assert result.passed, result
-    else:
-        assert not result.passed and all(f in result.message for f in fragments), result
-    return result
 
 
 def test_the_exercises_of_notebook_18_are_registered_with_what_they_rewrite():

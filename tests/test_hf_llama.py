@@ -11,13 +11,12 @@ read the files without it.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import max_diff
+from helpers import Result, assert_same
 
 from megatron_edu import comm, hf_llama
 from megatron_edu.grid import ParallelGrid
@@ -47,27 +46,6 @@ SHAPES = {
     "tied": dict(hidden_size=96, intermediate_size=128, num_attention_heads=6,
                  num_key_value_heads=2, tie_word_embeddings=True),
 }
-
-
-@dataclass
-class Result:
-    """Logits of the inputs [b, s, VOCAB], the mean loss, and every gradient under Hugging
-    Face's names."""
-
-    logits: torch.Tensor
-    loss: torch.Tensor
-    grads: dict[str, torch.Tensor]
-
-
-def _assert_same(ours: Result, theirs: Result) -> None:
-    assert (ours.logits - theirs.logits).abs().max() < TOL, "logits"
-    assert (ours.loss - theirs.loss).abs() < TOL, "loss"
-    assert max_diff(ours.grads, theirs.grads) < TOL, "gradients"
-
-
-@pytest.fixture(scope="module")
-def transformers():
-    return pytest.importorskip("transformers")
 
 
 def _hf_model(transformers, shape: str):
@@ -139,13 +117,13 @@ def parallel(saved, tmp_path_factory) -> dict[int, tuple[list[dict[str, Result]]
 @pytest.mark.parametrize("shape", SHAPES)
 def test_serial_logits_loss_and_gradients_equal_hugging_face(saved, shape):
     path, theirs = saved[shape]
-    _assert_same(_ours(load_hf_llama(path)), theirs)
+    assert_same(_ours(load_hf_llama(path)), theirs)
 
 
 @pytest.mark.parametrize(("tp", "shape"), LAYOUTS)
 def test_parallel_logits_loss_and_gradients_equal_hugging_face(saved, parallel, tp, shape):
     for rank in parallel[tp][0]:
-        _assert_same(rank[shape], saved[shape][1])
+        assert_same(rank[shape], saved[shape][1])
 
 
 @pytest.mark.parametrize(("tp", "shape"), LAYOUTS)

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import Launches, max_diff
+from helpers import Launches, Result, assert_same
 
 from megatron_edu import comm, evaluate
 from megatron_edu.data import zeroshot
@@ -56,26 +55,6 @@ PARALLEL_SHAPES = ("mixtral", "qwen2_moe")
 # ep splits the 8 experts over the data-parallel ranks; tp 2 × ep 2 splits each expert too
 LAYOUTS = {"ep2": Layout(dp=2, ep=2), "ep4": Layout(dp=4, ep=4),
            "tp2_ep2": Layout(tp=2, dp=2, ep=2)}
-
-
-@dataclass
-class Result:
-    """Logits of the inputs [b, s, VOCAB], the mean loss, and every gradient under our names."""
-
-    logits: torch.Tensor
-    loss: torch.Tensor
-    grads: dict[str, torch.Tensor]
-
-
-def _assert_same(ours: Result, theirs: Result) -> None:
-    assert (ours.logits - theirs.logits).abs().max() < TOL, "logits"
-    assert (ours.loss - theirs.loss).abs() < TOL, "loss"
-    assert max_diff(ours.grads, theirs.grads) < TOL, "gradients"
-
-
-@pytest.fixture(scope="module")
-def transformers():
-    return pytest.importorskip("transformers")
 
 
 def _hf_class(transformers, shape: str):
@@ -166,7 +145,7 @@ def parallel(saved, tmp_path_factory) -> tuple[Launches, Path]:
 @pytest.mark.parametrize("shape", SHAPES)
 def test_serial_logits_loss_and_gradients_equal_transformers(saved, shape):
     path, theirs = saved[shape]
-    _assert_same(_ours(load_hf(path)), theirs)
+    assert_same(_ours(load_hf(path)), theirs)
 
 
 @pytest.mark.parametrize("shape", PARALLEL_SHAPES)
@@ -174,7 +153,7 @@ def test_serial_logits_loss_and_gradients_equal_transformers(saved, shape):
 def test_expert_parallel_logits_loss_and_gradients_equal_transformers(saved, parallel, layout,
                                                                        shape):
     for rank in parallel[0][layout]:
-        _assert_same(rank[shape], saved[shape][1])
+        assert_same(rank[shape], saved[shape][1])
 
 
 @pytest.mark.parametrize("shape", PARALLEL_SHAPES)
