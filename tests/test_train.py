@@ -67,7 +67,7 @@ def test_loss_decreases_and_everything_is_written(tmp_path, cache):
     tmp_path = tmp_path / "run"
     run = json.loads((tmp_path / "run.json").read_text())
     assert (run["args"]["steps"], run["args"]["eval_interval"]) == (12, 6)
-    assert run["layout"] == {"tp": 2, "pp": 1, "dp": 1, "cp": 1} and run["torch"]
+    assert run["layout"] == {"tp": 2, "pp": 1, "dp": 1, "cp": 1, "ep": 1} and run["torch"]
     trace = json.loads((tmp_path / "profile_rank0.json").read_text())["traceEvents"]
     assert any(e.get("name") == "c10d::allreduce_" for e in trace)
     assert not list(tmp_path.glob("*memory.pickle"))     # a CPU keeps no allocator history
