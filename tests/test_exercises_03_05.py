@@ -2,6 +2,7 @@
 hint written for it (in words), a stub says "not done yet", a deadlock is named as one."""
 
 import sys
+from fractions import Fraction
 
 import cloudpickle
 import pytest
@@ -10,7 +11,7 @@ import torch.nn.functional as F
 
 from megatron_edu import comm
 from megatron_edu.course.exercises import check
-from megatron_edu.pipeline.schedules import Action
+from megatron_edu.pipeline.schedules import Action, dependencies
 from megatron_edu.pipeline.stages import Message
 
 # The answers below travel to the ranks by value, as a notebook cell's functions do (by
@@ -223,7 +224,7 @@ def test_03_3_a_collective_on_one_rank_only_is_named_a_deadlock():
 
 # --- 04.1 the peak of 1F1B --------------------------------------------------------------------
 
-@pytest.mark.parametrize("exercise", ["04.1", "04.2", "04.3"])
+@pytest.mark.parametrize("exercise", ["04.1", "04.2", "04.3", "04.4"])
 def test_a_stub_of_04_is_not_done_yet(exercise):
     _hints(exercise, _stub, "not done yet")
 
@@ -348,6 +349,83 @@ def test_04_3_the_interleaved_order_passes():
 ], ids=["unreversed", "ungrouped", "1f1b-warmup", "one-chunk"])
 def test_04_3_mistakes_get_their_hint(fn, words):
     _hints("04.3", fn, *words)
+
+
+# --- 04.4 the bubble, played on paper ---------------------------------------------------------
+
+def played(schedule, forward_time, backward_time, wait=True):
+    """Per rank, when its first action starts, when its last ends, and how long it computed
+    (``wait``: each action waits for its inputs too)."""
+    p, stages = len(schedule), schedule.stages
+    cost = {"F": Fraction(forward_time) / stages.v, "B": Fraction(backward_time) / stages.v}
+    ends, free_at, done, first = {}, [0] * p, [0] * p, [None] * p
+    while any(done[r] < len(row) for r, row in enumerate(schedule)):
+        for rank, row in enumerate(schedule):
+            while done[rank] < len(row):
+                action = row[done[rank]]
+                inputs = dependencies(rank, action, stages)
+                if any(dep not in ends for dep in inputs):
+                    break
+                start = max([free_at[rank], *(ends[dep] for dep in inputs if wait)])
+                first[rank] = start if first[rank] is None else first[rank]
+                free_at[rank] = ends[rank, action] = start + cost[action.kind]
+                done[rank] += 1
+    return first, free_at, [sum(cost[a.kind] for a in row) for row in schedule]
+
+
+def bubble_fraction(schedule, forward_time, backward_time, over="compute", wait=True):
+    _, ends, busy = played(schedule, forward_time, backward_time, wait)
+    idle = [max(ends) - b for b in busy]
+    return sum(idle) / {"compute": sum(busy), "step": len(busy) * max(ends),
+                        "one rank": busy[0]}[over]
+
+
+def bubble_until_own_end(schedule, forward_time, backward_time):
+    _, ends, busy = played(schedule, forward_time, backward_time)
+    return sum(e - b for e, b in zip(ends, busy, strict=True)) / sum(busy)
+
+
+def bubble_within_own_span(schedule, forward_time, backward_time):
+    starts, ends, busy = played(schedule, forward_time, backward_time)
+    return sum(e - s - b for s, e, b in zip(starts, ends, busy, strict=True)) / sum(busy)
+
+
+def formula(p_minus, v_divides=True):
+    """(p − p_minus)/(v·m) of the schedule's sizes, or without v."""
+    def answer(schedule, forward_time, backward_time):
+        v = schedule.stages.v if v_divides else 1
+        return Fraction(len(schedule) - p_minus, v * schedule.num_microbatches)
+    return answer
+
+
+def test_04_4_the_played_timeline_passes():
+    result = _passes("04.4", bubble_fraction)
+    assert "for all 24 schedules" in result.message and "t_pb / t_id" in result.message
+    _passes("04.4", lambda *args: float(bubble_fraction(*args)))
+
+
+@pytest.mark.parametrize("fn, words", [
+    (lambda *a: bubble_fraction(*a, over="step"), ["1f1b, p=4, m=8, t_f=1, t_b=2: you said 3/11",
+                                                   "ideal time", "not (p − 1)/(m + p − 1)"]),
+    (bubble_within_own_span, ["its own first and last action", "until the last rank"]),
+    (bubble_until_own_end, ["until its own last action ends", "the optimizer step waits"]),
+    (lambda *a: 1 - bubble_fraction(*a, over="step"), ["share of the step spent computing"]),
+    (lambda *a: bubble_fraction(*a, wait=False), ["no bubble", "depends on"]),
+    (lambda *a: bubble_fraction(*a) / len(a[0]), ["(p − 1)/(p·m), p times too small"]),
+    (lambda *a: bubble_fraction(*a, over="one rank"), ["p times too large"]),
+    (formula(0), ["p/m", "p − 1 steps"]),
+    (formula(1, v_divides=False), ["interleaved, p=4, m=8, v=2", "you said 3/8",
+                                   "v times shorter"]),
+    (formula(1), ["right for GPipe, 1F1B and interleaved",
+                  "one microbatch at a time, p=4, m=2, t_f=1, t_b=2: you said 3/2, the timeline "
+                  "gives 3", "naive model parallelism", "Play the schedule"]),
+    (lambda *a: bubble_fraction(*a) + 0.01, ["you said 0.385", "each rank idles 9, 9, 9, 9 and "
+                                             "computes 24, 24, 24, 24", "Σ idle / Σ compute"]),
+    (lambda *a: str(bubble_fraction(*a)), ["returned '3/8' (str)", "one number"]),
+], ids=["over-the-step", "own-span", "own-end", "utilisation", "no-waiting", "one-rank-over-all",
+        "all-over-one-rank", "p-over-m", "v-forgotten", "formula", "other", "string"])
+def test_04_4_mistakes_get_their_hint(fn, words):
+    _hints("04.4", fn, *words)
 
 
 # --- 05.1 a deadlock, predicted and seen ------------------------------------------------------

@@ -157,3 +157,97 @@ def whole_sequence(ln, x, dy, grid):
 def test_10_3_sp_layer_norm(answer, fragments):
     result = check("10.3", answer)
     assert result.passed if not fragments else failed(result, *fragments), result.message
+
+
+# --- 10.4 sequence parallelism's column layer ----------------------------------------------------
+
+def sp_linear(gather_dim=1, save_whole=False, regather=True, reduce="reduce_scatter", part="own",
+              scatter_dim=1, reduce_weight=False, hang=False):
+    """A SequenceParallelLinear with one of the typical mistakes switched on."""
+
+    class SequenceParallelLinear(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, weight, group):
+            whole = x if gather_dim is None else comm.all_gather(x, group, dim=gather_dim)
+            ctx.save_for_backward(whole if save_whole else x, weight)
+            ctx.group = group
+            return F.linear(whole, weight)
+
+        @staticmethod
+        def backward(ctx, grad):
+            kept, weight = ctx.saved_tensors
+            group = ctx.group
+            t, r = group.size, group.rank
+            mine = kept.chunk(t, dim=1)[r] if save_whole else kept
+            x = comm.all_gather(mine, group, dim=1) if regather else kept
+            dy = grad if x.shape[1] == grad.shape[1] else grad.chunk(t, dim=1)[r]
+            grad_weight = dy.flatten(0, 1).T @ x.flatten(0, 1)
+            if reduce_weight:
+                grad_weight = comm.all_reduce(grad_weight, group)
+            partial = grad @ weight                                   # [b, s, in]
+            if reduce == "reduce_scatter":
+                dx = comm.reduce_scatter(partial, group, dim=scatter_dim)
+            elif reduce == "twice":
+                dx = comm.reduce_scatter(comm.all_reduce(partial, group), group, dim=1)
+            elif reduce == "all_gather":
+                dx = comm.all_gather(partial, group, dim=1)
+            else:                                                     # all_reduce, or none
+                summed = comm.all_reduce(partial, group) if reduce == "all_reduce" else partial
+                dx = {"whole": summed, "own": summed.chunk(t, dim=1)[r],
+                      "other": summed.chunk(t, dim=1)[t - 1 - r]}[part]
+            if hang and r == 0:                                       # rank 0 alone: a deadlock
+                comm.all_gather(mine, group, dim=1)
+            return dx, grad_weight, None
+
+    return SequenceParallelLinear
+
+
+class NoGradientForTheGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, group):
+        return sp_linear().forward(ctx, x, weight, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return sp_linear().backward(ctx, grad)[:2]
+
+
+class StubFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, group):
+        raise NotImplementedError("exercise 10.4: your code here")
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise NotImplementedError("exercise 10.4: your code here")
+
+
+@pytest.mark.parametrize(("answer", "fragments"), [
+    (sp_linear(), ()),
+    (sp_linear(gather_dim=None), ("own s/t positions only", "dim=1")),
+    (sp_linear(gather_dim=0), ("dim 0, the batch",)),
+    (sp_linear(gather_dim=-1), ("gathered along the hidden size, dim 2", "gather dim 1")),
+    (sp_linear(reduce="all_reduce", part="whole"), ("(2, 8, 4)", "an all-reduce where a "
+                                                    "reduce-scatter belongs")),
+    (sp_linear(reduce="none", part="whole"), ("the whole sequence's, not reduced",)),
+    (sp_linear(reduce="all_reduce"), ("backward all-reduces", "twice a reduce-scatter's bytes")),
+    (sp_linear(reduce="all_gather"), ("(2, 16, 4): gathered in backward", "conjugate")),
+    (sp_linear(reduce="none"), ("its own partial gradient, not summed",)),
+    (sp_linear(scatter_dim=-1), ("the hidden size, dim 2",)),
+    (sp_linear(reduce="twice"), ("2× too large", "summed twice")),
+    (sp_linear(reduce="all_reduce", part="other"), ("rank 0's gradient of x is rank 1's part",)),
+    (sp_linear(regather=False), ("its own s/t positions only", "gather x again")),
+    (sp_linear(reduce_weight=True), ("was all-reduced", "no sum")),
+    (sp_linear(save_whole=True, regather=False), ("gathered nothing", "t× the input's memory")),
+    (sp_linear(save_whole=True), ("saved the whole sequence's input [b, s, in] = (2, 8, 4)",)),
+    (sp_linear(hang=True), ("did not finish", "deadlock")),
+    (NoGradientForTheGroup, ("(dx, dweight, None)",)),
+    (lambda x, weight, group: x, ("pass the class itself",)),
+    (StubFunction, ("not done yet",)),
+], ids=["solution", "no-gather", "batch-gathered", "hidden-gathered", "all-reduced-whole",
+        "not-reduced-whole", "all-reduced", "gathered-in-backward", "not-reduced",
+        "hidden-scattered", "summed-twice", "other-rank", "no-regather", "weight-all-reduced",
+        "whole-kept", "whole-saved", "deadlock", "no-group-gradient", "function", "stub"])
+def test_10_4_sp_linear(answer, fragments):
+    result = check("10.4", answer)
+    assert result.passed if not fragments else failed(result, *fragments), result.message

@@ -3,6 +3,8 @@
 10.1 ★    the activation bytes of one transformer layer (2205.05198 Table 2)
 10.2 ★★   selective recomputation: the attention core under a checkpoint (2205.05198 §5)
 10.3 ★★   the sequence-parallel layer norm's weight gradients, summed over tp (§4.2.2)
+10.4 ★★★  sequence parallelism's column layer as an autograd Function: all-gather the sequence
+          forward; gather the input again and reduce-scatter its gradient backward (§4.2.2)
 
 10.1 is checked in this process against ``megatron_edu.perf.activation_bytes_per_layer`` over a
 grid of shapes, tensor-parallel sizes and modes. Typical wrong answers — the 10·s·b·h not divided
@@ -20,12 +22,21 @@ recomputation: too few bytes kept), the 1/√d scale or the causal mask missing.
 norm's gradients. Named: each rank's partial gradient not reduced, averaged instead of summed,
 summed over the wrong group (dp, or every rank), the sequence split along another dimension, the
 whole sequence on every rank.
+
+10.4 runs on 2 gloo ranks against the serial layer x·Wᵀ on the whole sequence (each rank its
+out/t columns), comparing y, dx and dW, and records the collectives of each pass and the shapes
+saved for backward. Named: the own part of the sequence only (no gather), the batch or the hidden
+size gathered or scattered instead of the sequence, the partial gradients not summed, all-reduced
+(the whole sequence's gradient, or twice the bytes), gathered in backward, summed twice, another
+rank's part kept, dW of the rank's own positions only or all-reduced, and the gathered input kept
+for backward instead of gathered again (t× its memory).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import re
 from dataclasses import replace
 
 import torch
@@ -41,7 +52,10 @@ from megatron_edu.perf.measure import saved_bytes
 from megatron_edu.tensor_parallel.init import init_parameters
 from megatron_edu.tensor_parallel.layers import serial_group
 from megatron_edu.tensor_parallel.random import DropoutKey, checkpoint
-from megatron_edu.tensor_parallel.sequence_parallel import sum_replicated_grads_
+from megatron_edu.tensor_parallel.sequence_parallel import (
+    _SequenceParallelLinear,
+    sum_replicated_grads_,
+)
 
 __all__ = ["CASES", "ATTENTION", "TIMEOUT"]  # the checkers register themselves (``@exercise``)
 
@@ -340,3 +354,208 @@ def check_sp_layer_norm(fn) -> str:
             f"whole sequence, summed over tp with {calls} all-reduce{'s' if calls != 1 else ''} "
             "through comm (sum_replicated_grads_ makes one, of every replicated gradient "
             "flattened)")
+
+
+# --- 10.4 ★★★ sequence parallelism's column layer -------------------------------------------------
+
+SP_B, SP_S, SP_IN, SP_OUT = 2, 8, 4, 6     # x [b, s, in], W [out, in]: every split shape distinct
+
+
+def _sp_data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The whole sequence's x [b, s, in], the whole weight W [out, in], and dL/dy [b, s, out]."""
+    gen = torch.Generator().manual_seed(104)
+    return (torch.randn(SP_B, SP_S, SP_IN, generator=gen),
+            torch.randn(SP_OUT, SP_IN, generator=gen),
+            torch.randn(SP_B, SP_S, SP_OUT, generator=gen))
+
+
+def _run_sp_linear(function) -> dict:
+    """function.apply(x_r, W_r, group) on this rank's part of the sequence and rows of W, then
+    backward from its columns of dL/dy: outputs, gradients, each pass's collectives, and the
+    shapes saved for backward."""
+    group = comm.world()
+    t, r = group.size, group.rank
+    x, weight, upstream = _sp_data()
+    x = x.chunk(t, dim=1)[r].clone().requires_grad_()
+    weight = weight.chunk(t, dim=0)[r].clone().requires_grad_()
+    saved: list[tuple[int, ...]] = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        saved.append(tuple(tensor.shape))
+        return tensor
+
+    out: dict = {"saved": saved}
+    forward, backward = comm.CommLog(), comm.CommLog()   # kept when the learner's code raises
+    try:
+        with comm.record(forward), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = function.apply(x, weight, group)
+        out["y"] = y.detach() if isinstance(y, torch.Tensor) else y
+        if isinstance(y, torch.Tensor) and y.shape == (SP_B, SP_S, SP_OUT // t):
+            with comm.record(backward):
+                y.backward(upstream.chunk(t, dim=-1)[r])
+    except NotImplementedError:
+        raise                                           # a stub: "not done yet"
+    except RuntimeError as err:
+        out["error"] = str(err).strip().splitlines()[0]
+    out.update(forward=[e.op for e in forward.events], backward=[e.op for e in backward.events],
+               dx=x.grad, dw=weight.grad)
+    return out
+
+
+def _matches(got: torch.Tensor, want: torch.Tensor) -> bool:
+    return not _differs(got, want, 1e-5)
+
+
+def _sp_output_hint(r: int, y) -> None:
+    """Rank r's y is not [b, s, out/t] of x·W_rᵀ: name the dimension it gathered, if known."""
+    whole, weight, _ = _sp_data()
+    want = whole @ weight.chunk(TP)[r].T
+    shape = tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__
+    if shape == (SP_B, SP_S // TP, SP_OUT // TP):
+        raise Hint(f"rank {r}'s y has shape {shape}: its own s/t positions only. The column "
+                   "layer's GEMM needs the whole sequence: all-gather x along dim 1 first "
+                   "(comm.all_gather(x, group, dim=1)), sequence parallelism's g")
+    if shape == (TP * SP_B, SP_S // TP, SP_OUT // TP):
+        raise Hint(f"rank {r}'s y has shape {shape}: x was gathered along dim 0, the batch; "
+                   "the ranks hold parts of the sequence, dim 1 of [b, s, h]")
+    if shape != tuple(want.shape):
+        raise Hint(f"rank {r}'s y has shape {shape}; expected [b, s, out/t] = "
+                   f"{tuple(want.shape)}: the whole sequence through this rank's rows of W")
+    if not _matches(y, want):
+        raise Hint(f"rank {r}'s y is not x·W_rᵀ of the whole sequence: gather the ranks' parts "
+                   "in rank order along dim 1 (comm.all_gather does), then F.linear(x, weight)")
+
+
+def _sp_error_hint(r: int, got: dict) -> None:
+    """Rank r raised: autograd refusing a gradient of the wrong shape (named), or another error."""
+    error, backward = got["error"], got["backward"]
+    wrong = re.search(r"invalid gradient at index (\d) - got \[([\d, ]*)\]", error)
+    shape = tuple(map(int, wrong[2].split(","))) if wrong else ()
+    if wrong and wrong[1] == "1":
+        _sp_dw_shape_hint(r, shape)
+    where = f"rank {r}'s gradient of x"
+    if shape == (SP_B, SP_S, SP_IN):
+        what = ("summed, by an all-reduce where a reduce-scatter belongs" if "all_reduce" in
+                backward else "not reduced")
+        raise Hint(f"{where} has shape {shape}, the whole sequence's, {what}. The rank holds s/t "
+                   "positions: comm.reduce_scatter(dx, group, dim=1) sums the ranks' partial "
+                   "gradients and leaves each its part [b, s/t, in]")
+    if shape == (SP_B, TP * SP_S, SP_IN):
+        raise Hint(f"{where} has shape {shape}: gathered in backward. The conjugate of the "
+                   "forward's all-gather is a reduce-scatter: every rank used every position, "
+                   "so their partial gradients are summed, and each keeps its own part")
+    if shape in ((SP_B, SP_S, SP_IN // TP), (SP_B // TP, SP_S, SP_IN)):
+        dim = "the hidden size, dim 2" if shape[-1] != SP_IN else "the batch, dim 0"
+        raise Hint(f"{where} has shape {shape}: reduce-scattered along {dim}; the sequence is "
+                   "split, dim 1")
+    if "cannot be multiplied" in error and got["forward"] == ["all_gather"]:
+        raise Hint(f"rank {r}'s x·Wᵀ failed ({error}): x was gathered along the hidden size, "
+                   "dim 2, which W's columns must match; the ranks hold parts of the sequence: "
+                   "gather dim 1")
+    raise Hint(f"rank {r} raised RuntimeError: {error} — gather x along dim 1, the sequence; "
+               "backward returns one gradient per input of forward, each of its input's shape: "
+               "(dx, dweight, None)")
+
+
+def _sp_dx_hint(r: int, dx) -> None:
+    """Rank r's dx has the right shape but is wrong: name the reduction it is, if typical."""
+    _, weight, upstream = _sp_data()
+    partial = upstream.chunk(TP, dim=-1)[r] @ weight.chunk(TP)[r]      # [b, s, in], this rank's
+    whole = upstream @ weight                                          # Σ over the ranks
+    want = whole.chunk(TP, dim=1)[r]
+    where = f"rank {r}'s gradient of x"
+    if dx is None:
+        raise Hint(f"{where} is None: backward returns (dx, dweight, None), dx first")
+    if _matches(dx, partial.chunk(TP, dim=1)[r]):
+        raise Hint(f"{where} is its own partial gradient, not summed: dY·W_r covers only this "
+                   "rank's out/t columns, and every rank used every position of x. Sum over the "
+                   "ranks and keep this rank's part: a reduce-scatter")
+    if _matches(dx, TP * want):
+        raise Hint(f"{where} is {TP}× too large: summed twice, an all-reduce and a "
+                   "reduce-scatter; the reduce-scatter alone sums the ranks' partial gradients")
+    other = next((q for q in range(TP) if q != r and _matches(dx, whole.chunk(TP, dim=1)[q])),
+                 None)
+    if other is not None:
+        raise Hint(f"{where} is rank {other}'s part of the sequence: keep part {r} "
+                   "(comm.reduce_scatter leaves each rank its own)")
+    if not _matches(dx, want):
+        raise Hint(f"{where} is not its part of dY·W summed over the ranks "
+                   f"(positions {r * SP_S // TP}…{(r + 1) * SP_S // TP - 1})")
+
+
+def _weight_grad(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """dW = dYᵀ·X over every (sample, position) of dy [b, s, out] and x [b, s, in]."""
+    return dy.flatten(0, 1).T @ x.flatten(0, 1)
+
+
+def _sp_dw_shape_hint(r: int, shape) -> None:
+    raise Hint(f"rank {r}'s gradient of its rows of W is {shape}; backward's second output is "
+               f"dW_r = dYᵀ·X, of the weight's shape {(SP_OUT // TP, SP_IN)}")
+
+
+def _sp_dw_hint(r: int, dw) -> None:
+    """Rank r's dW is wrong: name its mistake, if it is a typical one."""
+    x, _, upstream = _sp_data()
+    columns = upstream.chunk(TP, dim=-1)                                # each rank's [b, s, out/t]
+    want = _weight_grad(columns[r], x)
+    where = f"rank {r}'s gradient of its rows of W"
+    if dw is None:
+        _sp_dw_shape_hint(r, None)
+    own = slice(r * SP_S // TP, (r + 1) * SP_S // TP)
+    if _matches(dw, _weight_grad(columns[r][:, own], x[:, own])):
+        raise Hint(f"{where} is dYᵀ·X over its own s/t positions only: dW needs every "
+                   "position's input — gather x again in backward")
+    if _matches(dw, sum(_weight_grad(dy, x) for dy in columns)):
+        raise Hint(f"{where} was all-reduced: each rank's rows of W are its own (a column-parallel "
+                   "weight), and their gradient is complete once x is gathered again — no sum")
+    if not _matches(dw, want):
+        raise Hint(f"{where} is not dYᵀ·X over the whole sequence (dY: this rank's out/t "
+                   "columns of the gradient, X: the input gathered again)")
+
+
+def _sp_collectives_hint(r: int, got: dict) -> None:
+    """The values are right: name what rank r's passes communicate and keep, if it is wrong."""
+    forward, backward = got["forward"], got["backward"]
+    if forward != ["all_gather"]:
+        raise Hint(f"rank {r}'s forward made {forward or 'no collective through comm'}; it "
+                   "needs one all-gather of the sequence, through comm (so that it is counted)")
+    if "all_reduce" in backward:
+        raise Hint(f"rank {r}'s backward all-reduces: every rank then receives the whole "
+                   "sequence's gradient and throws away (t − 1)/t of it, twice a "
+                   "reduce-scatter's bytes — comm.reduce_scatter(dx, group, dim=1)")
+    if "all_gather" not in backward and "reduce_scatter" in backward:
+        raise Hint(f"the values are right, but rank {r}'s backward gathered nothing: it kept the "
+                   "gathered input from the forward, t× the input's memory — what sequence "
+                   "parallelism exists to save (2205.05198 §4.2.2). Save this rank's part and "
+                   "gather it again in backward")
+    if sorted(backward) != ["all_gather", "reduce_scatter"]:
+        raise Hint(f"rank {r}'s backward made {backward or 'no collective through comm'}; it "
+                   "needs one all-gather (x again) and one reduce-scatter (dx), through comm")
+    if (SP_B, SP_S, SP_IN) in got["saved"]:
+        raise Hint(f"rank {r} saved the whole sequence's input [b, s, in] = "
+                   f"{(SP_B, SP_S, SP_IN)} for backward, though it gathers it again: save its "
+                   f"part [b, s/t, in] = {(SP_B, SP_S // TP, SP_IN)}")
+
+
+@exercise("10.4", "sequence parallelism's column layer: gather forward, re-gather and "
+          "reduce-scatter backward", reference=(_SequenceParallelLinear, comm._AllGather))
+def check_sp_linear(function) -> str:
+    """SequenceParallelLinear.apply(x_r, W_r, group) on 2 ranks against x·Wᵀ; its collectives."""
+    if not hasattr(function, "apply"):
+        raise Hint("pass the class itself — a torch.autograd.Function with forward and backward "
+                   "— so that the checker can call SequenceParallelLinear.apply(x, weight, group)")
+    results = on_ranks(TP, _run_sp_linear, function, timeout=TIMEOUT, may_deadlock=True)
+    for r, got in enumerate(results):
+        if "error" in got:
+            _sp_error_hint(r, got)
+        _sp_output_hint(r, got["y"])
+    for r, got in enumerate(results):
+        _sp_dx_hint(r, got["dx"])
+        _sp_dw_hint(r, got["dw"])
+    for r, got in enumerate(results):
+        _sp_collectives_hint(r, got)
+    return (f"on {TP} ranks y, dx and dW equal the serial layer's (x·Wᵀ on the whole sequence, "
+            "each rank its out/t columns and its s/t positions of dx), with one all-gather "
+            "forward, one all-gather of x again and one reduce-scatter of dx backward, and only "
+            "the rank's [b, s/t, in] of x kept between them — the package's column layer under "
+            "sequence parallelism (tensor_parallel/sequence_parallel.py)")
