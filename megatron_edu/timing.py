@@ -107,8 +107,9 @@ class TimedLog(comm.CommLog):
 
     def interval(self, event: comm.CommEvent) -> tuple[float, float]:
         """When ``event``'s call was made and when its work was done, in perf_counter seconds
-        (waits for the work)."""
-        made, done = self.times[self.events.index(event)]
+        (waits for the work). Found by identity: two calls alike (a block's gather forward and
+        again backward) are equal events."""
+        made, done = self.times[next(i for i, e in enumerate(self.events) if e is event)]
         return self.clock.seconds(made), self.clock.seconds(done.wait())
 
 

@@ -31,7 +31,7 @@ def _stub(*args, **kwargs):
     raise NotImplementedError("exercise NN.k: your code here")
 
 
-@pytest.mark.parametrize("exercise_id", ["06.1", "06.2", "06.3", "07.1", "07.2", "07.3"])
+@pytest.mark.parametrize("exercise_id", ["06.1", "06.2", "06.3", "06.4", "07.1", "07.2", "07.3"])
 def test_a_stub_is_not_done_yet(exercise_id):
     result = check(exercise_id, _stub)
     assert result.passed is False and "not done yet" in result.message, result
@@ -218,6 +218,144 @@ def test_06_3_a_typical_mistake_gets_its_hint(wrong, words):
 def test_06_3_a_deadlock_is_named():
     _verdict("06.3", gathers_on_rank_0_only, "did not finish: they sat blocked, using no CPU",
              "a deadlock")
+
+
+# --- 06.4 the bucket hook -----------------------------------------------------------------------
+
+class BucketHooks:
+    def __init__(self, buckets, group):
+        self.buckets, self.group, self.sync = buckets, group, True
+        self.bucket_of = {p: i for i, bucket in enumerate(buckets) for p in bucket}
+        self.marked = [set() for _ in buckets]
+        self.launched = []
+        for p in self.bucket_of:
+            p.register_post_accumulate_grad_hook(self.ready)
+
+    def ready(self, param):
+        if not self.sync:
+            return
+        self.marked[self.bucket_of[param]].add(param)
+        while self.complete(len(self.launched)):
+            self.launch(self.buckets[len(self.launched)])
+
+    def complete(self, k):
+        return k < len(self.buckets) and len(self.marked[k]) == len(self.buckets[k])
+
+    def launch(self, params):
+        flat = torch.cat([p.grad.flatten() for p in params]) / self.group.size
+        self.launched.append((params, flat, comm.all_reduce_(flat, self.group, async_op=True)))
+
+    def finish(self):
+        for params, flat, work in self.launched:
+            work.wait()
+            for p, piece in zip(params, flat.split([p.numel() for p in params]), strict=True):
+                p.grad.copy_(piece.view_as(p))
+        self.marked, self.launched = [set() for _ in self.buckets], []
+
+
+class LaunchedAfterBackward(BucketHooks):
+    def ready(self, param):
+        pass
+
+    def finish(self):
+        for bucket in self.buckets:
+            self.launch(bucket)
+        super().finish()
+
+
+class LaunchedPerParameter(BucketHooks):
+    def ready(self, param):
+        if self.sync:
+            self.launch([param])
+
+
+class LaunchedWhenComplete(BucketHooks):  # each bucket as it completes, whatever its turn
+    def ready(self, param):
+        if self.sync:
+            k = self.bucket_of[param]
+            self.marked[k].add(param)
+            if self.complete(k):
+                self.launch(self.buckets[k])
+
+
+class LaunchedOnlyInTurn(BucketHooks):  # an if, not a while: a bucket complete early never goes
+    def ready(self, param):
+        if self.sync:
+            k = self.bucket_of[param]
+            self.marked[k].add(param)
+            if k == len(self.launched) and self.complete(k):
+                self.launch(self.buckets[k])
+
+
+class LaunchedAtFirstGradient(BucketHooks):
+    def ready(self, param):
+        if self.sync:
+            self.marked[self.bucket_of[param]].add(param)
+            while len(self.launched) < len(self.buckets) and self.marked[len(self.launched)]:
+                self.launch(self.buckets[len(self.launched)])
+
+
+class MarksKept(BucketHooks):  # finish() forgets nothing: the next step's buckets go at once
+    def finish(self):
+        super().finish()
+        self.marked = [set(bucket) for bucket in self.buckets]
+
+
+class NeverWaits(BucketHooks):
+    def finish(self):
+        for params, flat, _ in self.launched:
+            for p, piece in zip(params, flat.split([p.numel() for p in params]), strict=True):
+                p.grad.copy_(piece.view_as(p))
+        self.marked, self.launched = [set() for _ in self.buckets], []
+
+
+class CommunicatesEveryMicrobatch(BucketHooks):
+    def ready(self, param):
+        self.sync = True
+        super().ready(param)
+
+
+class AddsUpEveryBackward(BucketHooks):  # .grad holds the sum so far: adding it counts twice
+    def __init__(self, buckets, group):
+        super().__init__(buckets, group)
+        self.sums = {p: torch.zeros_like(p) for p in self.bucket_of}
+
+    def ready(self, param):
+        self.sums[param] += param.grad
+        if self.sync:
+            param.grad.copy_(self.sums[param])
+            super().ready(param)
+
+    def finish(self):
+        super().finish()
+        for total in self.sums.values():
+            total.zero_()
+
+
+def test_06_4_the_solution_passes():
+    result = check("06.4", BucketHooks)
+    assert result.passed, result
+    assert "in the same order on both ranks" in result.message
+
+
+@pytest.mark.parametrize("wrong, words", [
+    (LaunchedAfterBackward, "no all-reduce was launched during backward"),
+    (LaunchedPerParameter, "6 all-reduces for 3 buckets — one per parameter"),
+    (LaunchedWhenComplete, "rank 1, step 1: all-reduce no. 1 was launched as bucket 1's"),
+    (LaunchedAtFirstGradient, "bucket 0's all-reduce was launched when 1 of its 2 gradients"),
+    (MarksKept, "step 2 (2 microbatches): bucket 0's all-reduce was launched when 1 of its 2"),
+    (NeverWaits, "finish() returned without waiting for bucket 0's all-reduce"),
+    (CommunicatesEveryMicrobatch, "launched in the backward of microbatch 1 of 2"),
+    (AddsUpEveryBackward, "the first microbatch's gradient counts twice"),
+], ids=["after-backward", "per-parameter", "out-of-order", "too-early", "marks-kept", "no-wait",
+        "every-microbatch", "counted-twice"])
+def test_06_4_a_typical_mistake_gets_its_hint(wrong, words):
+    _verdict("06.4", wrong, words)
+
+
+def test_06_4_a_bucket_one_rank_never_launches_is_a_named_deadlock():
+    _verdict("06.4", LaunchedOnlyInTurn, "did not finish: they sat blocked, using no CPU",
+             "a while loop, not an if")
 
 
 # --- 07.1 the rank grid --------------------------------------------------------------------------

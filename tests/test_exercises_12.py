@@ -74,3 +74,51 @@ def ring_step(block, group, turn=1):
 def test_12_3_ring_step(answer, fragments):
     result = check("12.3", answer)
     assert result.passed if not fragments else failed(result, *fragments), result.message
+
+
+def dkv_step(q, do, lse, delta, kv, dkv, owner, group, turn=1, skip=True, mask=True,
+             own_lse=False, scale_scores=True, scale_ds=True, send=True, order=(0, 1)):
+    r, n = group.rank, group.size
+    if owner <= r or not skip:
+        scale = q.shape[-1] ** -0.5
+        scores = q @ kv[0].T * (scale if scale_scores else 1.0)
+        if owner == r and mask:
+            future = torch.ones_like(scores, dtype=torch.bool).triu(1)
+            scores = scores.masked_fill(future, float("-inf"))
+        p = (scores - (scores.logsumexp(-1, keepdim=True) if own_lse else lse)).exp()
+        ds = p * (do @ kv[1].T - delta) * (scale if scale_ds else 1.0)
+        parts = (ds.T @ q, p.T @ do)
+        dkv = dkv + torch.stack([parts[i] for i in order])
+    if not send:
+        return dkv
+    received = torch.empty_like(dkv)
+    for work in comm.batch_isend_irecv([P2POp("send", dkv, group.ranks[(r + turn) % n]),
+                                        P2POp("recv", received, group.ranks[(r - turn) % n])],
+                                       group):
+        work.wait()
+    return received
+
+
+@pytest.mark.parametrize(("mistake", "fragments"), [
+    ({}, ()),
+    (dict(send=False), ("stayed on the rank that computed them",)),
+    (dict(turn=-1), ("went to rank r − 1 while the blocks go to r + 1",)),
+    (dict(skip=False), ("a part for the block of a later rank",)),
+    (dict(mask=False), ("needs the causal mask inside it",)),
+    (dict(own_lse=True), ("the visiting block's keys alone",)),
+    (dict(scale_scores=False), ("was not scaled by 1/√d before exp",)),
+    (dict(scale_ds=False), ("dK is √d = 2.83× too large and dV is right",)),
+    (dict(order=(1, 0)), ("right but swapped",)),
+    (dict(send=False, own_lse=True), ("stayed on the rank", "; and the probabilities")),
+], ids=["solution", "kept", "wrong-way", "no-skip", "no-mask", "own-lse", "scores-unscaled",
+        "ds-unscaled", "swapped", "kept-and-own-lse"])
+def test_12_4_ring_dkv(mistake, fragments):
+    def answer(*args):
+        return dkv_step(*args, **mistake)
+
+    result = check("12.4", answer)
+    assert result.passed if not fragments else failed(result, *fragments), result.message
+
+
+def test_12_4_a_stub_is_not_done_yet():
+    assert failed(check("12.4", stub), "not done yet")

@@ -2,16 +2,22 @@
 
 06.1 ★   average the replicas' gradients with one all-reduce per bucket;
 06.2 ★★  gradient accumulation: m microbatches, one communication per bucket per step;
-06.3 ★★★ a ZeRO-1 step: reduce-scatter, update this rank's shard, all-gather.
+06.3 ★★★ a ZeRO-1 step: reduce-scatter, update this rank's shard, all-gather;
+06.4 ★★★ the bucket hook: each bucket's all-reduce launched from a post-accumulate-grad hook
+         during backward, in order, once its last gradient has arrived (PyTorch DDP, Li et al.
+         2020; the papers' Megatron all-reduced after backward).
 
-Each runs the learner's function on 2 and 4 gloo ranks and compares it with plain data
-parallelism computed on every rank from the same seeds.
+06.1–06.3 run the learner's function on 2 and 4 gloo ranks and compare it with plain data
+parallelism computed on every rank from the same seeds. 06.4 runs the learner's class on 2 ranks
+whose gradients arrive in different orders, and reads from ``comm.record()`` when each all-reduce
+was launched and waited for, against the checker's own hooks and the span of backward.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -365,3 +371,230 @@ def _check_zero1_collectives(logs: list[comm.CommLog], rank: int) -> None:
     ops = ", ".join(f"{n} {op}" for (op, _, _), (n, _) in log.summary().items())
     raise Hint(f"rank {rank} made {ops} per step; ZeRO-1 needs exactly one reduce-scatter "
                "(gradients) and one all-gather (weights)")
+
+
+# --- 06.4 ★★★ the bucket hook --------------------------------------------------------------------
+
+HOOK_DP = 2
+HOOK_SHAPES = [(2, 2), (4,), (4,), (1, 4), (2, 2), (4,)]   # six parameters of 4 values
+HOOK_BUCKETS = [[0, 1], [2, 3], [4, 5]]                    # in three buckets of 8
+ARRIVALS = ([0, 1, 2, 3, 4, 5], [2, 3, 0, 1, 5, 4])       # the order their gradients arrive
+MICROBATCHES_PER_STEP = (1, 2)                             # a plain step, then one accumulating 2
+# Parameters of one size, buckets of one size: launched in different orders on the two ranks,
+# per bucket or per parameter, the all-reduces still pair up (gloo aborts a process whose
+# collective does not match its peer's in size), and the checker names what it saw launched.
+
+
+@dataclass
+class _Launch:
+    """An all-reduce the answer launched: in which step and microbatch, whether backward was
+    running, which parameters' gradients had arrived in this backward by then (the last one:
+    the hook running), and where its work was waited for ("backward", "after", or never)."""
+
+    step: int
+    microbatch: int
+    sync: bool
+    in_backward: bool
+    arrived: tuple[int, ...]
+    asynchronous: bool
+    waited: str | None = None
+
+
+class _Watch(comm.CommLog):
+    """The step as the checker sees it: its own hooks, registered before the answer's, note each
+    gradient's arrival; each collective the answer makes becomes a ``_Launch``, its work handed
+    back wrapped to see where it is waited for."""
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        super().__init__()
+        self.step = self.microbatch = 0
+        self.sync = self.running = False
+        self.arrived: list[int] = []
+        self.launches: list[_Launch] = []
+        for i, p in enumerate(params):
+            p.register_post_accumulate_grad_hook(lambda _, i=i: self.arrived.append(i))
+
+    def add(self, event: comm.CommEvent, work):
+        self.events.append(event)
+        launch = _Launch(self.step, self.microbatch, self.sync, self.running,
+                         tuple(self.arrived), work is not None)
+        self.launches.append(launch)
+        return None if work is None else _Watched(work, launch, self)
+
+
+class _Watched:
+    """A launched all-reduce's work: notes whether backward was running when it was waited for."""
+
+    def __init__(self, work, launch: _Launch, watch: _Watch) -> None:
+        self.work, self.launch, self.watch = work, launch, watch
+
+    def wait(self, *args, **kwargs):
+        self.launch.waited = "backward" if self.watch.running else "after"
+        return self.work.wait(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self.work, name)
+
+
+def _hook_grad(rank: int, step: int, microbatch: int, i: int) -> torch.Tensor:
+    return _values(10_000 + 1000 * rank + 100 * step + 10 * microbatch + i, HOOK_SHAPES[i])
+
+
+def _hook_loss(params: list[nn.Parameter], rank: int, step: int, microbatch: int) -> torch.Tensor:
+    """Σᵢ ⟨cᵢ, pᵢ⟩, whose gradient of pᵢ is cᵢ; the terms made in the reverse of this rank's
+    arrival order: autograd runs the latest-made first, so the gradients arrive in that order."""
+    terms = [(params[i] * _hook_grad(rank, step, microbatch, i)).sum()
+             for i in reversed(ARRIVALS[rank])]
+    return torch.stack(terms).sum()
+
+
+def _run_bucket_hooks(answer: type) -> dict[str, Any]:
+    group = ParallelGrid(dp=dist.get_world_size()).dp_group
+    params = [nn.Parameter(torch.zeros(shape)) for shape in HOOK_SHAPES]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    watch = _Watch(params)
+    hooks = answer([[params[i] for i in bucket] for bucket in HOOK_BUCKETS], group)
+    grads = []
+    with comm.record(watch):
+        for step, m in enumerate(MICROBATCHES_PER_STEP):
+            watch.step = step
+            for p in params:
+                p.grad.zero_()                     # in place: an answer may hold views of .grad
+            for mb in range(m):
+                hooks.sync = watch.sync = mb == m - 1
+                watch.microbatch, watch.arrived = mb, []
+                loss = _hook_loss(params, group.rank, step, mb)
+                watch.running = True
+                loss.backward()
+                watch.running = False
+            hooks.finish()
+            grads.append([p.grad.clone() for p in params])
+    return dict(launches=watch.launches, grads=grads)
+
+
+@exercise("06.4", "the bucket hook: each bucket's all-reduce launched during backward",
+          reference=(DataParallel._on_grad_ready,))
+def _bucket_hooks(fn: type) -> str:
+    try:
+        results = on_ranks(HOOK_DP, _run_bucket_hooks, fn, timeout=TIMEOUT, may_deadlock=True)
+    except Hint as hint:
+        if "deadlock" not in str(hint):
+            raise
+        raise Hint(f"{hint}. Here the gradients arrive in a different order on each rank, so a "
+                   "bucket may be complete before its turn: every rank must still launch every "
+                   "bucket, in the same order — when bucket k is launched, launch k + 1 too if "
+                   "it is complete already (a while loop, not an if)") from None
+    for rank, r in enumerate(results):
+        for step, m in enumerate(MICROBATCHES_PER_STEP):
+            _check_launches([la for la in r["launches"] if la.step == step], rank, step, m)
+    for rank, r in enumerate(results):
+        for step, m in enumerate(MICROBATCHES_PER_STEP):
+            _check_hooked_grads(r["grads"][step], rank, step, m)
+    return (f"on {HOOK_DP} ranks whose gradients arrive in different orders, every .grad is the "
+            f"replicas' average; each bucket's all-reduce ({len(HOOK_BUCKETS)}) was launched "
+            "inside backward once its last gradient had arrived, in the same order on both "
+            f"ranks, and waited for in finish(); with {MICROBATCHES_PER_STEP[-1]} microbatches "
+            "only the last backward communicated")
+
+
+def _check_launches(launches: list[_Launch], rank: int, step: int, m: int) -> None:
+    """One rank's launches in one step, against when the gradients arrived."""
+    where = f"rank {rank}, step {step + 1}" + (f" ({m} microbatches)" if m > 1 else "")
+    buckets = len(HOOK_BUCKETS)
+    early = next((la for la in launches if not la.sync), None)
+    if early is not None:
+        raise Hint(f"{where}: an all-reduce was launched in the backward of microbatch "
+                   f"{early.microbatch + 1} of {m}, where sync was False. Under gradient "
+                   "accumulation only the last microbatch's backward communicates: with sync "
+                   "False the hook returns at once, and autograd sums the gradients into .grad")
+    if len(launches) == len(HOOK_SHAPES):
+        raise Hint(f"{where}: {len(launches)} all-reduces for {buckets} buckets — one per "
+                   "parameter. A bucket's gradients travel together, as one flat buffer "
+                   "(torch.cat of their .flatten()): one all-reduce per bucket")
+    if len(launches) != buckets:
+        raise Hint(f"{where}: {len(launches)} all-reduces through megatron_edu.comm for "
+                   f"{buckets} buckets; launch each bucket once (comm.all_reduce_ with "
+                   "async_op=True)")
+    for k, la in enumerate(launches):
+        if not la.asynchronous:
+            raise Hint(f"{where}: the all-reduce of bucket {k} was synchronous: the hook held "
+                       "backward up until the transfer was done. Launch it with async_op=True, "
+                       "keep its work, and wait for it in finish()")
+    late = [k for k, la in enumerate(launches) if not la.in_backward]
+    if len(late) == buckets:
+        raise Hint(f"{where}: no all-reduce was launched during backward — all {buckets} after "
+                   "it returned: no overlap. Launch each bucket from the post-accumulate-grad "
+                   "hook as soon as its last gradient has arrived, so that its transfer runs "
+                   "while backward computes the rest")
+    if late:
+        raise Hint(f"{where}: {len(late)} of the {buckets} all-reduces (the first: bucket "
+                   f"{late[0]}'s) were launched after backward returned, though every gradient "
+                   "had arrived during it. When a bucket is launched, launch the next ones too "
+                   "if they are complete already (a while loop, not an if)")
+    for k, la in enumerate(launches):
+        _check_order(la, k, where)
+    for k, la in enumerate(launches):
+        if la.waited is None:
+            raise Hint(f"{where}: finish() returned without waiting for bucket {k}'s "
+                       "all-reduce: its sum may not have arrived when .grad is read. Wait for "
+                       "every launched work (work.wait()), then copy the averages into .grad")
+        if la.waited == "backward":
+            raise Hint(f"{where}: bucket {k}'s all-reduce was waited for inside backward: "
+                       "backward stood still until it was done — no overlap. Keep the works, "
+                       "and wait for them in finish()")
+
+
+def _check_order(launch: _Launch, k: int, where: str) -> None:
+    """The k-th all-reduce of a step must be bucket k's, every one of its gradients arrived."""
+    def complete(b: int) -> bool:
+        return set(HOOK_BUCKETS[b]) <= set(launch.arrived)
+
+    if complete(k):
+        return
+    last = set(launch.arrived[-1:])                  # the gradient whose hook was running
+    latest = next((b for b, bucket in enumerate(HOOK_BUCKETS) if last & set(bucket)), k)
+    if latest != k and complete(latest):
+        raise Hint(f"{where}: all-reduce no. {k + 1} was launched as bucket {latest}'s last "
+                   f"gradient arrived, while bucket {k}, whose turn it was, was still incomplete "
+                   "— out of order. "
+                   "All-reduces pair up across ranks by the order they are launched, and here "
+                   "the gradients arrive in a different order on each rank: the ranks summed "
+                   "different buckets (of other sizes, a hang on NCCL, an abort on gloo). Launch "
+                   "strictly in order: bucket k once it is complete and 0 … k − 1 are launched")
+    have = len(set(HOOK_BUCKETS[k]) & set(launch.arrived))
+    raise Hint(f"{where}: bucket {k}'s all-reduce was launched when {have} of its "
+               f"{len(HOOK_BUCKETS[k])} gradients had arrived in this backward: the others "
+               "were not in what was summed. Mark each parameter ready (a set per bucket, "
+               "cleared in finish(), marking nothing while sync is False), and launch a bucket "
+               "once every one of its parameters is marked")
+
+
+def _check_hooked_grads(got: list[torch.Tensor], rank: int, step: int, m: int) -> None:
+    """Each .grad after the step: the replicas' average of the summed microbatch gradients."""
+    def mean(per_rank: Callable[[int], torch.Tensor]) -> torch.Tensor:
+        return sum(per_rank(r) for r in range(HOOK_DP)) / HOOK_DP
+
+    for i, g in enumerate(got):
+        def summed(r: int, upto: int = m, i: int = i) -> torch.Tensor:
+            return sum(_hook_grad(r, step, mb, i) for mb in range(upto))
+
+        want = mean(summed)
+        if _same(g, want):
+            continue
+        where = f"rank {rank}, step {step + 1}, parameter {i}"
+        if _same(g, summed(rank)):
+            raise Hint(f"{where}: .grad still holds this rank's own gradient — the average "
+                       "never came back. After waiting, copy each bucket's slices into .grad")
+        if _same(g, want * HOOK_DP):
+            raise Hint(f"{where}: .grad is {HOOK_DP}× the average: the all-reduce sums over "
+                       "the replicas; divide by group.size")
+        if _same(g, want / HOOK_DP):
+            raise Hint(f"{where}: .grad is the average divided by dp once more: divide once")
+        if m > 1 and _same(g, mean(lambda r: sum(summed(r, j + 1) for j in range(m)))):
+            raise Hint(f"{where}: the first microbatch's gradient counts twice. In a "
+                       "post-accumulate-grad hook .grad already holds the sum of every backward "
+                       "so far: copy it into the bucket when it is launched, do not add it up "
+                       "in every backward")
+        raise Hint(f"{where}: .grad differs from the replicas' average by up to "
+                   f"{(g - want).abs().max().item():.3g}")
