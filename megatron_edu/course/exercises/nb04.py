@@ -36,6 +36,8 @@ from megatron_edu.pipeline.schedules import (
 from megatron_edu.pipeline.simulate import Timeline, simulate
 from megatron_edu.pipeline.stages import StageMap
 
+__all__ = ["BubbleCase", "BUBBLE_CASES"]  # the checkers register themselves (``@exercise``)
+
 
 def _peaks(schedule: Schedule) -> list[int]:
     """Per rank, the most activations held at once (the simulator's count: F adds, B frees)."""
