@@ -173,8 +173,8 @@ class PTDP:
 
     @property
     def has_experts(self) -> bool:
-        """Does this rank hold experts (a mixture-of-experts model: model/moe.py)?"""
-        return any(p.expert_ids is not None for p in self.parameters())
+        """Does this rank hold experts (a mixture-of-experts model, every block's: model/moe.py)?"""
+        return self.config.moe_experts > 0
 
     def gathered(self) -> AbstractContextManager:
         """Inside, every parameter is whole (ZeRO-3 gathers, keeps writes): save, load, sample."""

@@ -199,14 +199,14 @@ class Router(nn.Module):
         scores = logits.softmax(-1) if c.moe_router == "softmax" else logits.sigmoid()
         chosen = scores if self.expert_bias is None else scores + self.expert_bias
         ids = group_limited(chosen, c.moe_groups, c.moe_topk_groups).topk(c.moe_topk, -1).indices
-        weights = scores.gather(-1, ids)
+        picked = weights = scores.gather(-1, ids)
         if c.moe_router == "sigmoid" or c.moe_norm_topk:
             weights = weights / weights.sum(-1, keepdim=True)
         probs = scores / scores.sum(-1, keepdim=True)               # softmax's are already
         loss = self._balance(logits, probs, ids)
         if torch.is_grad_enabled() and _AUX_SCALE[0] is not None:
             weights = _AuxGradient.apply(weights, loss, _AUX_SCALE[0])
-        kept = self.capacity(ids, scores.gather(-1, ids).detach())
+        kept = self.capacity(ids, picked.detach())
         return kept, weights * (kept == ids)
 
     def _balance(self, logits: torch.Tensor, probs: torch.Tensor,
