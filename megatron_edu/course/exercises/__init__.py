@@ -16,6 +16,7 @@ import pkgutil
 
 from megatron_edu.course.exercises.checking import (
     EXERCISES,
+    MARKS,
     REFERENCES,
     CheckResult,
     Hint,
@@ -25,4 +26,4 @@ from megatron_edu.course.exercises.checking import (
 for _module in sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name.startswith("nb")):
     importlib.import_module(f"{__name__}.{_module}")
 
-__all__ = ["EXERCISES", "REFERENCES", "CheckResult", "Hint", "check"]
+__all__ = ["EXERCISES", "MARKS", "REFERENCES", "CheckResult", "Hint", "check"]

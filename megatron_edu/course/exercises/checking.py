@@ -23,11 +23,12 @@ import cloudpickle
 
 from megatron_edu.launch import DeadlockError, RankError, run
 
-__all__ = ["Hint", "exercise", "check", "on_ranks", "EXERCISES", "REFERENCES", "close",
+__all__ = ["Hint", "exercise", "check", "on_ranks", "EXERCISES", "REFERENCES", "MARKS", "close",
            "DEADLOCK_AFTER"]
 
 EXERCISES: dict[str, str] = {}                     # id -> title, in registration order
 REFERENCES: dict[str, tuple[Any, ...]] = {}        # id -> the package code its answer rewrites
+MARKS: dict[str, tuple[str, ...]] = {}             # id -> regexes of what gives it away
 _CHECKERS: dict[str, Callable[[Callable], str]] = {}
 NOT_DONE = "not done yet"
 # seconds every rank still running may sit blocked, using no CPU, before on_ranks(...,
@@ -56,16 +57,20 @@ class CheckResult:
     __str__ = __repr__
 
 
-def exercise(exercise_id: str, title: str, reference: tuple[Any, ...] = ()) -> Callable:
+def exercise(exercise_id: str, title: str, reference: tuple[Any, ...] = (),
+             marks: tuple[str, ...] = ()) -> Callable:
     """Register the decorated checker as exercise ``exercise_id`` ("03.2"). ``reference``: the
-    package's functions or classes that the answer rewrites — no student notebook may print
-    their source before the exercise (``tests/test_student_notebooks.py``)."""
+    package's functions or classes that the answer rewrites; ``marks``: regular expressions of
+    what else gives the answer away (the constants it prints, the formula its checker compares
+    with), matched against text with its spaces removed. No student notebook may show either
+    before the exercise (``megatron_edu/course/reveals.py``)."""
 
     def register(checker: Callable[[Callable], str]) -> Callable[[Callable], str]:
         if exercise_id in EXERCISES:
             raise ValueError(f"exercise {exercise_id} is registered twice")
         EXERCISES[exercise_id] = title
         REFERENCES[exercise_id] = tuple(reference)
+        MARKS[exercise_id] = tuple(marks)
         _CHECKERS[exercise_id] = checker
         return checker
 
