@@ -26,12 +26,12 @@ __all__ = ["MAX_WORDS", "MAX_SENTENCE", "Prose", "prose_of", "measure", "table"]
 MAX_WORDS = 2000
 MAX_SENTENCE = 25
 
-_NOT_PROSE = [re.compile(p, re.S | re.M) for p in (
-    r"```.*?```",                 # code blocks
-    r"\$\$.*?\$\$",               # display math
-    r"^\s*\|.*$",                 # table rows
-    r"<img[^>]*>",                # images
-    r"\]\([^)]*\)",               # link targets (the link's text stays)
+_NOT_PROSE = [re.compile(p, flags) for p, flags in (
+    (r"```.*?```", re.S),                 # code blocks
+    (r"\$\$.*?\$\$", re.S),               # display math
+    (r"^[ \t]*\|.*$", re.M),              # table rows
+    (r"<img[^>]*>|!\[[^\]]*\]\([^)]*\)", 0),  # images
+    (r"\]\([^)]*\)", 0),                   # link targets (the link's text stays)
 )]
 _ABBREVIATIONS = re.compile(r"\b(e\.g|i\.e|et al|etc|cf|vs|Fig|Eq|Sec|approx)\.", re.I)
 _WORD = re.compile(r"[A-Za-z0-9]+(?:['’.\-][A-Za-z0-9]+)*")
