@@ -44,3 +44,25 @@ def test_the_syllabus_gives_each_notebook_its_own_time():
         r"Notebook (\d\d)\b[^~.]*?(?:~|about )(\d+)\s+minutes", text)}
     own = _notebook_minutes()
     assert set(stated) == set(own) and {n: own[n] for n in stated} == stated
+
+
+def test_code_the_docs_quote_is_the_package_code_as_it_is():
+    """A docs page's block headed "# megatron_edu/….py: name" quotes that object's source whole:
+    the quote cannot drift from the code."""
+    import importlib
+    import inspect
+    import textwrap
+
+    quoted = 0
+    for path in (ROOT / "docs").glob("*.md"):
+        for block in re.findall(r"```python\n(.*?)```", path.read_text(), re.S):
+            header = re.match(r"# megatron_edu/(\S+)\.py: (\S+)\n", block)
+            if header is None:
+                continue
+            obj = importlib.import_module("megatron_edu." + header[1].replace("/", "."))
+            for name in header[2].split("."):
+                obj = getattr(obj, name)
+            source = textwrap.dedent(inspect.getsource(obj)).strip()
+            assert textwrap.dedent(block[header.end():]).strip() == source, (path.name, header[0])
+            quoted += 1
+    assert quoted >= 3

@@ -1,6 +1,7 @@
 """The checkers of notebooks 03–05: each reference solution passes, each typical mistake gets the
 hint written for it (in words), a stub says "not done yet", a deadlock is named as one."""
 
+import re
 import sys
 from fractions import Fraction
 
@@ -10,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_edu import comm
-from megatron_edu.course.exercises import check
+from megatron_edu.course.exercises import MARKS, check
 from megatron_edu.pipeline.schedules import Action, dependencies
 from megatron_edu.pipeline.stages import Message
 
@@ -428,6 +429,36 @@ def test_04_4_mistakes_get_their_hint(fn, words):
     _hints("04.4", fn, *words)
 
 
+def _squeezed(text):
+    return re.sub(r"\s+", "", text)
+
+
+@pytest.mark.parametrize("exercise, answers, harmless", [
+    ("03.1", ["local = (ids - self.vocab_start).masked_fill(outside, 0)",
+              "return out.masked_fill(outside.unsqueeze(-1), 0.0)"],
+     ["z = comm.g(partial, group)", "zero the rows you looked up (`masked_fill`)"]),
+    ("03.2", ["grad = softmax - F.one_hot(local, width)", "grad_2d[arange, target] -= 1.0"],
+     ["its gradient softmax − onehot", "grad -= 1e-3"]),
+    ("03.3", ["m = comm.all_gather(local_max, group)", "return sum_exp.log() - target_logit"],
+     ["loss = log Σ exp(z − m) − (z_y − m)", "comm.all_gather(x, group)"]),
+    ("04.1", ["holds at most **p − r** on rank r", "1f1b peak activations per rank: [4, 3, 2, 1]",
+              "return min(p - rank, m)"],
+     ["warms up with p − r − 1 forwards", "min(p − rank − 1, m)", "(p − r − 1)·2 + (v − 1)·p"]),
+    ("04.2", ["order += [forwards[warmup + i], backwards[i]]"],
+     ["build the streams [F0, F1, …] and [B0, B1, …] first"]),
+    ("04.3", ["chunk = (k // p) % v", "microbatch = (k // (p * v)) * p + k % p"],
+     ["k % p is the k-th action's place in its group"]),
+    ("04.4", ["each rank idles p − 1 steps of every p"], ["bubble (p − 1)/m", "t_pb / t_id"]),
+])
+def test_the_marks_of_03_and_04_see_an_answer_not_its_prompt(exercise, answers, harmless):
+    """The reveal detector's marks (megatron_edu/course/reveals.py) on text without spaces."""
+    marks = [re.compile(mark) for mark in MARKS[exercise]]
+    for text in answers:
+        assert any(mark.search(_squeezed(text)) for mark in marks), text
+    for text in harmless:
+        assert not any(mark.search(_squeezed(text)) for mark in marks), text
+
+
 # --- 05.1 a deadlock, predicted and seen ------------------------------------------------------
 
 F0, F1, B0, B1 = Action("F", 0), Action("F", 1), Action("B", 0), Action("B", 1)
@@ -491,7 +522,7 @@ def test_05_2_the_message_keys_pass_and_run_in_the_engine():
     (lambda a, r, s: messages_of(a, r, s, last_sends=True),
      ["is the last virtual stage", "sends nothing"]),
     (lambda a, r, s: messages_of(a, r, s, grad_forward=True),
-     ["B0 on rank 1", "a gradient for s − 1 from B of s"]),
+     ["B0 on rank 1", "a gradient for i − 1 from B of i"]),
     (lambda a, r, s: [None, None], ["returned [None, None]", "a pair"]),
 ], ids=["rank-not-stage", "interleaved-under-v", "first-receives", "last-sends", "grad-forward",
         "list"])

@@ -120,7 +120,9 @@ def _run_lookup(fn):
 
 
 @exercise("03.1", "the masked lookup of the vocabulary-parallel embedding",
-          reference=(VocabParallelEmbedding.forward,))
+          reference=(VocabParallelEmbedding.forward,),
+          marks=(r"\(ids-[\w.]*vocab_start\)\.masked_fill\(",         # a safe row for foreign ids
+                 r"\.masked_fill\(\w+\.unsqueeze\(-1\),0(\.0?)?\)"))  # ...then zeros
 def _masked_lookup(fn) -> str:
     t = 2
     try:
@@ -184,7 +186,9 @@ def _run_gradient(fn):
 
 
 @exercise("03.2", "the loss's gradient on each rank's slice, without communication",
-          reference=(_VocabParallelCrossEntropy.backward,))
+          reference=(_VocabParallelCrossEntropy.backward,),
+          marks=(r"softmax-(F\.)?one_hot\(",      # softmax − onehot, as code
+                 r"\]-=1(\.0)?(?![0-9])"))         # Megatron's grad[arange, target] -= 1
 def _loss_gradient(fn) -> str:
     t = 2
     try:
@@ -266,7 +270,9 @@ def _wrong_losses(t: int) -> dict[str, tuple[torch.Tensor, str]]:
 
 
 @exercise("03.3", "the vocabulary-parallel cross entropy: three exchanges, not the logits",
-          reference=(_VocabParallelCrossEntropy.forward,))
+          reference=(_VocabParallelCrossEntropy.forward,),
+          marks=(r"all_gather\(\w*max",           # the global maximum from the local ones
+                 r"sum_exp\.log\(\)-"))           # log Σ exp(z − m) − (z_y − m), as code
 def _parallel_loss(fn) -> str:
     t = 4
     try:

@@ -27,6 +27,7 @@ from megatron_edu.course.exercises.checking import Hint, exercise
 from megatron_edu.pipeline.schedules import (
     Action,
     Schedule,
+    _interleaved_stream,
     _warmup_then_1f1b,
     check_schedule,
     interleaved_one_f_one_b,
@@ -72,7 +73,9 @@ PEAK_MISTAKES: dict[str, tuple[Callable[[int, int, int], int], str]] = {
 }
 
 
-@exercise("04.1", "the activations a 1F1B rank holds at its peak")
+@exercise("04.1", "the activations a 1F1B rank holds at its peak",
+          marks=(r"p[−-]r(?:ank)?(?![−-]1)(?!ank)",         # p − r held, not the p − r − 1 warm-up
+                 r"peakactivationsperrank:\[4,3,2,1\]"))   # 1F1B's peaks at p = 4, m = 8
 def _peak(fn) -> str:
     answers = {}
     for p, m, r in PEAK_CASES:
@@ -146,7 +149,8 @@ def _together(rows: list[list[Action]], num_chunks: int) -> str:
 
 
 @exercise("04.2", "one rank's 1F1B order: warm-up, one forward one backward, cool-down",
-          reference=(one_f_one_b, _warmup_then_1f1b))
+          reference=(one_f_one_b, _warmup_then_1f1b),
+          marks=(r"forwards\[\w+\+i\],backwards\[i\]",))  # the steady state, as code
 def _one_f_one_b_rank(fn) -> str:
     for p, m in ORDER_CASES:
         reference = one_f_one_b(p, m)
@@ -197,7 +201,8 @@ def _stream_hint(got: list[Action], expected: list[Action], kind: str, p: int, v
 
 
 @exercise("04.3", "one rank's interleaved 1F1B order: groups of p through v chunks",
-          reference=(interleaved_one_f_one_b,))
+          reference=(interleaved_one_f_one_b, _interleaved_stream),
+          marks=(r"\(k//p\)%v", r"k//\(p\*v\)"))  # chunk and microbatch of a stream's k-th
 def _interleaved_rank(fn) -> str:
     for p, m, v in INTERLEAVED_CASES:
         reference = interleaved_one_f_one_b(p, m, v)
@@ -327,7 +332,8 @@ def _naive_hint(case: BubbleCase, got: Real) -> str:
 
 
 @exercise("04.4", "the bubble fraction of a schedule, played on paper",
-          reference=(simulate, Timeline.bubble_fraction.fget))
+          reference=(simulate, Timeline.bubble_fraction.fget),
+          marks=(r"p[−-]1(steps?)?ofeveryp",))  # one microbatch at a time: p − 1 idle of p
 def _bubble(fn) -> str:
     runs = {case: simulate(case.schedule(), case.forward_time, case.backward_time)
             for case in BUBBLE_CASES}

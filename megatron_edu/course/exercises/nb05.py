@@ -73,7 +73,16 @@ def _as_schedule(schedule) -> Schedule:
     return Schedule(schedule, StageMap.plain(len(schedule)))
 
 
-@exercise("05.1", "a schedule that deadlocks, predicted by check_schedule and seen for real")
+@exercise("05.1", "a schedule that deadlocks, predicted by check_schedule and seen for real",
+          marks=(
+              # a deadlock written out: rank 0 opens with F and B of one microbatch, rank 1
+              # with the forward of another, which rank 0 sends only after that B
+              r'\[\[Action\("F",(\d)\),Action\("B",\1\)(?:,Action\("[FB]",\d\))*\],'
+              r'\[Action\("F",(?!\1)\d\)',
+              r"rank0:F(\d)B\1(?:[FB]\d)*rank1:F(?!\1)\d",         # the same, as lists print
+              # check_schedule's verdict on one: who waits where, for whom (one chunk per rank)
+              r"deadlock:norankcanprogress;rank\dwaitsat[FB]\d+for[FB]\d+onrank\d;",
+          ))
 def _deadlock(fn) -> str:
     schedule = _as_schedule(fn())
     try:
@@ -153,8 +162,8 @@ def _explain(action: Action, rank: int, stages: StageMap, got, expected) -> str:
             return (f"{where} {what} {_show(got_m)}: a forward moves activations ('act'), a "
                     "backward gradients ('grad')")
         return (f"{where} {what} {_show(got_m)}, expected {_show(exp_m)}: a message is keyed by "
-                "the virtual stage that receives it — an activation for s + 1 from F of s, a "
-                "gradient for s − 1 from B of s")
+                "the virtual stage that receives it — an activation for i + 1 from F of i, a "
+                "gradient for i − 1 from B of i")
     return f"{where}: you return ({_show(got_in)}, {_show(got_out)}), expected ({_show(in_)}, " \
            f"{_show(out)})"
 
@@ -179,7 +188,17 @@ def _messages_check(fn) -> int:
 
 
 @exercise("05.2", "the engine's messages: what each action receives and sends",
-          reference=(messages_of,))
+          # no reference=: the solution's lines are messages_of's own, and the one line it adds
+          # (if action.kind == "B":) is every schedule's vocabulary. What gives the answer away
+          # is the rule at the two ends, in words:
+          marks=(
+              r"last(virtual)?stagecomputesthelossinsteadofsending",
+              r"tokenidsonthefirst(virtual)?stage,otherwise",
+              r"backpropagatefromtheloss\((the)?last(virtual)?stage\)",
+              r"noneattheends",
+              r"(first|0)(virtual)?stage(receives|takes|gets)nothing",
+              r"last(virtual)?stage(sends|returns)nothing",
+          ))
 def _messages(fn) -> str:
     count = _messages_check(fn)
     m, p, v = 4, 2, 2

@@ -16,7 +16,7 @@ output and every gradient equal to the plain sublayer's, and the bytes autograd 
 backward (``perf.measure.saved_bytes``) those of the package's selective recomputation. Named:
 no checkpoint (the s×s tensors it keeps, listed), a dropout mask recomputation cannot repeat (not
 the keyed one, or another key in the recomputation), the whole sublayer checkpointed (full
-recomputation: too few bytes kept), the 1/√d scale or the causal mask missing.
+recomputation: too few bytes kept), the 1/√h_d scale or the causal mask missing.
 
 10.3 runs on 4 gloo ranks (tp = 2 × dp = 2, each replica its own batch) against the serial layer
 norm's gradients. Named: each rank's partial gradient not reduced, averaged instead of summed,
@@ -89,7 +89,13 @@ def _hint(s, b, h, a, t, sp, selective, got) -> None:
 
 
 @exercise("10.1", "the activation bytes of one transformer layer",
-          reference=(activation_bytes_per_layer,))
+          reference=(activation_bytes_per_layer,),
+          marks=(r"34[·*]?s[·*]?b[·*]?h",                # the 34·s·b·h (34·sbh, 34*sbh)
+                 r"34\+5[·*]?a[·*]?s/h",                 # s·b·h·(34 + 5·a·s/h)
+                 r"10\+24/t",                            # tensor parallelism's 10 + 24/t
+                 r"34/t\+5",                             # with sequence parallelism, 34/t + …
+                 r"5[·*]?a[·*]?s(²|\*\*2|\^2)[·*]?b",     # attention's 5·a·s²·b
+                 r"5[·*]?a[·*]?s/\(?h"))                  # its 5·a·s/h, 5·a·s/(h·t)
 def check_layer_bytes(fn) -> str:
     """fn(s, b, h, a, t, sequence_parallel, selective) against perf.memory over a grid."""
     for (s, b, h, a, t), sp, selective in itertools.product(CASES, (False, True), (False, True)):
@@ -179,13 +185,13 @@ def _package(attn: Attention, x: torch.Tensor, key: DropoutKey) -> torch.Tensor:
 def _output_hint(y: torch.Tensor, want: torch.Tensor) -> None:
     """Dropout off, the output wrong: the scale or the causal mask missing, or something else."""
     if not _differs(y, _run_attention(_package, _unscaled(_attention(0.0)))[0], 1e-5):
-        raise Hint("the scores are not scaled: softmax(q·kᵀ/√d), with d = attn.head_dim "
+        raise Hint("the scores are not scaled: softmax(q·kᵀ/√h_d), with h_d = attn.head_dim "
                    f"= {ATTENTION.head_dim}")
     if not _differs(y, _run_attention(_package, _attention(0.0, causal=False))[0], 1e-5):
         raise Hint("each position sees every key: GPT's attention is causal — mask the scores "
                    "above the diagonal with −inf before the softmax")
     raise Hint(f"with dropout off the output differs from Attention.forward's by up to "
-               f"{(y - want).abs().max().item():.3g}: the core is softmax(q·kᵀ/√d, causal)·v, "
+               f"{(y - want).abs().max().item():.3g}: the core is softmax(q·kᵀ/√h_d, causal)·v, "
                "per head, the heads split from qkv as Attention.forward splits them")
 
 
@@ -208,7 +214,7 @@ def _bytes_hint(fn, kept: int, selective: int) -> None:
                f"{selective:,}: the checkpoint covers more than the core, and the qkv and output "
                "projections run again in backward (checkpointing the whole sublayer is full "
                "recomputation, 2104.04473 §3.5). Keep q, k, v and the projection's input; "
-               "recompute only softmax(q·kᵀ/√d)·v")
+               "recompute only softmax(q·kᵀ/√h_d)·v")
 
 
 @exercise("10.2", "selective recomputation of the attention core", reference=(checkpoint,))

@@ -32,7 +32,7 @@ from megatron_edu.data.bert import (
     mask_tokens,
 )
 from megatron_edu.model import GPT, GPTConfig
-from megatron_edu.model.transformer import Block
+from megatron_edu.model.transformer import Block, PreLN
 
 __all__ = ["VOCAB", "WRONG"]  # the checkers register themselves (``@exercise``)
 
@@ -209,7 +209,13 @@ WRONG = [
 ]
 
 
-@exercise("11.2", "the rearranged (pre-LN) block from its pieces", reference=(Block.forward,))
+# The reference is PreLN, the placement the answer writes out, not Block.forward: that one's
+# check_initialised(self) is every layer's first line (shown with other layers' sources).
+@exercise("11.2", "the rearranged (pre-LN) block from its pieces", reference=(PreLN,),
+          marks=(r"(?i)\+f\(ln\(x\)\)",                             # x ← x + f(LN(x))
+                 r"\+(block\.)?attn\((block\.)?ln1\(x\)\)",           # x + attn(ln1(x))
+                 r"\+(block\.)?mlp\((block\.)?ln2\(x\)\)",            # x + mlp(ln2(x))
+                 r"normed:torch\.Tensor\)->torch\.Tensor:returnx(?![\w.])"))  # PreLN.residual
 def check_pre_ln_block(fn) -> str:
     """fn(block, x) against ``Block`` at "rearranged": outputs and every gradient."""
     want = _run(lambda b, x: b(x), _block("rearranged"))
