@@ -454,11 +454,52 @@ def test_02_2_the_solution_passes():
 
 @pytest.mark.parametrize("answer, phrases", [
     (attention_not_causal, ["causal mask is missing"]),
-    (attention_qkv_blocks, ["three blocks (q | k | v)", "view(b, s, heads/t, 3, d)"]),
+    (attention_qkv_blocks, ["three blocks (q | k | v)", "view(b, s, heads/t, 3, h_d)"]),
     (attention_without_g, ["partial output of its own heads", "comm.g"]),
     (attention_rank_0_heads, ["rank 1 computed with rows 0…23 of qkv.weight"]),
-    (attention_scaled_by_hidden, ["1/√h", "1/√d"]),
+    (attention_scaled_by_hidden, ["1/√h", "1/√h_d"]),
     (stub, ["not done yet"]),
 ], ids=["not-causal", "qkv-blocks", "no-g", "rank-0-heads", "scale-h", "stub"])
 def test_02_2_typical_mistakes_get_their_hint(answer, phrases):
     verdict("02.2", answer, *phrases)
+
+
+# --- the marks: what gives each answer away, seen where the first edition showed it -------------
+
+# Each exercise's marks (``@exercise(marks=)``) against the text that revealed its answer before
+# the exercise in the second edition (spaces removed, as ``megatron_edu/course/reveals.py`` reads
+# it), and against text of the same notebooks that gives nothing away.
+REVEALED = {
+    "00.1": ["Give each rank's `x` a slot of its own in a buffer of t·n zeros"],
+    "00.2": ["return rank % tp, rank // (tp * dp), (rank // tp) % dp", "tp_rank = rank mod tp"],
+    "00.3": ["at step k, rank r sends chunk (r − k) mod t", "into its chunk (r − k − 1) mod t",
+             "rank r holds the complete sum of chunk (r + 1) mod t"],
+    "01.1": ["A: 64 of its 128 output rows", "B: 64 of its 128 input columns"],
+    "01.2": ["return all_reduce(grad, ctx.group, \"f backward\"), None"],
+    "01.3": ["compute g(GeLU(f(x)·A_i + a_i)·B_i) + b with comm.f"],
+    "02.1": ["name the axes with a `reshape` ([3, heads, d, h])"],
+    "02.2": ["q, k, v = qkv.permute(2, 3, 0, 1, 4).split([n, 1, 1], dim=1)"],
+}
+HARMLESS = [
+    "The neighbours are `group.ranks[(r + 1) % t]` and `group.ranks[(r - 1) % t]`",
+    "rank = pp_rank · (dp · tp) + dp_rank · tp + tp_rank",
+    "A is split by columns — its output features — and B by rows — its input features",
+    "Figure 3a: g(GeLU(f(X)·A_i)·B_i), 1 all-reduce forward and 1 backward",
+    "view the projection's 3h/t outputs per head, [b, s, a/t, 3, h_d]",
+]
+
+
+@pytest.mark.parametrize("exercise", sorted(REVEALED))
+def test_the_marks_see_what_gave_the_answer_away_and_not_the_prompts_that_remain(exercise):
+    import re
+
+    from megatron_edu.course.exercises import MARKS
+
+    marks = [re.compile(mark) for mark in MARKS[exercise]]
+    assert marks, f"{exercise} has no marks"
+    for text in REVEALED[exercise]:
+        squeezed = re.sub(r"\s+", "", text)
+        assert any(mark.search(squeezed) for mark in marks), (exercise, text)
+    for text in HARMLESS:
+        squeezed = re.sub(r"\s+", "", text)
+        assert not [m.pattern for m in marks if m.search(squeezed)], (exercise, text)

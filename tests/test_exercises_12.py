@@ -1,6 +1,7 @@
 """The checkers of notebook 12: each reference solution passes, each typical mistake gets the hint
 that names it, a stub gets "not done yet"."""
 
+import re
 import sys
 
 import cloudpickle
@@ -9,7 +10,7 @@ import torch
 
 from megatron_edu import comm
 from megatron_edu.comm import P2POp
-from megatron_edu.course.exercises import check
+from megatron_edu.course.exercises import MARKS, check
 
 # The answers below travel to the ranks by value, as a notebook cell's functions do (by
 # reference, each rank would import this module, and the whole course with it: ~1 s).
@@ -106,8 +107,8 @@ def dkv_step(q, do, lse, delta, kv, dkv, owner, group, turn=1, skip=True, mask=T
     (dict(skip=False), ("a part for the block of a later rank",)),
     (dict(mask=False), ("needs the causal mask inside it",)),
     (dict(own_lse=True), ("the visiting block's keys alone",)),
-    (dict(scale_scores=False), ("was not scaled by 1/√d before exp",)),
-    (dict(scale_ds=False), ("dK is √d = 2.83× too large and dV is right",)),
+    (dict(scale_scores=False), ("was not scaled by 1/√d_h before exp",)),
+    (dict(scale_ds=False), ("dK is √d_h = 2.83× too large and dV is right",)),
     (dict(order=(1, 0)), ("right but swapped",)),
     (dict(send=False, own_lse=True), ("stayed on the rank", "; and the probabilities")),
 ], ids=["solution", "kept", "wrong-way", "no-skip", "no-mask", "own-lse", "scores-unscaled",
@@ -122,3 +123,31 @@ def test_12_4_ring_dkv(mistake, fragments):
 
 def test_12_4_a_stub_is_not_done_yet():
     assert failed(check("12.4", stub), "not done yet")
+
+
+# --- the marks: the answer as the notebook states it, which no cell may show before the exercise
+
+def _marked(exercise, text):
+    return any(re.search(mark, re.sub(r"\s+", "", text)) for mark in MARKS[exercise])
+
+
+@pytest.mark.parametrize(("exercise", "text"), [
+    ("12.1", "o = e^(ℓ₁ − ℓ)·o₁ + e^(ℓ₂ − ℓ)·o₂"),
+    ("12.1", "ℓ = log(e^ℓ₁ + e^ℓ₂)"),
+    ("12.1", "merged = (l1 - lse).exp() * o1 + (l2 - lse).exp() * o2"),
+    ("12.2", "give rank i chunks i and 2·cp − 1 − i"),
+    ("12.2", "return rank, 2 * cp - 1 - rank"),
+    ("12.2", "rank 0 holds positions [0, 1, 14, 15]"),
+])
+def test_12_marks_see_the_answer_as_the_notebook_writes_it(exercise, text):
+    assert _marked(exercise, text)
+
+
+@pytest.mark.parametrize(("exercise", "text"), [
+    ("12.1", "Hint: `torch.logaddexp` computes log(e^x + e^y) without overflow."),
+    ("12.1", "P = exp(S − ℓ); dV = Pᵀ·dO"),
+    ("12.2", "Cut the sequence into 2·cp chunks, numbered 0 … 2·cp − 1 in order."),
+    ("12.2", "rank 1 holds positions [2, 3, 4, 5]"),
+])
+def test_12_marks_pass_over_the_prompts_and_what_is_not_the_answer(exercise, text):
+    assert not _marked(exercise, text)

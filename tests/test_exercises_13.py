@@ -1,6 +1,7 @@
 """The checkers of notebook 13: each reference solution passes, each typical mistake gets the hint
 that names it, a stub gets "not done yet"."""
 
+import re
 import sys
 
 import cloudpickle
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from megatron_edu import comm
-from megatron_edu.course.exercises import check
+from megatron_edu.course.exercises import MARKS, check
 
 # The answers below travel to the ranks by value, as a notebook cell's functions do (by
 # reference, each rank would import this module, and the whole course with it: ~1 s).
@@ -156,3 +157,32 @@ def dp_bytes(stage, grad_bytes, d, m, halves=None, ring=True):
 def test_13_3_dp_bytes_per_step(answer, fragments):
     result = check("13.3", answer)
     assert result.passed if not fragments else failed(result, *fragments), result.message
+
+
+# --- the marks: the answer as the notebook states it, which no cell may show before the exercise
+
+def _marked(exercise, text):
+    return any(re.search(mark, re.sub(r"\s+", "", text)) for mark in MARKS[exercise])
+
+
+@pytest.mark.parametrize(("exercise", "text"), [
+    ("13.1", "| 1, P_os | the optimizer state | 2Ψ + 2Ψ + KΨ/d |"),
+    ("13.1", "At d = 4 the 16 bytes per parameter become 7 under stage 1"),
+    ("13.1", "Figure 1 gives 120, 31.4, 16.6 and 1.9 GB per GPU"),
+    ("13.1", "stages 1, 2 and 3 cut them to 4 + 12/d, 2 + 14/d and 16/d"),
+    ("13.3", "plain DP and ZeRO-1 **2** at every m; ZeRO-2 **m + 1**; ZeRO-3 **3m**"),
+    ("13.3", "With m microbatches ZeRO-2 sends m + 1 halves and ZeRO-3 3m."),
+    ("13.3", "reduce-scattered once: 3(d − 1)/d · 4Ψ, **1.5×**"),
+])
+def test_13_marks_see_the_answer_as_the_notebook_writes_it(exercise, text):
+    assert _marked(exercise, text)
+
+
+@pytest.mark.parametrize(("exercise", "text"), [
+    ("13.1", "a 16-bit weight (2 bytes), a 16-bit gradient (2) and K = 12 bytes"),
+    ("13.1", "Mixed-precision Adam keeps 16Ψ bytes (ZeRO §3.1)"),
+    ("13.3", "A ring all-reduce of G bytes over d ranks sends 2(d − 1)/d · G from each rank"),
+    ("13.3", "The checker tries d = 1 … 8 and m = 1 … 8."),
+])
+def test_13_marks_pass_over_the_prompts_and_what_is_not_the_answer(exercise, text):
+    assert not _marked(exercise, text)

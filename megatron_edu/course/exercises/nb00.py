@@ -55,7 +55,8 @@ def _run_gather(fn):
     return out, _events(log)
 
 
-@exercise("00.1", "an all-gather from one all-reduce")
+@exercise("00.1", "an all-gather from one all-reduce",
+          marks=(r"slot[^.]{0,80}zeros", r"zeros[^.]{0,80}slot"))  # x in its slot, 0 elsewhere
 def _all_gather_by_all_reduce(fn) -> str:
     results = on_ranks(WORLD, _run_gather, fn)
     n = _GATHER_N
@@ -149,7 +150,9 @@ def _wrong_stride(layout: Layout, got: list[tuple]) -> str | None:
     return None
 
 
-@exercise("00.2", "the grid's coordinates of a rank", reference=(Layout.coords,))
+@exercise("00.2", "the grid's coordinates of a rank", reference=(Layout.coords,),
+          marks=(r"rank%tp\b", r"rank//\((tp[·*]dp|dp[·*]tp)\)", r"\(rank//tp\)%dp",
+                 r"rankmodtp", r"rank//tp%dp"))
 def _grid_coords(fn) -> str:
     for layout in _LAYOUTS:
         sizes = dict(tp=layout.tp, pp=layout.pp, dp=layout.dp)
@@ -254,7 +257,9 @@ def _ring_value_hint(rank: int, out: torch.Tensor) -> str:
     return ""
 
 
-@exercise("00.3", "a ring all-reduce from send and recv")
+@exercise("00.3", "a ring all-reduce from send and recv",
+          marks=(r"\(r[−-]k\)(mod|%)t", r"\(r[−-]k[−-]1\)(mod|%)t",  # at step k, rank r…
+                 r"chunk`?\(r\+1\)(mod|%)t", r"\(r\+1[−-]k\)(mod|%)t"))  # …and where it ends
 def _ring_all_reduce(fn) -> str:
     try:
         results = on_ranks(WORLD, _run_ring, fn, timeout=RING_TIMEOUT, may_deadlock=True)

@@ -127,7 +127,9 @@ def _shard_hint(name: str, got, full: torch.Tensor, rank: int, t: int, dim: int 
                        f"i, the i-th of t equal parts along dim {dim}")
 
 
-@exercise("01.1", "which slice of each MLP weight a rank keeps")
+@exercise("01.1", "which slice of each MLP weight a rank keeps",
+          marks=(r"(?i)(output|input)(rows|columns)", r"(?i)(rows|columns)of(the)?`?\[out,in\]",
+                 r"chunk\(t,dim=[01]\)\[r(ank)?\]"))
 def _mlp_shards(fn) -> str:
     results = on_ranks(TP, _run_shards, fn, timeout=TIMEOUT)
     dims = results[0][2]
@@ -241,7 +243,8 @@ def _g_hints(rank: int, z, grad, forward: int, backward: int) -> None:
     _counts_hint(rank, forward, backward, (1, 0), "g")
 
 
-@exercise("01.2", "f and g as autograd functions", reference=(comm._F, comm._G))
+@exercise("01.2", "f and g as autograd functions", reference=(comm._F, comm._G),
+          marks=(r"all_reduce\(grad,ctx\.group", r"returngrad,None"))
 def _f_and_g(ops) -> str:
     if not (isinstance(ops, tuple | list) and len(ops) == 2):
         raise Hint("pass the two classes as a pair: check(\"01.2\", (MyF, MyG))")
@@ -387,6 +390,8 @@ def _used(grad: torch.Tensor, dim: int) -> list[int]:
 
 
 @exercise("01.3", "the tensor-parallel MLP from the serial weights",
+          marks=(r"(?i)gelu\(f\(x\)·A_?i\+a_?i\)", r"(?i)·B_?i\)\+b",
+                 r"comm\.g\(F\.linear\(y,proj_w"),
           reference=(ColumnParallelLinear.forward, RowParallelLinear.forward,
                      TensorParallel.column_linear, TensorParallel.reduce))
 def _tp_mlp(fn) -> str:

@@ -9,7 +9,7 @@
 the test matrix is distinct) and says which row is where it should not be; once right, the layout
 runs on 2 ranks in the package's ``Attention`` against Hugging Face's computation done whole.
 02.2 runs on 2 ranks against the package's serial ``Attention`` and recognises the typical
-mistakes (no causal mask, q | k | v read from the per-head shard, 1/√h for 1/√d, a partial sum
+mistakes (no causal mask, q | k | v read from the per-head shard, 1/√h for 1/√h_d, a partial sum
 never summed, another rank's heads) by computing them too.
 """
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megatron_edu import comm
+from megatron_edu import comm, hf
 from megatron_edu.course.exercises.checking import Hint, close, exercise, on_ranks
 from megatron_edu.course.exercises.nb01 import (
     _NO_AUTOGRAD,
@@ -57,7 +57,7 @@ def _hf_attention(x: torch.Tensor, c_attn: torch.Tensor, proj: torch.Tensor,
 
 # --- 02.1 the per-head qkv layout ----------------------------------------------------------------
 
-_H, _HEADS = 8, 4  # head size d = 2
+_H, _HEADS = 8, 4  # head size h_d = 2
 
 
 def _c_attn() -> torch.Tensor:
@@ -72,7 +72,7 @@ def _hf_column(j: int) -> str:
 
 
 def _per_head_row(i: int) -> str:
-    """What row i of the per-head layout must be: [heads, 3, d]."""
+    """What row i of the per-head layout must be: [heads, 3, h_d]."""
     d = _H // _HEADS
     return f"the {_QKV[(i % (3 * d)) // d]} of head {i // (3 * d)}, dim {i % d}"
 
@@ -99,12 +99,12 @@ def _layout_hint(got: torch.Tensor, c_attn: torch.Tensor) -> str:
         return (f"the rows are still in Hugging Face's q | k | v order: cut into t = {TP} "
                 f"contiguous blocks, rank 0 would hold every head's query and half the keys, "
                 f"rank 1 the other keys and every value — no rank a whole head. Group them "
-                f"per head: view the [3h, h] as [3, heads, d, h] and swap the first two dims")
+                f"per head: view the [3h, h] as [3, heads, h_d, h] and swap the first two dims")
     expected = _expected_columns()
     i = next(i for i, (a, b) in enumerate(zip(found, expected, strict=True)) if a != b)
     return (f"row {i} of your tensor is {_hf_column(found[i])}; it should be {_per_head_row(i)} "
-            f"— the per-head layout is [heads, 3, d] rows: head 0's d query rows, its d key "
-            f"rows, its d value rows, then head 1's, …")
+            f"— the per-head layout is [heads, 3, h_d] rows: head 0's h_d query rows, its h_d "
+            f"key rows, its h_d value rows, then head 1's, …")
 
 
 def _expected_columns() -> list[int]:
@@ -128,7 +128,10 @@ def _run_whole_heads(qkv: torch.Tensor, proj: torch.Tensor, x: torch.Tensor):
         return attention(x)
 
 
-@exercise("02.1", "Hugging Face's c_attn in the per-head qkv layout")
+@exercise("02.1", "Hugging Face's c_attn in the per-head qkv layout",
+          reference=(hf._qkv_from_hf,),
+          marks=(r"\[3,heads,[^\]]*,h\]", r"reshape\(3,heads", r"view\(3,heads",
+                 r"\.transpose\(0,1\)\.reshape\(3\*h"))
 def _per_head_qkv(fn) -> str:
     c_attn = _c_attn()
     got = fn(c_attn.clone(), _HEADS)
@@ -148,14 +151,14 @@ def _per_head_qkv(fn) -> str:
     per_rank = _HEADS // TP
     heads = "; ".join(f"rank {r}: heads {r * per_rank}–{(r + 1) * per_rank - 1}"
                       for r in range(TP))
-    return (f"the rows are grouped per head ([heads, 3, d]), as megatron_edu/hf.py does; cut in "
+    return (f"the rows are grouped per head ([heads, 3, h_d]), as megatron_edu/hf.py does; cut in "
             f"{TP}, each rank holds whole heads with their q, k and v ({heads}), and the "
             f"package's Attention on {TP} ranks equals Hugging Face's attention computed whole")
 
 
 # --- 02.2 attention on this rank's heads ---------------------------------------------------------
 
-_H2, _HEADS2 = 16, 4  # head size d = 4; 2 heads per rank at t = 2
+_H2, _HEADS2 = 16, 4  # head size h_d = 4; 2 heads per rank at t = 2
 
 
 def _attention_data():
@@ -222,11 +225,11 @@ def _attention_output_hint(rank: int, out: torch.Tensor) -> None:
         "the causal mask is missing: token i may attend only to tokens 0…i "
         "(is_causal=True)": dict(causal=False),
         "you read q, k and v of the shard as three blocks (q | k | v), but this package's "
-        "layout is per head: view the shard's 3h/t outputs as [heads/t, 3, d] — "
-        "qkv.view(b, s, heads/t, 3, d)": dict(split="blocks"),
-        f"the scores are scaled by 1/√h = 1/√{h}: attention scales by 1/√d, d = h/heads = "
-        f"{d} the head size": dict(scale=h ** -0.5),
-        "the scores are not scaled: attention divides them by √d, d the head size":
+        "layout is per head: view the shard's 3h/t outputs as [heads/t, 3, h_d] — "
+        "qkv.view(b, s, heads/t, 3, h_d)": dict(split="blocks"),
+        f"the scores are scaled by 1/√h = 1/√{h}: attention scales by 1/√h_d, h_d = h/heads "
+        f"= {d} the head size": dict(scale=h ** -0.5),
+        "the scores are not scaled: attention divides them by √h_d, h_d the head size":
             dict(scale=1.0),
     }
     for words, how in mistakes.items():
@@ -260,7 +263,13 @@ def _rank_grads(rank: int, serial: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 @exercise("02.2", "attention on this rank's heads",
-          reference=(Attention.forward, EagerCore.forward))
+          # Attention.forward is the answer too, but its last line, ``self.proj(y, add_bias)``,
+          # is MLP.forward's as well (shown in notebook 01): its own lines are marks instead
+          reference=(EagerCore.forward,),
+          marks=(r"permute\(3,0,2,1,4\)", r"\.view\(b,s,n,3,", r"group\.rank\*3\*n\*d",
+                 r"proj_weight\[:,(group\.rank|columns)",
+                 r"qkv\.view\(b,s,self\.local_groups,n\+2,self\.head_dim\)",
+                 r"qkv\.permute\(2,3,0,1,4\)\.split", r"y\.transpose\(1,2\)\.reshape\(b,s,"))
 def _parallel_attention(fn) -> str:
     results = on_ranks(TP, _run_parallel_attention, fn, timeout=TIMEOUT)
     out_ref, x_grad_ref, grads_ref = _reference_attention()

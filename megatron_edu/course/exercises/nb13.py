@@ -49,7 +49,12 @@ def _same(got: dict, want: dict) -> bool:
 
 # --- 13.1 ★ what a rank holds -------------------------------------------------------------------
 
-@exercise("13.1", "what a rank holds at each ZeRO stage")
+@exercise("13.1", "what a rank holds at each ZeRO stage",
+          marks=(r"KΨ/d",                                   # the table: 2Ψ + 2Ψ + KΨ/d, (2 + K)Ψ/d
+                 r"4\+12/d|2\+14/d",                        # per parameter: 4 + 12/d, 2 + 14/d
+                 r"become7understage1",                     # 16 bytes → 7, 5.5, 4 at d = 4
+                 r"31\.[34]\D.{0,60}16\.6",                 # Figure 1: 120, 31.4, 16.6, 1.9 GB
+                 r"1,3/4,5/8(,|and)1/2"))                   # fp32 at d = 2, against plain DP
 def check_held_bytes(fn) -> str:
     """fn(stage, psi, d, bytes_per_param) against the ZeRO paper's model, stages 0–3."""
     for (name, per_param), d, stage in itertools.product(PRECISIONS.items(), (1, 4, 64),
@@ -253,7 +258,11 @@ def _bytes(stage: int, psi: float, d: int, m: int) -> float:
     return _halves(stage, m) * (d - 1) / d * psi
 
 
-@exercise("13.3", "the bytes of a step, with m microbatches")
+@exercise("13.3", "the bytes of a step, with m microbatches",
+          marks=(r"ZeRO-2\W*(sends)?\W*m\+1",               # the halves: ZeRO-2 m + 1,
+                 r"ZeRO-3\W*(sends)?\W*3m|3mhalves",        # ZeRO-3 3m
+                 r"3\(d[−-]1\)/d·4Ψ",                       # ZeRO-3's bytes at m = 1
+                 r"8401,255,680|16402,092,800|101802,473,984"))  # §4's table: counts, bytes
 def check_dp_bytes(fn) -> str:
     """fn(stage, grad_bytes, d, m) against the ZeRO paper's counts (§7), accumulation included."""
     psi = 1e9

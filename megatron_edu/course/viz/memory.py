@@ -73,16 +73,19 @@ def draw_memory_calculator(config: GPTConfig, choices: Sequence[MemoryChoice], g
             estimates[choice.label] = calculate(config, choice, global_batch)
         except ValueError as error:
             refused.append(f"{choice.label.replace(chr(10), ' ')}: {error}")
-    ax = draw_memory_per_rank(estimates, capacity, title=title or f"{config.num_layers} layers, "
-                              f"h = {config.hidden}, s = {config.seq_len}, B = {global_batch}")
     for line in refused:
         print("cannot split:", line)
+    if not estimates:
+        return plt.figure(figsize=(4, 1))
+    ax = draw_memory_per_rank(estimates, capacity, title=title or f"{config.num_layers} layers, "
+                              f"h = {config.hidden}, s = {config.seq_len}, B = {global_batch}")
     return ax.figure
 
 
 def explore_memory(config: GPTConfig, global_batch: int, capacity: int | None = None,
                    start: MemoryChoice = MemoryChoice()) -> None:
-    """The ipywidgets explorer: every control of ``MemoryChoice``; one bar, the choice's."""
+    """The ipywidgets explorer: every control of ``MemoryChoice``; one bar, the choice's. p runs
+    over the divisors of the layers (each stage holds as many)."""
     import ipywidgets as widgets  # imported here: only the notebooks' explorer needs it
 
     def update(**controls) -> None:
@@ -92,7 +95,8 @@ def explore_memory(config: GPTConfig, global_batch: int, capacity: int | None = 
     widgets.interact(
         update,
         tp=widgets.SelectionSlider(options=POWERS[:4], value=start.tp),
-        pp=widgets.SelectionSlider(options=POWERS, value=start.pp),
+        pp=widgets.SelectionSlider(options=[p for p in range(1, config.num_layers + 1)
+                                            if config.num_layers % p == 0], value=start.pp),
         dp=widgets.SelectionSlider(options=POWERS, value=start.dp),
         sequence_parallel=widgets.Checkbox(value=start.sequence_parallel, description="SP"),
         recompute=widgets.ToggleButtons(options=["none", "selective", "full"],
