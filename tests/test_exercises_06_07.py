@@ -2,14 +2,17 @@
 the hint that names their mistake; a stub is "not done yet"; a deadlock is said to be one."""
 
 import dataclasses
+import re
 import sys
+from pathlib import Path
 
 import cloudpickle
 import pytest
 import torch
 
 from megatron_edu import comm
-from megatron_edu.course.exercises import check, nb07
+from megatron_edu.course.exercises import MARKS, check, nb07
+from megatron_edu.course.reveals import reveals
 from megatron_edu.grid import Layout
 from megatron_edu.perf import parameters_per_rank
 from megatron_edu.ptdp import Parallelism
@@ -35,6 +38,37 @@ def _stub(*args, **kwargs):
 def test_a_stub_is_not_done_yet(exercise_id):
     result = check(exercise_id, _stub)
     assert result.passed is False and "not done yet" in result.message, result
+
+
+# --- the marks: what gives an answer away before its exercise (megatron_edu/course/reveals.py) --
+
+GIVEAWAYS = {  # per exercise: lines that showed (or would show) its answer before it
+    "06.1": ["flat /= group.size",
+             "zip(grads, flat.split([g.numel() for g in grads]), strict=True)"],
+    "06.2": ["with ddp.sync(i == microbatches - 1):  # communicate in the last backward",
+             "`ddp.sync(last)` says which backward pass communicates",
+             "loss = model(x, y) / microbatches"],
+    "06.3": ["params[mine] -= lr * u", "params.copy_(comm.all_gather(params[mine], group, dim=0))"],
+    "06.4": ["p.register_post_accumulate_grad_hook(self.ready)",
+             "while k < n and len(self.marked[k]) == len(self.buckets[k]):"],
+    "07.1": ["return p * dp * tp + d * tp + t", "[sorted({g[0], g[-1]}) for g in groups]"],
+    "07.2": ["return comm.all_reduce(grad, grid.embedding_group)",
+             "the two parts are summed over the **embedding group** {first stage, last stage}"],
+    "07.3": ["tp=2 pp=2 dp=2      4,593,664     131,072   3,504,128     262,144"],
+}
+
+
+@pytest.mark.parametrize("exercise_id", sorted(GIVEAWAYS))
+def test_the_marks_see_what_gives_the_answer_away(exercise_id):
+    marks = [re.compile(mark) for mark in MARKS[exercise_id]]
+    for text in GIVEAWAYS[exercise_id]:
+        assert any(mark.search(re.sub(r"\s+", "", text)) for mark in marks), text
+
+
+def test_no_answer_of_06_or_07_is_shown_before_its_exercise():
+    found = [str(r) for r in reveals(Path(__file__).resolve().parents[1] / "notebooks")
+             if r.exercise[:2] in ("06", "07") or r.notebook[:2] in ("06", "07")]
+    assert found == []
 
 
 # --- 06.1 one all-reduce per bucket --------------------------------------------------------------

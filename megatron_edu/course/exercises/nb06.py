@@ -63,7 +63,9 @@ def _run_average(fn: Callable) -> dict[str, Any]:
 
 
 @exercise("06.1", "average the gradients, one all-reduce per bucket",
-          reference=(DataParallel._launch,))
+          reference=(DataParallel._launch,),
+          marks=(r"\.split\(\[\w+\.numel\(\)for\w+in\w+\]\)",  # the bucket's slices copied back
+                 r"/=\w*\.?group\.size"))  # the sum made an average
 def _average_gradients(fn: Callable) -> str:
     tensors = sum(len(b) for b in BUCKETS)
     for dp in DP_SIZES:
@@ -178,7 +180,10 @@ def _run_accumulate(fn: Callable) -> dict[str, Any]:
                 serial={n: p.grad.clone() for n, p in serial.named_parameters()})
 
 
-@exercise("06.2", "gradient accumulation: communicate once per step")
+@exercise("06.2", "gradient accumulation: communicate once per step",
+          marks=(r"\.sync\(\w+==\w+-1\)",  # communicate in the last backward
+                 r"\.sync\(last\)",  # ... said with its flag's name
+                 r"model\(\w+,\w+\)\)?/(?:m|microbatches)(?!\w)"))  # each loss divided by m
 def _accumulate(fn: Callable) -> str:
     for dp in DP_SIZES:
         results = on_ranks(dp, _run_accumulate, fn, timeout=TIMEOUT, may_deadlock=True)
@@ -277,7 +282,9 @@ def _run_zero1(fn: Callable) -> dict[str, Any]:
 
 
 @exercise("06.3", "a ZeRO-1 step: reduce-scatter, update a shard, all-gather",
-          reference=(ZeRO1._reduce, ZeRO1.step))
+          reference=(ZeRO1._reduce, ZeRO1.step),
+          marks=(r"\w+\[\w+\]-=lr\*",  # the shard's update, in place
+                 r"\.copy_\(comm\.all_gather\("))  # the shards gathered back
 def _zero1_step(fn: Callable) -> str:
     for dp in DP_SIZES:
         results = on_ranks(dp, _run_zero1, fn, timeout=TIMEOUT, may_deadlock=True)
@@ -474,7 +481,9 @@ def _run_bucket_hooks(answer: type) -> dict[str, Any]:
 
 
 @exercise("06.4", "the bucket hook: each bucket's all-reduce launched during backward",
-          reference=(DataParallel._on_grad_ready,))
+          reference=(DataParallel._on_grad_ready,),
+          marks=(r"register_post_accumulate_grad_hook\(self\.",  # the hook, a method
+                 r"len\(self\.\w+\[\w+\]\)==len\(self\.buckets\[\w+\]\)"))  # a bucket complete
 def _bucket_hooks(fn: type) -> str:
     try:
         results = on_ranks(HOOK_DP, _run_bucket_hooks, fn, timeout=TIMEOUT, may_deadlock=True)

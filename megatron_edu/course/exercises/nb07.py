@@ -55,7 +55,9 @@ def _shown(groups: list[list[int]], most: int = 4) -> str:
 
 @exercise("07.1", "the rank grid: tp, dp, pp and embedding groups",
           reference=(Layout.tp_groups, Layout.dp_groups, Layout.pp_groups,
-                     Layout.embedding_groups))
+                     Layout.embedding_groups),
+          marks=(r"\w+\*dp\*tp\+\w+\*tp\+\w+",  # the numbering, as code
+                 r"\{\w+\[0\],\w+\[-1\]\}"))  # a pp group's two ends
 def _rank_groups(fn: Callable) -> str:
     for tp, pp, dp in GRID_LAYOUTS:
         layout = Layout(tp=tp, pp=pp, dp=dp)
@@ -117,7 +119,9 @@ def _run_tied(fn: Callable, tp: int, pp: int, dp: int) -> dict[str, Any]:
 
 
 @exercise("07.2", "the tied embedding: sum the two copies' gradients",
-          reference=(PTDP._sum_tied_embedding_grads,))
+          reference=(PTDP._sum_tied_embedding_grads,),
+          marks=(r"all_reduce_?\(\w+,\w+\.embedding_group",  # the answer's one call
+                 r"(?:summed|gradients?)overthe\**embeddinggroup"))  # ... said in words
 def _tied_embedding(fn: Callable) -> str:
     for tp, pp, dp in TIED_LAYOUTS:
         layout = Layout(tp=tp, pp=pp, dp=dp)
@@ -291,7 +295,8 @@ PURPOSE_HELP = {
 }
 
 
-@exercise("07.3", "predict the bytes of a PTD-P step, by purpose")
+@exercise("07.3", "predict the bytes of a PTD-P step, by purpose",
+          marks=(r"4,593,664", r"3,504,128"))  # section 5's tp and dp bytes at tp=2 pp=2 dp=2
 def _predict_bytes(fn: Callable) -> str:
     for tp, pp, dp in BYTES_LAYOUTS:
         got = fn(BYTES_CONFIG, tp, pp, dp, BYTES_BATCH, BYTES_MICROBATCHES)

@@ -91,7 +91,8 @@ def _explain(diffs: list[int], mistakes: list[dict[str, int]]) -> str | None:
     return None
 
 
-@exercise("08.1", "the parameters of a GPT from its shape", reference=(num_parameters,))
+@exercise("08.1", "the parameters of a GPT from its shape", reference=(num_parameters,),
+          marks=(r"4h(²|\^2|\*\*2)\+2(·|\*)?h(·|\*)?f", r"9(·|\*)?h\+f"))
 def _gpt_parameters(fn: Callable[..., object]) -> str:
     got, real = [], []
     for shape in _GPT_SHAPES:
@@ -233,7 +234,9 @@ def _check_slope(fn: Callable[..., object], name: str, low: object, high: object
                    + wrong.get(got, what))
 
 
-@exercise("08.2", "the FLOPs of a SwiGLU + grouped-query-attention layer")
+@exercise("08.2", "the FLOPs of a SwiGLU + grouped-query-attention layer",
+          marks=(r"6(·|\*)?[bB](·|\*)?s(·|\*)?h(·|\*)?f", r"18(·|\*)?[bB](·|\*)?s(·|\*)?h(·|\*)?f",
+                 r"kvheadsinsteadof64save"))
 def _gated_gqa_flops(fn: Callable[..., object]) -> str:
     _check_vanilla(fn)
     b, s, h, a = (_BASE[k] for k in ("batch", "seq_len", "hidden", "heads"))
@@ -325,7 +328,9 @@ def _field_hints(hw: Hardware) -> list[str]:
     return hints
 
 
-@exercise("08.3", "the advisor on a DGX H200 cluster")
+@exercise("08.3", "the advisor on a DGX H200 cluster",
+          marks=(r"461TFLOP/s", r"pp=32wheretheA100s", r"memory_bytes=141\*",
+                 r"intra_node_bandwidth=900\*GB/2", r"inter_node_bandwidth=8\*400e9/8"))
 def _h200_advisor(fn: Callable[[], object]) -> str:
     answer = fn()
     if not (isinstance(answer, tuple) and len(answer) == 2):

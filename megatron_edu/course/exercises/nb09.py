@@ -7,7 +7,10 @@ another layout.
       by a tiny run made here, restore the data sampler, take two steps; their losses must be
       the ones the original layout takes. Each typical mistake (no load, a fresh sampler, the
       weights without the optimizer's moments, the checkpoint's layout instead of the new one)
-      gives losses or a communication count of its own, which the hint names.
+      gives losses or a communication count of its own, which the hint names. Its reference
+      is ``train``'s ``_resume`` (load the checkpoint, restore the sampler): the rest of
+      ``train`` is the whole training loop, whose lines (``with trainer.gathered():``, ``for
+      chunk in trainer.chunks:``) are the package's vocabulary, not this answer.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import torch
 from megatron_edu import comm
 from megatron_edu.course.exercises.checking import Hint, exercise, on_ranks
 from megatron_edu.generate import sample
-from megatron_edu.train import train
+from megatron_edu.train import _resume
 
 __all__ = ["ResumeRun"]
 
@@ -74,7 +77,8 @@ def _distance(draws: list[int], probs: torch.Tensor) -> float:
     return 0.5 * (freq - probs).abs().sum().item()
 
 
-@exercise("09.1", "the next token, drawn with temperature and top-k", reference=(sample,))
+@exercise("09.1", "the next token, drawn with temperature and top-k", reference=(sample,),
+          marks=(r"topk\([^)]*\)\.values\[-1\]", r"softmax\(top-4logits/0\.5\)"))
 def _sample_next(fn: Callable[..., Any]) -> str:
     first, again = _draw(fn, 40, 1.0, None, seed=5), _draw(fn, 40, 1.0, None, seed=5)
     if first != again:
@@ -243,7 +247,8 @@ def _reference() -> tuple[ResumeRun, Path, dict[str, list[float]]]:
     return run, folder / "checkpoints" / f"step_{run.saved_at:06d}", reference
 
 
-@exercise("09.2", "resume a run in another layout", reference=(train,))
+@exercise("09.2", "resume a run in another layout", reference=(_resume,),
+          marks=(r"\.load_state_dict\(meta\[.state.\]\[.sampler.\]\)",))
 def _resume_in_another_layout(fn: Callable[..., Any]) -> str:
     run, checkpoint, reference = _reference()
     results = on_ranks(2, _learner_rank, fn, checkpoint, *_RESUMED, run,

@@ -4,13 +4,17 @@ Every notebook opens with a "**Before this** — notebooks 04 (…) and 08 (…)
 ``prerequisites`` reads those lines, ``draw_course_map`` draws the notebooks as boxes in columns
 by depth (the longest chain of prerequisites before each) with an arrow from each notebook to
 those that need it directly (implied arrows left out: 00 → 03 goes through 01 and 02). The map
-cannot drift from the notebooks: it is drawn from what they say.
+cannot drift from the notebooks: it is drawn from what they say. Nor can a line miss what its
+notebook uses: ``imported_from`` finds, for each notebook, the earlier notebooks that first
+imported a package name it imports, and ``tests/test_viz_course_map.py`` holds every "Before
+this" line to reach them.
 
     python -m megatron_edu.course.viz.course_map notebooks docs/images/course_map.png
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import sys
@@ -19,7 +23,8 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 
-__all__ = ["needs", "prerequisites", "titles", "direct", "depths", "draw_course_map"]
+__all__ = ["needs", "prerequisites", "imported_from", "titles", "direct", "depths",
+           "draw_course_map"]
 
 _BEFORE = re.compile(r"\*\*Before this\*\*\s*—\s*(.*?)(?:\n\n|$)", re.S)
 # "04", "01–03" — not the 01 of "exercise 01.2", nor a section "§3"
@@ -58,6 +63,33 @@ def prerequisites(folder: Path | str) -> dict[int, set[int]]:
         if n in out[n] or not out[n] <= numbers:
             raise ValueError(f"notebook {n:02d} needs {sorted(out[n])}: itself, or a notebook "
                              f"that is not in {folder}")
+    return out
+
+
+def _imports(notebook: dict) -> set[str]:
+    """The package's names a notebook imports ("megatron_edu.model.GPT"); the course's own
+    helpers (checkers, pictures) are not what a notebook teaches, and are left out."""
+    names = set()
+    for cell in notebook["cells"]:
+        if cell["cell_type"] != "code":
+            continue
+        source = "\n".join(line for line in "".join(cell["source"]).splitlines()
+                           if not line.lstrip().startswith(("%", "!")))
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("megatron_edu"):
+                names |= {f"{node.module}.{alias.name}" for alias in node.names}
+    return {name for name in names if not name.startswith("megatron_edu.course")}
+
+
+def imported_from(folder: Path | str) -> dict[int, set[int]]:
+    """Notebook number → the earlier notebooks that first imported a name it imports: what its
+    "Before this" line must reach."""
+    first: dict[str, int] = {}
+    out = {}
+    for n, nb in _notebooks(Path(folder)):
+        names = _imports(nb)
+        out[n] = {first[name] for name in names if name in first}
+        first.update({name: n for name in names if name not in first})
     return out
 
 

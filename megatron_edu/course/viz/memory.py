@@ -77,8 +77,9 @@ def draw_memory_calculator(config: GPTConfig, choices: Sequence[MemoryChoice], g
         print("cannot split:", line)
     if not estimates:
         return plt.figure(figsize=(4, 1))
-    ax = draw_memory_per_rank(estimates, capacity, title=title or f"{config.num_layers} layers, "
-                              f"h = {config.hidden}, s = {config.seq_len}, B = {global_batch}")
+    _, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(estimates) + 2.0), 3.8))
+    draw_memory_per_rank(estimates, capacity, ax, title or f"{config.num_layers} layers, h = "
+                         f"{config.hidden}, s = {config.seq_len}, B = {global_batch}")
     return ax.figure
 
 
