@@ -13,6 +13,9 @@ recognised there by three kinds of fingerprint:
 * the exercise's own marks (``@exercise(..., marks=)``): the constants the answer prints and the
   formula the checker compares with, as regular expressions over text with its spaces removed.
 
+A line of the answer that an earlier notebook teaches as it stands (``@exercise(..., taught=)``)
+is a piece the exercise asks the learner to put together, not a fingerprint.
+
 Code is compared with its spaces removed, so a copy reformatted still matches. A line of code
 met in ``COMMON`` or more cells of the course (``optimizer.step()``, ``ctx.group = group``) is the
 package's vocabulary, not an answer, and is not a fingerprint; marks always are. The exercise's
@@ -31,7 +34,7 @@ import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_edu.course.exercises import EXERCISES, MARKS, REFERENCES
+from megatron_edu.course.exercises import EXERCISES, MARKS, REFERENCES, TAUGHT
 from megatron_edu.course.student import BEGIN, END, answers_of, student_notebook
 
 __all__ = ["Reveal", "fingerprints", "reveals", "seen_before"]
@@ -95,8 +98,9 @@ def fingerprints(folder: Path) -> dict[str, list[re.Pattern]]:
         lines = solutions.get(exercise, []) + [
             line for obj in REFERENCES[exercise]
             for line in _code_lines(textwrap.dedent(inspect.getsource(inspect.unwrap(obj))))]
+        taught = {_squeeze(line) for line in TAUGHT.get(exercise, ())}
         lines = [line for line in dict.fromkeys(lines)
-                 if sum(line in text for text in texts) < COMMON]
+                 if sum(line in text for text in texts) < COMMON and line not in taught]
         prints[exercise] = ([re.compile(re.escape(line)) for line in lines]
                             + [re.compile(mark) for mark in MARKS.get(exercise, ())])
     return prints

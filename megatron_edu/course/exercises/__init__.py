@@ -18,6 +18,7 @@ from megatron_edu.course.exercises.checking import (
     EXERCISES,
     MARKS,
     REFERENCES,
+    TAUGHT,
     CheckResult,
     Hint,
     check,
@@ -26,4 +27,4 @@ from megatron_edu.course.exercises.checking import (
 for _module in sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name.startswith("nb")):
     importlib.import_module(f"{__name__}.{_module}")
 
-__all__ = ["EXERCISES", "MARKS", "REFERENCES", "CheckResult", "Hint", "check"]
+__all__ = ["EXERCISES", "MARKS", "REFERENCES", "TAUGHT", "CheckResult", "Hint", "check"]

@@ -23,12 +23,13 @@ import cloudpickle
 
 from megatron_edu.launch import DeadlockError, RankError, run
 
-__all__ = ["Hint", "exercise", "check", "on_ranks", "EXERCISES", "REFERENCES", "MARKS", "close",
-           "DEADLOCK_AFTER"]
+__all__ = ["Hint", "exercise", "check", "on_ranks", "EXERCISES", "REFERENCES", "MARKS", "TAUGHT",
+           "close", "DEADLOCK_AFTER"]
 
 EXERCISES: dict[str, str] = {}                     # id -> title, in registration order
 REFERENCES: dict[str, tuple[Any, ...]] = {}        # id -> the package code its answer rewrites
 MARKS: dict[str, tuple[str, ...]] = {}             # id -> regexes of what gives it away
+TAUGHT: dict[str, tuple[str, ...]] = {}            # id -> answer lines earlier notebooks teach
 _CHECKERS: dict[str, Callable[[Callable], str]] = {}
 NOT_DONE = "not done yet"
 # seconds every rank still running may sit blocked, using no CPU, before on_ranks(...,
@@ -58,12 +59,15 @@ class CheckResult:
 
 
 def exercise(exercise_id: str, title: str, reference: tuple[Any, ...] = (),
-             marks: tuple[str, ...] = ()) -> Callable:
+             marks: tuple[str, ...] = (), taught: tuple[str, ...] = ()) -> Callable:
     """Register the decorated checker as exercise ``exercise_id`` ("03.2"). ``reference``: the
     package's functions or classes that the answer rewrites; ``marks``: regular expressions of
     what else gives the answer away (the constants it prints, the formula its checker compares
     with), matched against text with its spaces removed. No student notebook may show either
-    before the exercise (``megatron_edu/course/reveals.py``)."""
+    before the exercise (``megatron_edu/course/reveals.py``). ``taught``: lines of the answer
+    that an earlier notebook teaches as they stand (how notebook 05 builds a rank's chunks, a
+    loop over a model's parameters): pieces the exercise asks the learner to put together, not
+    fingerprints of the answer."""
 
     def register(checker: Callable[[Callable], str]) -> Callable[[Callable], str]:
         if exercise_id in EXERCISES:
@@ -71,6 +75,7 @@ def exercise(exercise_id: str, title: str, reference: tuple[Any, ...] = (),
         EXERCISES[exercise_id] = title
         REFERENCES[exercise_id] = tuple(reference)
         MARKS[exercise_id] = tuple(marks)
+        TAUGHT[exercise_id] = tuple(taught)
         _CHECKERS[exercise_id] = checker
         return checker
 

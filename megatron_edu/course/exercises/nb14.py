@@ -45,8 +45,7 @@ def _number(x) -> float | None:
 
 def _pair(got) -> tuple[float, float]:
     if not (isinstance(got, tuple | list) and len(got) == 2):
-        raise Hint("return a pair (Megatron-LM's per-word perplexity, the paper's): "
-                   "exp(L / (W − 1)), exp(L / W)")
+        raise Hint("return a pair: (Megatron-LM's per-word perplexity, 1909.08053's)")
     values = [_number(g) for g in got]
     if None in values:
         raise Hint("each of the pair should be a number (a float, or a tensor of one value)")
@@ -57,7 +56,9 @@ def _is(x: float, y: float) -> bool:
     return math.isclose(x, y, rel_tol=1e-4)
 
 
-@exercise("14.1", "per-word perplexity from per-token losses", reference=(wikitext_result,))
+@exercise("14.1", "per-word perplexity from per-token losses", reference=(wikitext_result,),
+          marks=(r"L/\(W[−-]1\)",       # exp(L / (W − 1)): Megatron-LM's code
+                 r"exp\(L/W\)"))         # exp(L / W): 1909.08053's text
 def check_word_perplexity(fn) -> str:
     """fn(losses [N − 1], words W) → (exp(L/(W−1)), exp(L/W)) against ``wikitext_result``."""
     for seed, (loss_sum, n, w) in enumerate(TEXTS):
@@ -178,7 +179,8 @@ def _judged(kind: str, ids: torch.Tensor, logits: torch.Tensor, lengths: torch.T
                          for row, k in enumerate(lengths.tolist())])
 
 
-@exercise("14.2", "LAMBADA: the whole last word, greedy", reference=(lambada_correct,))
+@exercise("14.2", "LAMBADA: the whole last word, greedy", reference=(lambada_correct,),
+          marks=(r"s[−-]1[−-]k",))        # the position whose logits predict the word's first token
 def check_lambada(fn) -> str:
     """fn(logits [b, s, V], ids [b, s], word_lengths [b]) → [b] bool against
     ``lambada_correct`` (without the stop-word filter)."""

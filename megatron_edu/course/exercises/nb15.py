@@ -32,7 +32,10 @@ def _near(got: float, want: float, rtol: float = 0.1) -> bool:
     return bool(np.isfinite(got)) and abs(got - want) <= rtol * abs(want)
 
 
-@exercise("15.1", "fit α and β of the ring all-reduce model", reference=(fit_alpha_beta,))
+@exercise("15.1", "fit α and β of the ring all-reduce model", reference=(fit_alpha_beta,),
+          marks=(r"2\(t[−-]1\)and2\(t[−-]1\)/t·n",    # the design matrix's two columns
+                 r"linearin(thetwounknowns)?α",          # T linear in α and 1/β
+                 r"coefficientis1/β"))                   # the fit's second coefficient
 def check_fit_alpha_beta(fn) -> str:
     """fn(sizes, times, t) on synthetic ring times from known α and β (1 % noise), t = 2, 4, 8."""
     rng = np.random.default_rng(0)
@@ -97,7 +100,11 @@ def _naive_rank(fn, x: torch.Tensor):
 
 
 @exercise("15.2", "naive data parallelism: one all-reduce per parameter",
-          reference=(naive_allreduce_grads,))
+          reference=(naive_allreduce_grads,),
+          marks=(r"all-reducedaszeros",                  # the parameter without a gradient
+                 r"divideby`?group\.size"),               # the average: the sum over the ranks
+          taught=("for p in model.parameters():",       # generic: notebook 12's loop, 05's
+                  "p.grad = torch.zeros_like(p)"))       # zero gradients
 def check_naive_allreduce_grads(fn) -> str:
     """fn(model, group) on 2 ranks: the serial full-batch gradient, one all-reduce a parameter."""
     torch.manual_seed(1)

@@ -221,7 +221,10 @@ def build_verdicts(builds: list[Callable]) -> list[str]:
 
 
 @exercise("17.1", "one rank's parts of a PTD-P run",
-          reference=(PTDP.__init__,))
+          reference=(PTDP.__init__,),
+          marks=(r"average=False",                            # the gradients summed, not averaged
+                 r"DataParallel\(chunks,grid\.dp_group"),      # over the dp group
+          taught=("chunks = build_chunks(config, grid, schedule.stages)",))  # notebook 05
 def check_build(build) -> str:
     """build(config, grid, options, pipeline) → Parts, on 8 ranks, against what PTDP builds."""
     return _judge_builds(_run_each(_describe_build, [build], timeout=120)[0])
@@ -365,7 +368,9 @@ def step_verdicts(steps: list[Callable]) -> list[str]:
                      _run_each(_steps, steps, timeout=180))
 
 
-@exercise("17.2", "the PTD-P training step", reference=(PTDP.train_step, PTDP._run))
+@exercise("17.2", "the PTD-P training step", reference=(PTDP.train_step, PTDP._run),
+          marks=(r"parts\.ddp\.sync\(last\)",                 # the buckets in the last backward
+                 r"stage'scopyoftheembeddingpassedas"))       # the norm counts the tied one once
 def check_step(step) -> str:
     """step(parts, input_ids, labels, lr, iteration) → (loss, norm), twice on 8 ranks, against
     the serial model."""

@@ -113,7 +113,10 @@ def _serial_swiglu(x, gate, up, down) -> torch.Tensor:
     return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
 
 
-@exercise("18.1", "a fused [gate; up] weight as a rank's SwiGLU rows", reference=(_fc_from_hf,))
+@exercise("18.1", "a fused [gate; up] weight as a rank's SwiGLU rows", reference=(_fc_from_hf,),
+          marks=(r"row2i\S{0,25}row2i\+1",            # row 2i the gate of unit i, 2i + 1 its up
+                 r"rows2i,2i\+1",
+                 r"torch\.stack`?alonganewdimension1"))  # the recipe: pair, flatten, cut
 def check_swiglu_rows(fn) -> str:
     """fn(gate_up [2f, h], rank, t) → rank's fc rows [2f/t, h], at t = 1, 2, 4."""
     gate_up = _gate_up()
@@ -193,7 +196,10 @@ def _heads(got, where: str) -> list[int]:
     return heads
 
 
-@exercise("18.2", "kv-head ownership under tensor parallelism, replicated when t > g")
+@exercise("18.2", "kv-head ownership under tensor parallelism, replicated when t > g",
+          marks=(r"r//\(t/g\)",                        # the head of rank r when t > g
+                 r"r·g/t",                              # its first head when t ≤ g
+                 r"g/twholegroups"))
 def check_kv_heads(fn) -> str:
     """fn(rank, t, g) → the kv heads rank holds, against the groups of its query heads."""
     for g, t in _CASES_18_2:
@@ -255,7 +261,11 @@ def _positions(got, where: str) -> list[int]:
                    f"{type(got).__name__}") from None
 
 
-@exercise("18.3", "the rotary positions of a zig-zag chunk pair", reference=(positions_of,))
+@exercise("18.3", "the rotary positions of a zig-zag chunk pair", reference=(positions_of,),
+          marks=(r"\[4,5,6,7,8,9,10,11\]",              # rank 1's positions at cp = 2, s = 16
+                 r"\[0,1,2,3,12,13,14,15\]",            # rank 0's
+                 r"positions4[–-]11",
+                 r"positions0[–-]3and12[–-]15"))
 def check_rope_positions(fn) -> str:
     """fn(rank, cp, s) → the positions rank holds, against ``positions_of`` of its chunks."""
     for cp, s in _CASES_18_3:
@@ -273,7 +283,7 @@ def check_rope_positions(fn) -> str:
                            f"token by its position in the whole sequence, and rank r holds "
                            f"chunks r and 2·cp − 1 − r of 2·cp; with local positions its late "
                            f"chunk would sit right after its early one, and q·k would see the "
-                           f"wrong distance m − n")
+                           f"wrong distance j − j′")
             if got == list(range(r * s // cp, (r + 1) * s // cp)):
                 raise Hint(f"{where} gave positions {got[0]}…{got[-1]}, the consecutive part r "
                            f"of cp; the sequence is split zig-zag: chunks r and 2·cp − 1 − r "
