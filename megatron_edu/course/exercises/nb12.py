@@ -11,7 +11,7 @@
 autograd of the serial causal attention. Typical wrong answers — the partial outputs added
 without rescaling, the maximum taken instead of the log-sum-exp, the consecutive split, the ring
 turned the wrong way; partial sums kept on the rank or sent against the block, the causal skip
-missed, a block's own log-sum-exp, a missing 1/√d_h — are named.
+missed, a block's own log-sum-exp, a missing 1/√h_d — are named.
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ def check_ring_step(fn) -> str:
 
 # --- 12.4 ★★★ ring attention's backward: dK, dV travelling with their block ----------------------
 
-TOKENS, HEAD = 4, 8                                    # per rank; the head size d_h
+TOKENS, HEAD = 4, 8                                    # per rank; the head size h_d
 _TURNS = (1, -1, 0)              # the sums sent on with the block, against it, or kept
 _MISTAKES = {
     "later blocks": "rank r added a part for the block of a later rank (owner > r): under the "
@@ -156,10 +156,10 @@ _MISTAKES = {
     "local lse": "the probabilities were normalised over the visiting block's keys alone (its "
                  "own log-sum-exp): P is the forward's, exp(S − ℓ) with ℓ the log-sum-exp over "
                  "every key the query sees — the lse passed in",
-    "unscaled scores": "S = Q·Kᵀ was not scaled by 1/√d_h before exp(S − ℓ): ℓ is the log-sum-exp "
+    "unscaled scores": "S = Q·Kᵀ was not scaled by 1/√h_d before exp(S − ℓ): ℓ is the log-sum-exp "
                        "of the scaled scores",
-    "unscaled dS": f"dK is √d_h = {math.sqrt(HEAD):.3g}× too large and dV is right: dS = "
-                   "P ∘ (dO·Vᵀ − D) carries the 1/√d_h of the scores, dS = P ∘ (dO·Vᵀ − D)/√d_h",
+    "unscaled dS": f"dK is √h_d = {math.sqrt(HEAD):.3g}× too large and dV is right: dS = "
+                   "P ∘ (dO·Vᵀ − D) carries the 1/√h_d of the scores, dS = P ∘ (dO·Vᵀ − D)/√h_d",
 }
 _TRAVEL = {
     0: "the partial sums stayed on the rank that computed them: its result is the sum of its "
@@ -248,7 +248,7 @@ def check_ring_dkv(fn) -> str:
         if not (isinstance(got, torch.Tensor) and got.shape == (2, TOKENS, HEAD)):
             raise Hint(f"rank {rank} returned {type(got).__name__} "
                        f"{list(getattr(got, 'shape', []))}: return the partial sums that "
-                       f"arrive, a tensor [2, n, d_h] = {[2, TOKENS, HEAD]} (dK, dV stacked)")
+                       f"arrive, a tensor [2, n, h_d] = {[2, TOKENS, HEAD]} (dK, dV stacked)")
     if all(torch.allclose(g, w, atol=1e-5) for g, w in zip(results, want, strict=True)):
         return (f"on {CP} ranks ({TOKENS} tokens each, in order) every rank's dK and dV equal "
                 "autograd's of the serial causal attention: each block's partial sums travelled "
@@ -266,5 +266,5 @@ def check_ring_dkv(fn) -> str:
                 if not torch.allclose(g, w, atol=1e-5))
     diff = (results[rank] - want[rank]).abs().amax((1, 2))
     raise Hint(f"rank {rank}'s dK differs from autograd's by up to {diff[0]:.3g}, its dV by up to "
-               f"{diff[1]:.3g}: P = exp(S − ℓ) with S = Q·Kᵀ/√d_h (causal on the own block, later "
-               "blocks skipped), dV += Pᵀ·dO, dS = P ∘ (dO·Vᵀ − D)/√d_h, dK += dSᵀ·Q")
+               f"{diff[1]:.3g}: P = exp(S − ℓ) with S = Q·Kᵀ/√h_d (causal on the own block, later "
+               "blocks skipped), dV += Pᵀ·dO, dS = P ∘ (dO·Vᵀ − D)/√h_d, dK += dSᵀ·Q")
