@@ -15,7 +15,13 @@ import pytest
 from nbclient import NotebookClient
 
 from megatron_edu.course.exercises import EXERCISES, REFERENCES
-from megatron_edu.course.student import answer_pointer, answers_of, main, student_source
+from megatron_edu.course.student import (
+    answer_pointer,
+    answers_of,
+    main,
+    student_notebook,
+    student_source,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
@@ -156,7 +162,7 @@ def test_every_cell_showing_an_answer_before_its_exercise_is_tagged_and_hidden(s
     tagged = {}
     for path in NOTEBOOKS:
         for index, cell in enumerate(json.loads(path.read_text())["cells"]):
-            if answers_of(cell):
+            if cell["cell_type"] == "code" and answers_of(cell):
                 tagged[(path.name, index)] = set(answers_of(cell))
     assert tagged == early, "tag each cell answers-NN.k for exactly the exercises it shows"
     for name, index in tagged:
@@ -173,6 +179,15 @@ def test_a_hidden_cell_is_the_original_commented_out_behind_its_pointer():
     ast.parse(hidden)
     restored = [line[2:] if line.startswith("# ") else "" for line in hidden.splitlines()[2:]]
     assert "\n".join(restored) == source
+
+
+def test_prose_tagged_as_an_answer_is_a_pointer_in_the_student_version():
+    revealing = {"cell_type": "markdown", "metadata": {"tags": ["answers-13.3"]},
+                 "source": ["ZeRO-2 sends m + 1 halves."]}
+    plain = {"cell_type": "markdown", "metadata": {}, "source": ["ZeRO shards the state."]}
+    cells = student_notebook({"cells": [revealing, plain]})["cells"]
+    assert "m + 1" not in "".join(cells[0]["source"])
+    assert "exercise 13.3" in "".join(cells[0]["source"]) and cells[1] == plain
 
 
 def test_writing_the_student_notebooks_again_keeps_the_learners_work(tmp_path):

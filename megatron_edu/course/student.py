@@ -16,9 +16,11 @@ and the student version keeps everything but what lies between them, which becom
 ``raise NotImplementedError("exercise 00.1: your code here")`` at the same indentation — so the
 student notebook runs, and the checker answers each exercise with "not done yet" until it is done.
 
-A "read the code" cell that prints package source an exercise asks the learner to write carries
-the tag ``answers-NN.k``; the student version comments it out behind a pointer to run it once
-exercise NN.k passes (``tests/test_student_notebooks.py`` finds every such cell by its output).
+A cell that shows what an exercise asks the learner to write carries the tag ``answers-NN.k``:
+the student version comments a code cell out behind a pointer to run it once exercise NN.k
+passes, and replaces a markdown cell by a pointer to the solution notebook
+(``tests/test_student_notebooks.py`` finds every "read the code" cell that needs the tag by its
+output; ``reveals.py`` finds every other answer met before its exercise).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import re
 import sys
 from pathlib import Path
 
-__all__ = ["student_source", "answer_pointer", "answers_of"]
+__all__ = ["student_source", "answer_pointer", "prose_pointer", "answers_of"]
 
 BEGIN, END = "# BEGIN SOLUTION", "# END SOLUTION"
 _CHECK = re.compile(r"""check\(\s*["'](\d\d\.\d+)["']""")
@@ -74,6 +76,13 @@ def answer_pointer(source: str, exercises: list[str]) -> str:
     return "\n".join(pointer + [f"# {line}" if line else "#" for line in source.split("\n")])
 
 
+def prose_pointer(exercises: list[str]) -> str:
+    """A markdown cell that would give an answer away, as the student version has it."""
+    which = " and ".join(exercises)
+    return (f"*This cell explains the answer to exercise {which}. Once your answer passes, read "
+            "it in the solution notebook beside this one (`notebooks/`, same name).*")
+
+
 def student_notebook(notebook: dict) -> dict:
     """The student version of a notebook (as loaded JSON): stubs, no answer shown before its
     exercise, and no outputs."""
@@ -87,6 +96,8 @@ def student_notebook(notebook: dict) -> dict:
             cell.update(source=_lines(source), outputs=[], execution_count=None)
             cell["metadata"] = {k: v for k, v in cell.get("metadata", {}).items()
                                 if k != "execution"}
+        elif answers_of(cell):
+            cell["source"] = _lines(prose_pointer(answers_of(cell)))
         cells.append(cell)
     return {**notebook, "cells": cells}
 
