@@ -38,7 +38,7 @@ def test_the_syllabus_gives_each_notebook_its_own_time():
     """The guide's minutes beside a notebook, "05 pipeline execution (20)" or "12 (…, ~20
     minutes", are the notebook's own "**Time**" line: one estimate, not two that drift."""
     text = (ROOT / "docs" / "course.md").read_text()
-    table = r"(?:\| \d \| |; )(\d\d) [^|;(\n]+\((\d+)(?: min)?\)"   # "| 3 | 04 pipel… (15)"
+    table = r"(?:\| \d+ \| |; )(\d\d) [^|;(\n]+\((\d+)(?: min)?\)"   # "| 3 | 04 pipel… (15)"
     stated = {n: int(m) for n, m in re.findall(table, text)}
     stated |= {n: int(m) for n, m in re.findall(
         r"Notebook (\d\d)\b[^~.]*?(?:~|about )(\d+)\s+minutes", text)}

@@ -1,7 +1,6 @@
 """The checkers of notebooks 03–05: each reference solution passes, each typical mistake gets the
 hint written for it (in words), a stub says "not done yet", a deadlock is named as one."""
 
-import re
 import sys
 from fractions import Fraction
 
@@ -9,9 +8,10 @@ import cloudpickle
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import marked
 
 from megatron_edu import comm
-from megatron_edu.course.exercises import MARKS, check
+from megatron_edu.course.exercises import check
 from megatron_edu.pipeline.schedules import Action, dependencies
 from megatron_edu.pipeline.stages import Message
 
@@ -429,10 +429,6 @@ def test_04_4_mistakes_get_their_hint(fn, words):
     _hints("04.4", fn, *words)
 
 
-def _squeezed(text):
-    return re.sub(r"\s+", "", text)
-
-
 @pytest.mark.parametrize("exercise, answers, harmless", [
     ("03.1", ["local = (ids - self.vocab_start).masked_fill(outside, 0)",
               "return out.masked_fill(outside.unsqueeze(-1), 0.0)"],
@@ -452,11 +448,8 @@ def _squeezed(text):
 ])
 def test_the_marks_of_03_and_04_see_an_answer_not_its_prompt(exercise, answers, harmless):
     """The reveal detector's marks (megatron_edu/course/reveals.py) on text without spaces."""
-    marks = [re.compile(mark) for mark in MARKS[exercise]]
-    for text in answers:
-        assert any(mark.search(_squeezed(text)) for mark in marks), text
-    for text in harmless:
-        assert not any(mark.search(_squeezed(text)) for mark in marks), text
+    assert [text for text in answers if not marked(exercise, text)] == []
+    assert [text for text in harmless if marked(exercise, text)] == []
 
 
 # --- 05.1 a deadlock, predicted and seen ------------------------------------------------------

@@ -1,16 +1,16 @@
 """The checkers of notebook 12: each reference solution passes, each typical mistake gets the hint
 that names it, a stub gets "not done yet"."""
 
-import re
 import sys
 
 import cloudpickle
 import pytest
 import torch
+from helpers import marked
 
 from megatron_edu import comm
 from megatron_edu.comm import P2POp
-from megatron_edu.course.exercises import MARKS, check
+from megatron_edu.course.exercises import check
 
 # The answers below travel to the ranks by value, as a notebook cell's functions do (by
 # reference, each rank would import this module, and the whole course with it: ~1 s).
@@ -127,10 +127,6 @@ def test_12_4_a_stub_is_not_done_yet():
 
 # --- the marks: the answer as the notebook states it, which no cell may show before the exercise
 
-def _marked(exercise, text):
-    return any(re.search(mark, re.sub(r"\s+", "", text)) for mark in MARKS[exercise])
-
-
 @pytest.mark.parametrize(("exercise", "text"), [
     ("12.1", "o = e^(ℓ₁ − ℓ)·o₁ + e^(ℓ₂ − ℓ)·o₂"),
     ("12.1", "ℓ = log(e^ℓ₁ + e^ℓ₂)"),
@@ -140,7 +136,7 @@ def _marked(exercise, text):
     ("12.2", "rank 0 holds positions [0, 1, 14, 15]"),
 ])
 def test_12_marks_see_the_answer_as_the_notebook_writes_it(exercise, text):
-    assert _marked(exercise, text)
+    assert marked(exercise, text)
 
 
 @pytest.mark.parametrize(("exercise", "text"), [
@@ -150,4 +146,4 @@ def test_12_marks_see_the_answer_as_the_notebook_writes_it(exercise, text):
     ("12.2", "rank 1 holds positions [2, 3, 4, 5]"),
 ])
 def test_12_marks_pass_over_the_prompts_and_what_is_not_the_answer(exercise, text):
-    assert not _marked(exercise, text)
+    assert not marked(exercise, text)

@@ -1,15 +1,15 @@
 """The checkers of notebook 13: each reference solution passes, each typical mistake gets the hint
 that names it, a stub gets "not done yet"."""
 
-import re
 import sys
 
 import cloudpickle
 import pytest
 import torch
+from helpers import marked
 
 from megatron_edu import comm
-from megatron_edu.course.exercises import MARKS, check
+from megatron_edu.course.exercises import check
 
 # The answers below travel to the ranks by value, as a notebook cell's functions do (by
 # reference, each rank would import this module, and the whole course with it: ~1 s).
@@ -161,10 +161,6 @@ def test_13_3_dp_bytes_per_step(answer, fragments):
 
 # --- the marks: the answer as the notebook states it, which no cell may show before the exercise
 
-def _marked(exercise, text):
-    return any(re.search(mark, re.sub(r"\s+", "", text)) for mark in MARKS[exercise])
-
-
 @pytest.mark.parametrize(("exercise", "text"), [
     ("13.1", "| 1, P_os | the optimizer state | 2Ψ + 2Ψ + KΨ/d |"),
     ("13.1", "At d = 4 the 16 bytes per parameter become 7 under stage 1"),
@@ -175,7 +171,7 @@ def _marked(exercise, text):
     ("13.3", "reduce-scattered once: 3(d − 1)/d · 4Ψ, **1.5×**"),
 ])
 def test_13_marks_see_the_answer_as_the_notebook_writes_it(exercise, text):
-    assert _marked(exercise, text)
+    assert marked(exercise, text)
 
 
 @pytest.mark.parametrize(("exercise", "text"), [
@@ -185,4 +181,4 @@ def test_13_marks_see_the_answer_as_the_notebook_writes_it(exercise, text):
     ("13.3", "The checker tries d = 1 … 8 and m = 1 … 8."),
 ])
 def test_13_marks_pass_over_the_prompts_and_what_is_not_the_answer(exercise, text):
-    assert not _marked(exercise, text)
+    assert not marked(exercise, text)

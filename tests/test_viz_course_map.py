@@ -13,6 +13,7 @@ from megatron_edu.course.viz.course_map import (
     imported_from,
     needs,
     prerequisites,
+    reachable,
     titles,
 )
 
@@ -45,19 +46,9 @@ def test_every_before_this_line_reaches_the_notebooks_that_taught_what_it_import
     imported it, through its "Before this" line or a chain of them."""
     prereqs, used = prerequisites(NOTEBOOKS), imported_from(NOTEBOOKS)
     assert used[1] == {0} and 1 in used[3]          # the derivation sees what it should
-    reach = {n: _reachable(prereqs, n) for n in prereqs}
+    reach = {n: reachable(prereqs, n) for n in prereqs}
     missing = {n: sorted(used[n] - reach[n]) for n in prereqs if used[n] - reach[n]}
     assert missing == {}, "a 'Before this' line misses the notebooks its imports come from"
-
-
-def _reachable(prereqs, n):
-    seen, todo = set(), list(prereqs[n])
-    while todo:
-        m = todo.pop()
-        if m not in seen:
-            seen.add(m)
-            todo.extend(prereqs[m])
-    return seen
 
 
 def test_only_the_arrows_no_longer_chain_implies_are_drawn():

@@ -1,4 +1,4 @@
-"""The pipeline diagrams of notebooks 04 and 05 say what they claim: one linear layer's F, B and W
+"""The pipeline diagrams of notebooks 20 and 05 say what they claim: one linear layer's F, B and W
 and who waits for what; each link's share of the activation with and without scatter/gather
 (drawing only)."""
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 
-__all__ = ["needs", "prerequisites", "imported_from", "titles", "direct", "depths",
+__all__ = ["needs", "prerequisites", "imported_from", "titles", "reachable", "direct", "depths",
            "draw_course_map"]
 
 _BEFORE = re.compile(r"\*\*Before this\*\*\s*—\s*(.*?)(?:\n\n|$)", re.S)
@@ -119,19 +119,21 @@ def depths(prereqs: dict[int, set[int]]) -> dict[int, int]:
     return out
 
 
+def reachable(prereqs: dict[int, set[int]], n: int) -> set[int]:
+    """Every notebook that notebook ``n`` builds on, directly or through a chain."""
+    seen, todo = set(), list(prereqs[n])
+    while todo:
+        m = todo.pop()
+        if m not in seen:
+            seen.add(m)
+            todo.extend(prereqs[m])
+    return seen
+
+
 def direct(prereqs: dict[int, set[int]]) -> set[tuple[int, int]]:
     """The arrows (before, after) that no longer chain of prerequisites implies."""
-    def reachable(n: int) -> set[int]:
-        seen, todo = set(), list(prereqs[n])
-        while todo:
-            m = todo.pop()
-            if m not in seen:
-                seen.add(m)
-                todo.extend(prereqs[m])
-        return seen
-
     return {(m, n) for n in prereqs for m in prereqs[n]
-            if not any(m in reachable(k) for k in prereqs[n] if k != m)}
+            if not any(m in reachable(prereqs, k) for k in prereqs[n] if k != m)}
 
 
 def draw_course_map(prereqs: dict[int, set[int]], names: dict[int, str]):

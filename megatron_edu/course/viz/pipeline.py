@@ -246,7 +246,7 @@ def explore() -> None:
 
     widgets.interact(
         show_explored,
-        name=widgets.Dropdown(options=EXPLORER["name"], value="zb-h1",
+        name=widgets.Dropdown(options=EXPLORER["name"], value="1f1b",
                               description="schedule", style=style),
         p=slider(widgets.IntSlider, "p", 4, "p (stages)"),
         m=slider(widgets.IntSlider, "m", 8, "m (microbatches)"),
@@ -295,7 +295,7 @@ def format_plan(schedule: Schedule) -> str:
     return "\n".join(lines)
 
 
-# --- diagrams: the backward split (notebook 04) and scatter/gather (notebook 05) -----------------
+# --- diagrams: the backward split (notebook 20) and scatter/gather (notebook 05) -----------------
 
 
 def _box(ax: Axes, x: float, y: float, width: float, height: float, text: str, colour,
