@@ -125,7 +125,7 @@ def _attention(dropout: float, recompute: str = "none", causal: bool = True) -> 
 
 
 def _unscaled(attn: Attention) -> Attention:
-    """``attn`` with each head's q rows √d larger: its scores are q·kᵀ, without the 1/√d."""
+    """``attn`` with each head's q rows √h_d larger: its scores are q·kᵀ, without the 1/√h_d."""
     d = attn.head_dim
     with torch.no_grad():
         for rows in range(0, 3 * ATTENTION.hidden, 3 * d):        # per head: q | k | v rows
