@@ -118,6 +118,11 @@ def stub(*args):
     raise NotImplementedError("exercise NN.k: your code here")
 
 
+def failed(result, *fragments) -> bool:
+    """Whether a check failed with each of ``fragments`` in its hint."""
+    return result.passed is False and all(f in result.message for f in fragments)
+
+
 def marked(exercise: str, text: str) -> bool:
     """Whether one of the exercise's marks (``@exercise(..., marks=)``, what
     megatron_edu/course/reveals.py searches for) is in ``text``, its spaces removed."""
@@ -127,10 +132,7 @@ def marked(exercise: str, text: str) -> bool:
 def verdict(exercise, answer, *fragments):
     """Check ``answer``: passed if no fragments are given, else failed with each in its hint."""
     result = check(exercise, answer)
-    if not fragments:
-        assert result.passed, result
-    else:
-        assert not result.passed and all(f in result.message for f in fragments), result
+    assert result.passed if not fragments else failed(result, *fragments), result
     return result
 
 

@@ -8,10 +8,9 @@ import cloudpickle
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import marked
+from helpers import marked, stub, verdict
 
 from megatron_edu import comm
-from megatron_edu.course.exercises import check
 from megatron_edu.pipeline.schedules import Action, dependencies
 from megatron_edu.pipeline.stages import Message
 
@@ -20,27 +19,9 @@ from megatron_edu.pipeline.stages import Message
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
-def _passes(exercise, fn):
-    result = check(exercise, fn)
-    assert result.passed, result.message
-    return result
-
-
-def _hints(exercise, fn, *words):
-    result = check(exercise, fn)
-    assert result.passed is False
-    for word in words:
-        assert word in result.message, result.message
-    return result
-
-
-def _stub(*_):
-    raise NotImplementedError("exercise NN.k: your code here")
-
-
 @pytest.mark.parametrize("exercise", ["03.1", "03.2", "03.3"])
 def test_a_stub_is_not_done_yet(exercise):
-    _hints(exercise, _stub, "not done yet")
+    verdict(exercise, stub, "not done yet")
 
 
 # --- 03.1 the masked lookup ---------------------------------------------------------------------
@@ -76,7 +57,7 @@ def lookup_of_the_gathered_table(ids, weight, vocab_start, group):
 
 
 def test_03_1_the_masked_lookup_passes():
-    _passes("03.1", lookup)
+    verdict("03.1", lookup)
 
 
 @pytest.mark.parametrize("fn, words", [
@@ -86,7 +67,7 @@ def test_03_1_the_masked_lookup_passes():
     (lookup_of_the_gathered_table, ["all-gathered", "one all-reduce"]),
 ], ids=["no-g", "no-zeros", "unshifted", "gathered-table"])
 def test_03_1_mistakes_get_their_hint(fn, words):
-    _hints("03.1", fn, *words)
+    verdict("03.1", fn, *words)
 
 
 # --- 03.2 the gradient, without communication -------------------------------------------------
@@ -124,7 +105,7 @@ def gradient_all_reduced(softmax, target, vocab_start, group):
 
 
 def test_03_2_the_local_gradient_passes():
-    _passes("03.2", gradient)
+    verdict("03.2", gradient)
 
 
 @pytest.mark.parametrize("fn, words", [
@@ -135,7 +116,7 @@ def test_03_2_the_local_gradient_passes():
     (gradient_all_reduced, ["communicated (all_reduce", "needs none"]),
 ], ids=["no-onehot", "flipped", "every-rank", "unshifted", "all-reduced"])
 def test_03_2_mistakes_get_their_hint(fn, words):
-    _hints("03.2", fn, *words)
+    verdict("03.2", fn, *words)
 
 
 # --- 03.3 the fused loss ----------------------------------------------------------------------
@@ -204,8 +185,8 @@ def loss_deadlocking(logits, target, group):
 
 
 def test_03_3_the_fused_loss_passes_with_g_or_plain_all_reduces():
-    _passes("03.3", loss)
-    _passes("03.3", loss_with_plain_all_reduces)
+    verdict("03.3", loss)
+    verdict("03.3", loss_with_plain_all_reduces)
 
 
 @pytest.mark.parametrize("fn, words", [
@@ -216,22 +197,22 @@ def test_03_3_the_fused_loss_passes_with_g_or_plain_all_reduces():
     (loss_of_gathered_logits, ["whole logits", "three numbers per token"]),
 ], ids=["no-max", "local-max", "every-rank", "local-target", "gathered-logits"])
 def test_03_3_mistakes_get_their_hint(fn, words):
-    _hints("03.3", fn, *words)
+    verdict("03.3", fn, *words)
 
 
 def test_03_3_a_collective_on_one_rank_only_is_named_a_deadlock():
-    _hints("03.3", loss_deadlocking, "did not finish: they sat blocked, using no CPU", "deadlock")
+    verdict("03.3", loss_deadlocking, "did not finish: they sat blocked, using no CPU", "deadlock")
 
 
 # --- 04.1 the peak of 1F1B --------------------------------------------------------------------
 
 @pytest.mark.parametrize("exercise", ["04.1", "04.2", "04.3", "04.4"])
 def test_a_stub_of_04_is_not_done_yet(exercise):
-    _hints(exercise, _stub, "not done yet")
+    verdict(exercise, stub, "not done yet")
 
 
 def test_04_1_min_of_p_minus_rank_and_m_passes():
-    _passes("04.1", lambda p, m, rank: min(p - rank, m))
+    verdict("04.1", lambda p, m, rank: min(p - rank, m))
 
 
 @pytest.mark.parametrize("fn, words", [
@@ -244,7 +225,7 @@ def test_04_1_min_of_p_minus_rank_and_m_passes():
     (lambda p, m, r: float(min(p - r, m)), ["float", "int"]),
 ], ids=["warm-up-only", "no-min", "gpipe", "reversed", "other", "float"])
 def test_04_1_mistakes_get_their_hint(fn, words):
-    _hints("04.1", fn, *words)
+    verdict("04.1", fn, *words)
 
 
 # --- 04.2 one rank's 1F1B order ---------------------------------------------------------------
@@ -295,7 +276,7 @@ def gpipe_rank(p, m, rank):
 
 
 def test_04_2_the_1f1b_order_passes():
-    _passes("04.2", one_f_one_b_rank)
+    verdict("04.2", one_f_one_b_rank)
 
 
 @pytest.mark.parametrize("fn, words", [
@@ -309,7 +290,7 @@ def test_04_2_the_1f1b_order_passes():
     (lambda p, m, rank: "F0 B0", ["returned str", "list of Action"]),
 ], ids=["one-too-many", "gpipe", "uncapped", "backward-first", "lifo-cooldown", "string"])
 def test_04_2_mistakes_get_their_hint(fn, words):
-    _hints("04.2", fn, *words)
+    verdict("04.2", fn, *words)
 
 
 # --- 04.3 one rank's interleaved order --------------------------------------------------------
@@ -335,7 +316,7 @@ def interleaved_rank(p, m, v, rank, reverse=True, grouped=True, warmup=None):
 
 
 def test_04_3_the_interleaved_order_passes():
-    _passes("04.3", interleaved_rank)
+    verdict("04.3", interleaved_rank)
 
 
 @pytest.mark.parametrize("fn, words", [
@@ -349,7 +330,7 @@ def test_04_3_the_interleaved_order_passes():
     (lambda p, m, v, r: one_f_one_b_rank(p, m, r), ["missing B0.1", "F0.1", "on each chunk"]),
 ], ids=["unreversed", "ungrouped", "1f1b-warmup", "one-chunk"])
 def test_04_3_mistakes_get_their_hint(fn, words):
-    _hints("04.3", fn, *words)
+    verdict("04.3", fn, *words)
 
 
 # --- 04.4 the bubble, played on paper ---------------------------------------------------------
@@ -400,9 +381,9 @@ def formula(p_minus, v_divides=True):
 
 
 def test_04_4_the_played_timeline_passes():
-    result = _passes("04.4", bubble_fraction)
+    result = verdict("04.4", bubble_fraction)
     assert "for all 24 schedules" in result.message and "t_pb / t_id" in result.message
-    _passes("04.4", lambda *args: float(bubble_fraction(*args)))
+    verdict("04.4", lambda *args: float(bubble_fraction(*args)))
 
 
 @pytest.mark.parametrize("fn, words", [
@@ -426,7 +407,7 @@ def test_04_4_the_played_timeline_passes():
 ], ids=["over-the-step", "own-span", "own-end", "utilisation", "no-waiting", "one-rank-over-all",
         "all-over-one-rank", "p-over-m", "v-forgotten", "formula", "other", "string"])
 def test_04_4_mistakes_get_their_hint(fn, words):
-    _hints("04.4", fn, *words)
+    verdict("04.4", fn, *words)
 
 
 @pytest.mark.parametrize("exercise, answers, harmless", [
@@ -463,11 +444,11 @@ def a_deadlock():  # rank 0 starts with microbatch 1 and waits for its gradient;
 
 @pytest.mark.parametrize("exercise", ["05.1", "05.2"])
 def test_a_stub_of_05_is_not_done_yet(exercise):
-    _hints(exercise, _stub, "not done yet")
+    verdict(exercise, stub, "not done yet")
 
 
 def test_05_1_a_deadlock_is_predicted_then_seen_stuck():
-    result = _passes("05.1", a_deadlock)
+    result = verdict("05.1", a_deadlock)
     assert "check_schedule predicted it" in result.message
     assert "rank 0 waits at B1 for B1 on rank 1" in result.message
     assert "the launcher stopped it: ranks [0, 1] did not finish" in result.message
@@ -481,7 +462,7 @@ def test_05_1_a_deadlock_is_predicted_then_seen_stuck():
     ("F0 B0", ["returned str", "one list of Action per rank"]),
 ], ids=["valid", "incomplete", "own-order", "one-rank", "string"])
 def test_05_1_mistakes_get_their_hint(schedule, words):
-    _hints("05.1", lambda: schedule, *words)
+    verdict("05.1", lambda: schedule, *words)
 
 
 # --- 05.2 the message keys --------------------------------------------------------------------
@@ -500,7 +481,7 @@ def messages_of(action, rank, stages, stage_of=lambda s, rank, chunk: s.stage(ra
 
 
 def test_05_2_the_message_keys_pass_and_run_in_the_engine():
-    result = _passes("05.2", messages_of)
+    result = verdict("05.2", messages_of)
     assert "gives the serial model's loss" in result.message
 
 
@@ -520,10 +501,10 @@ def test_05_2_the_message_keys_pass_and_run_in_the_engine():
 ], ids=["rank-not-stage", "interleaved-under-v", "first-receives", "last-sends", "grad-forward",
         "list"])
 def test_05_2_mistakes_get_their_hint(fn, words):
-    _hints("05.2", fn, *words)
+    verdict("05.2", fn, *words)
 
 
 def test_03_3_the_packages_own_loss_is_not_an_answer():
     from megatron_edu.tensor_parallel import vocab_parallel_cross_entropy
 
-    _hints("03.3", vocab_parallel_cross_entropy, "package's own")
+    verdict("03.3", vocab_parallel_cross_entropy, "package's own")

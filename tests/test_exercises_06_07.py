@@ -7,7 +7,7 @@ import sys
 import cloudpickle
 import pytest
 import torch
-from helpers import marked
+from helpers import marked, stub, verdict
 
 from megatron_edu import comm
 from megatron_edu.course.exercises import check, nb07
@@ -20,21 +20,9 @@ from megatron_edu.ptdp import Parallelism
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
-def _verdict(exercise_id, fn, *expected):
-    result = check(exercise_id, fn)
-    assert result.passed is False, result
-    for words in expected:
-        assert words in result.message, result
-    return result
-
-
-def _stub(*args, **kwargs):
-    raise NotImplementedError("exercise NN.k: your code here")
-
-
 @pytest.mark.parametrize("exercise_id", ["06.1", "06.2", "06.3", "06.4", "07.1", "07.2", "07.3"])
 def test_a_stub_is_not_done_yet(exercise_id):
-    result = check(exercise_id, _stub)
+    result = check(exercise_id, stub)
     assert result.passed is False and "not done yet" in result.message, result
 
 
@@ -106,7 +94,7 @@ def test_06_1_the_solution_passes():
     (reduced_but_not_copied_back, "still holds the rank's own gradient"),
 ], ids=["no-division", "per-tensor", "not-copied-back"])
 def test_06_1_a_typical_mistake_gets_its_hint(wrong, words):
-    _verdict("06.1", wrong, words)
+    verdict("06.1", wrong, words)
 
 
 # --- 06.2 gradient accumulation ------------------------------------------------------------------
@@ -157,7 +145,7 @@ def test_06_2_the_solution_passes():
     (communicates_after_backward, "no bucket was launched during backward"),
 ], ids=["no-division", "every-microbatch", "no-finish", "no-overlap"])
 def test_06_2_a_typical_mistake_gets_its_hint(wrong, words):
-    _verdict("06.2", wrong, words)
+    verdict("06.2", wrong, words)
 
 
 # --- 06.3 a ZeRO-1 step --------------------------------------------------------------------------
@@ -236,11 +224,11 @@ def test_06_3_the_solution_passes():
     (forgets_momentum, "the momentum must survive between steps"),
 ], ids=["no-division", "whole-buffer", "gather-first", "wrong-offset", "no-momentum"])
 def test_06_3_a_typical_mistake_gets_its_hint(wrong, words):
-    _verdict("06.3", wrong, words)
+    verdict("06.3", wrong, words)
 
 
 def test_06_3_a_deadlock_is_named():
-    _verdict("06.3", gathers_on_rank_0_only, "did not finish: they sat blocked, using no CPU",
+    verdict("06.3", gathers_on_rank_0_only, "did not finish: they sat blocked, using no CPU",
              "a deadlock")
 
 
@@ -374,11 +362,11 @@ def test_06_4_the_solution_passes():
 ], ids=["after-backward", "per-parameter", "out-of-order", "too-early", "marks-kept", "no-wait",
         "every-microbatch", "counted-twice"])
 def test_06_4_a_typical_mistake_gets_its_hint(wrong, words):
-    _verdict("06.4", wrong, words)
+    verdict("06.4", wrong, words)
 
 
 def test_06_4_a_bucket_one_rank_never_launches_is_a_named_deadlock():
-    _verdict("06.4", LaunchedOnlyInTurn, "did not finish: they sat blocked, using no CPU",
+    verdict("06.4", LaunchedOnlyInTurn, "did not finish: they sat blocked, using no CPU",
              "a while loop, not an if")
 
 
@@ -437,7 +425,7 @@ def test_07_1_the_solution_passes():
     (no_embedding, "missing: embedding"),
 ], ids=["pp-before-dp", "tp-slowest", "one-stage", "missing-kind"])
 def test_07_1_a_typical_mistake_gets_its_hint(wrong, words):
-    _verdict("07.1", wrong, words)
+    verdict("07.1", wrong, words)
 
 
 # --- 07.2 the tied embedding ---------------------------------------------------------------------
@@ -487,11 +475,11 @@ def test_07_2_the_solution_passes():
     (sums_over_the_pipeline, "you summed over the pp group"),
 ], ids=["no-sum", "mean", "dp-group", "pp-group"])
 def test_07_2_a_typical_mistake_gets_its_hint(wrong, words):
-    _verdict("07.2", wrong, words)
+    verdict("07.2", wrong, words)
 
 
 def test_07_2_an_all_reduce_one_copy_never_joins_is_a_named_deadlock():
-    _verdict("07.2", sums_on_the_first_stage_only, "using no CPU", "a deadlock",
+    verdict("07.2", sums_on_the_first_stage_only, "using no CPU", "a deadlock",
              "grid.embedding_group")
 
 
@@ -548,12 +536,12 @@ def test_07_3_a_typical_mistake_gets_its_hint(mistake, words):
     def wrong(*args):
         return predict_bytes(*args, **mistake)
 
-    _verdict("07.3", wrong, words)
+    verdict("07.3", wrong, words)
 
 
 def test_07_3_a_prediction_off_in_an_unknown_way_names_the_purpose_and_the_factor():
     def wrong(*args):
         return {**predict_bytes(*args), "pp": 3 * predict_bytes(*args)["pp"]}
 
-    _verdict("07.3", wrong, "tp=2 pp=2 dp=2: your pp bytes are 3× the measured 32,768",
+    verdict("07.3", wrong, "tp=2 pp=2 dp=2: your pp bytes are 3× the measured 32,768",
              "1/t of it from each tp rank")
