@@ -135,12 +135,15 @@ def _not_done(detail: str) -> str:
 
 
 def on_ranks(world_size: int, rank_fn: Callable[..., Any], *args: Any,
-             timeout: float = 30.0, may_deadlock: bool = False) -> list[Any]:
+             timeout: float = 30.0, may_deadlock: bool = False,
+             deadlock_advice: str = "") -> list[Any]:
     """``rank_fn(*args)`` on ``world_size`` gloo ranks; its per-rank results. A rank that raises
     or does not finish becomes a ``Hint`` in words: the exception's last line and the rank, or
-    a likely deadlock (a send without its receive, a collective some rank never reaches).
-    ``may_deadlock``, for checkers where a wrong answer can deadlock: ranks all blocked for
-    DEADLOCK_AFTER seconds are a deadlock then, ``timeout`` only the backstop."""
+    a likely deadlock (a send without its receive, a collective some rank never reaches), then
+    ``deadlock_advice``: how this exercise's answer deadlocks. ``may_deadlock``, for checkers
+    where a wrong answer can deadlock: ranks all blocked for DEADLOCK_AFTER seconds are a
+    deadlock then, ``timeout`` only the backstop."""
+    advice = f". {deadlock_advice}" if deadlock_advice else ""
     # A checker's rank function travels by value, as the learner's does: a rank then never
     # imports megatron_edu.course.exercises (every checker module and what it imports) to run it.
     cloudpickle.register_pickle_by_value(sys.modules[rank_fn.__module__])
@@ -150,11 +153,11 @@ def on_ranks(world_size: int, rank_fn: Callable[..., Any], *args: Any,
                    deadlock_after=DEADLOCK_AFTER if may_deadlock else None)
     except DeadlockError as err:
         raise Hint(f"ranks {err.ranks} did not finish: they sat blocked, using no CPU, for "
-                   f"{err.idle:g} s — a deadlock. {_IN_ORDER}") from None
+                   f"{err.idle:g} s — a deadlock. {_IN_ORDER}{advice}") from None
     except TimeoutError as err:
         ranks = re.search(r"ranks (\[[\d, ]*\])", str(err))
         raise Hint(f"ranks {ranks.group(1) if ranks else '?'} did not finish within "
-                   f"{timeout:g} s: a deadlock? {_IN_ORDER}") from None
+                   f"{timeout:g} s: a deadlock? {_IN_ORDER}{advice}") from None
     except RankError as err:
         raise Hint(_rank_failure(str(err))) from None
 

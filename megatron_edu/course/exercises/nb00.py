@@ -261,15 +261,11 @@ def _ring_value_hint(rank: int, out: torch.Tensor) -> str:
           marks=(r"\(r[−-]k\)(mod|%)t", r"\(r[−-]k[−-]1\)(mod|%)t",  # at step k, rank r…
                  r"chunk`?\(r\+1\)(mod|%)t", r"\(r\+1[−-]k\)(mod|%)t"))  # …and where it ends
 def _ring_all_reduce(fn) -> str:
-    try:
-        results = on_ranks(WORLD, _run_ring, fn, timeout=RING_TIMEOUT, may_deadlock=True)
-    except Hint as hint:
-        if "did not finish" not in str(hint):
-            raise
-        raise Hint(f"{hint}. In a ring, if every rank first calls a blocking comm.send, each "
-                   f"waits for a recv its neighbour never reaches: start the send with "
-                   f"comm.isend, then recv, then wait on the send (or let even ranks send "
-                   f"first and odd ranks receive first)") from None
+    results = on_ranks(WORLD, _run_ring, fn, timeout=RING_TIMEOUT, may_deadlock=True,
+                       deadlock_advice="In a ring, if every rank first calls a blocking "
+                       "comm.send, each waits for a recv its neighbour never reaches: start the "
+                       "send with comm.isend, then recv, then wait on the send (or let even "
+                       "ranks send first and odd ranks receive first)")
     expected = sum(_ring_input(r) for r in range(WORLD))
     chunk_bytes = expected.numel() // WORLD * expected.element_size()
     for rank, (out, events, untouched) in enumerate(results):

@@ -485,15 +485,12 @@ def _run_bucket_hooks(answer: type) -> dict[str, Any]:
           marks=(r"register_post_accumulate_grad_hook\(self\.",  # the hook, a method
                  r"len\(self\.\w+\[\w+\]\)==len\(self\.buckets\[\w+\]\)"))  # a bucket complete
 def _bucket_hooks(fn: type) -> str:
-    try:
-        results = on_ranks(HOOK_DP, _run_bucket_hooks, fn, timeout=TIMEOUT, may_deadlock=True)
-    except Hint as hint:
-        if "deadlock" not in str(hint):
-            raise
-        raise Hint(f"{hint}. Here the gradients arrive in a different order on each rank, so a "
-                   "bucket may be complete before its turn: every rank must still launch every "
-                   "bucket, in the same order — when bucket k is launched, launch k + 1 too if "
-                   "it is complete already (a while loop, not an if)") from None
+    results = on_ranks(HOOK_DP, _run_bucket_hooks, fn, timeout=TIMEOUT, may_deadlock=True,
+                       deadlock_advice="Here the gradients arrive in a different order on each "
+                       "rank, so a bucket may be complete before its turn: every rank must "
+                       "still launch every bucket, in the same order — when bucket k is "
+                       "launched, launch k + 1 too if it is complete already (a while loop, "
+                       "not an if)")
     for rank, r in enumerate(results):
         for step, m in enumerate(MICROBATCHES_PER_STEP):
             _check_launches([la for la in r["launches"] if la.step == step], rank, step, m)

@@ -125,16 +125,11 @@ def _run_tied(fn: Callable, tp: int, pp: int, dp: int) -> dict[str, Any]:
 def _tied_embedding(fn: Callable) -> str:
     for tp, pp, dp in TIED_LAYOUTS:
         layout = Layout(tp=tp, pp=pp, dp=dp)
-        try:
-            results = on_ranks(layout.world_size, _run_tied, fn, tp, pp, dp, timeout=TIMEOUT,
-                               may_deadlock=True)
-        except Hint as hint:
-            if "did not finish" not in str(hint):
-                raise
-            raise Hint(f"{hint} — here: both copies of E (first and last stage) must join "
-                       "the all-reduce, and no rank may wait for a middle stage, which holds "
-                       "no copy: sum over grid.embedding_group on the first and the last "
-                       "stage, and nowhere else") from None
+        results = on_ranks(layout.world_size, _run_tied, fn, tp, pp, dp, timeout=TIMEOUT,
+                           may_deadlock=True, deadlock_advice="Here both copies of E (first "
+                           "and last stage) must join the all-reduce, and no rank may wait for "
+                           "a middle stage, which holds no copy: sum over grid.embedding_group "
+                           "on the first and the last stage, and nowhere else")
         for rank, r in enumerate(results):
             _check_tied(r, rank, layout)
     return ("pp = 2 × dp = 2 and pp = 4: the first and the last stage of each pipeline hold "
