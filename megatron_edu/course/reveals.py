@@ -37,11 +37,10 @@ from pathlib import Path
 from megatron_edu.course.exercises import EXERCISES, MARKS, REFERENCES, TAUGHT
 from megatron_edu.course.student import BEGIN, END, answers_of, student_notebook
 
-__all__ = ["Reveal", "fingerprints", "reveals", "seen_before"]
+__all__ = ["Reveal", "fingerprints", "reveals"]
 
 _MIN_LINE = 16          # characters, spaces removed: shorter lines ("returnx") say nothing
 COMMON = 3              # cells: a line of code met this often is vocabulary
-_HEADING = r"^#{2,4}\s+Exercise\s+"
 _CHECK = re.compile(r"""\bcheck\(\s*["'](\d\d\.\d+)["']""")
 
 
@@ -89,10 +88,12 @@ def _solutions(folder: Path) -> dict[str, list[str]]:
     return found
 
 
-def fingerprints(folder: Path) -> dict[str, list[re.Pattern]]:
+def fingerprints(folder: Path, cells: list[tuple[str, int, str]] | None = None
+                 ) -> dict[str, list[re.Pattern]]:
     """Each exercise's fingerprints: its solution's lines and its reference's, less the course's
-    common vocabulary, and its marks."""
-    solutions, texts = _solutions(folder), [text for _, _, text in _cells(folder)]
+    common vocabulary (counted over ``cells``, by default the folder's), and its marks."""
+    solutions = _solutions(folder)
+    texts = [text for _, _, text in (cells if cells is not None else _cells(folder))]
     prints = {}
     for exercise in EXERCISES:
         lines = solutions.get(exercise, []) + [
@@ -131,19 +132,20 @@ def _cells(folder: Path) -> list[tuple[str, int, str]]:
     return cells
 
 
-def seen_before(folder: Path) -> dict[str, list[tuple[str, int, str]]]:
-    """For each exercise: every (notebook, cell, visible text) a learner has met up to its
-    check, the exercise's prompt and stub included."""
-    seen, cells = {}, _cells(folder)
+def _seen_before(cells: list[tuple[str, int, str]]) -> dict[str, list[tuple[str, int, str]]]:
+    """For each exercise: the cells a learner has met up to its check, the exercise's prompt
+    and stub included."""
+    seen: dict[str, list[tuple[str, int, str]]] = {}
     for position, (_, _, text) in enumerate(cells):
-        for exercise in re.findall(r"\bcheck\(\"(\d\d\.\d+)\"", text):
+        for exercise in _CHECK.findall(text):
             seen.setdefault(exercise, cells[:position + 1])
     return seen
 
 
 def reveals(folder: Path) -> list[Reveal]:
     """Every fingerprint of an exercise's answer found before the exercise."""
-    prints, seen = fingerprints(folder), seen_before(folder)
+    cells = _cells(folder)
+    prints, seen = fingerprints(folder, cells), _seen_before(cells)
     found = []
     for exercise, patterns in prints.items():
         for notebook, index, text in seen.get(exercise, []):
